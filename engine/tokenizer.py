@@ -1,0 +1,28 @@
+"""Prompt encoding: plain text and chat messages through the tokenizer's own chat template."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class TemplateError(ValueError):
+    """The chat messages cannot be rendered by this model's template."""
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Plain-text prompt -> ids, with the model's special prefix (e.g. BOS) as HF adds it."""
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template and tokenize the result.
+
+    The template text already holds the special tokens it needs, so no extra BOS is added.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError("this model has no chat template; use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # jinja raises TemplateError subclasses with useful messages
+        raise TemplateError(f"chat template failed: {exc}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

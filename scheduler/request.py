@@ -1,0 +1,75 @@
+"""A generation request as the scheduler sees it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # lost its blocks; waits at the head of the queue to be recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style reason (``stop``, ``length``, ``abort``, ``error``) or None while live."""
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """Token state of one sequence.
+
+    Invariant: ``num_computed_tokens <= len(all_token_ids)``; the KV of the first
+    ``num_computed_tokens`` tokens lives in the blocks the cache manager holds for it. A
+    running request samples when a step brings ``num_computed_tokens`` up to
+    ``len(all_token_ids)``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: min(params.max_tokens, max_model_len - prompt length)
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

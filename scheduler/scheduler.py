@@ -1,0 +1,181 @@
+"""Continuous batching under one token budget.
+
+Each ``schedule()`` call plans one engine step:
+
+1. Running requests first, in admission order: one decode token each, or the next chunk of
+   an unfinished prefill, cut to the remaining budget. When the pool cannot supply a
+   block, the most recently admitted running request is preempted (its blocks go back to
+   the pool, full ones stay in the prefix cache, so recomputing it later is mostly a hit).
+2. Then, only if nobody was preempted this step, waiting requests in queue order: a
+   prefix-cache lookup, then a prefill chunk of what is not cached.
+
+``update()`` applies the sampled tokens and finishes requests on EOS, stop token ids,
+``max_tokens`` or the context length. Every finish path (including ``abort``) frees the
+request's blocks immediately.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from cache import KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    """Monotonic counters for metrics; the gauges are read off the scheduler directly."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # of which found in the cache
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        if config.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
+        self.config = config
+        self.max_model_len: int = config.max_model_len
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        if self.config.policy == "priority":
+            # Stable insert: after every request of higher or equal priority.
+            index = next((i for i, r in enumerate(self.waiting) if r.priority > request.priority),
+                         len(self.waiting))
+            self.waiting.insert(index, request)
+        else:
+            self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish live requests (abort, stop string, error); unknown or finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def abort(self, request_id: str) -> bool:
+        return bool(self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED))
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request.request_id)
+        del self.requests[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- planning -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # most recently admitted; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv_cache.get_block_ids(request.request_id)))
+            budget -= num_new
+            index += 1
+
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request.all_token_ids, request.cache_salt)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache.allocate_slots(request, num_new, cached_blocks) is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:  # first admission; re-admission after preemption is not a query
+                request.num_cached_tokens = num_cached
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, self.kv_cache.get_block_ids(request.request_id)))
+            budget -= num_new
+        return out
+
+    # ---- applying a step's results ------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what is done.
+
+        ``sampled`` maps request id -> token for every scheduled request with ``samples``.
+        Returns the requests that received a token this step (finished ones included).
+        """
+        touched = []
+        for item in out.scheduled:
+            request = item.request
+            if request.status.is_finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing to sample yet
+            token = sampled[request.request_id]
+            request.append_output_token(token)
+            touched.append(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return touched
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,46 @@
+"""Shared builders for tests: tiny random Llama models and engines around them."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cache import CacheConfig
+from engine.arch import ModelArch
+from engine.config import ModelConfig
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import LoadedModel
+from scheduler.config import SchedulerConfig
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    params = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    params.update(overrides)
+    return LlamaConfig(**params)
+
+
+def tiny_hf_model(config: LlamaConfig | None = None, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config or tiny_llama_config())
+    # Random init is small; widen the weights so logits differ and greedy paths are not all ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+def tiny_engine(hf_model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 128,
+                max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
+                enable_prefix_caching: bool = True, tokenizer=None) -> LLMEngine:
+    state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf_model.config,
+                         arch=ModelArch.from_hf_config(hf_model.config), state_dict=state, tokenizer=tokenizer)
+    config = EngineConfig(
+        model=ModelConfig(num_threads=1),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+    )
+    return LLMEngine(config, loaded)
