@@ -1,0 +1,58 @@
+"""KV cache configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cache.memory import KVCapacity, kv_bytes_per_token, num_blocks_for_memory
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class CacheConfig:
+    """How big the KV pool is and how it is used. Validated on construction (ValueError)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size; overrides the memory budget
+    kv_cache_memory_gib: float = 1.0  # budget used when num_blocks is None
+    enable_prefix_caching: bool = True
+    cache_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not _is_int(bs) or bs <= 0 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks <= 0):
+            raise ValueError(f"num_blocks must be a positive integer or None, got {self.num_blocks!r}")
+        gib = self.kv_cache_memory_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be a positive number, got {gib!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.cache_dtype not in DTYPE_BYTES:
+            raise ValueError(f"cache_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.cache_dtype!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.cache_dtype]
+
+    def capacity(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCapacity:
+        """Pool size for a model: ``num_blocks`` if set, else what fits in the memory budget.
+
+        ValueError if the budget does not fit a single block.
+        """
+        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype_bytes)
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            budget = int(self.kv_cache_memory_gib * 2**30)
+            num_blocks = num_blocks_for_memory(budget, self.block_size, bytes_per_token)
+            if num_blocks == 0:
+                raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} does not fit one block "
+                                 f"of {self.block_size} tokens x {bytes_per_token} bytes/token")
+        return KVCapacity(num_blocks, self.block_size, bytes_per_token)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,33 @@
+"""Session-wide fixtures. The real default model is loaded once and shared."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tests share two cores with the rest of the machine; one intra-op thread keeps them predictable.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """LLMEngine on SmolLM2-135M-Instruct (converted once to the kvserve cache folder)."""
+    from cache import CacheConfig
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from scheduler.config import SchedulerConfig
+
+    config = EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
+                          cache=CacheConfig(kv_cache_memory_gib=0.25),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32))
+    return LLMEngine(config)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_engine):
+    """transformers' own LlamaForCausalLM on the same dense weights: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import resolve_model_dir
+
+    path, _ = resolve_model_dir(None)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
