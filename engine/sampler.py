@@ -113,7 +113,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         owner = idx // vocab
         frequency = _row_values(rows, lambda p: p.frequency_penalty, logits)[owner]
         presence = _row_values(rows, lambda p: p.presence_penalty, logits)[owner]
-        flat[idx] = flat[idx] - frequency - presence
+        flat[idx] = flat[idx] - frequency * counts.to(logits.dtype) - presence
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
