@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -26,6 +26,12 @@ from engine.sampling_params import SamplingParams
 from scheduler.request import RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+class EngineObserver(Protocol):
+    """Receives, in the loop thread, each step's token count and outputs (metrics, logging)."""
+
+    def on_step(self, num_tokens: int, outputs: list[RequestOutput]) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -39,6 +45,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     priority: int
+    arrival_time: float
 
 
 @dataclass
@@ -53,7 +60,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, step_listener: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: "EngineObserver | None" = None) -> None:
         self.engine = engine
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
@@ -65,7 +72,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.step_listener = step_listener  # called in the loop thread after each step (metrics)
+        self.observer = observer  # called in the loop thread after each step (metrics)
         self.num_steps = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -90,6 +97,11 @@ class AsyncEngine:
         with self._lock:
             return len(self._streams)
 
+    @property
+    def num_waiting(self) -> int:
+        """Accepted requests not yet running (queued commands included); read without locking the loop."""
+        return max(0, self.num_in_flight - len(self.engine.scheduler.running))
+
     # ---- the client side ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine would refuse (reads only immutable config)."""
@@ -108,7 +120,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, priority))
+        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, priority, time.monotonic()))
         if self.error is not None or self._stop.is_set():
             # The loop may have answered every stream it knew of just before this one registered.
             with self._lock:
@@ -160,7 +172,7 @@ class AsyncEngine:
                     continue
                 try:
                     self.engine.add_request(command.prompt_token_ids, command.params, command.request_id,
-                                            command.cache_salt, command.priority)
+                                            command.cache_salt, command.priority, command.arrival_time)
                 except ValueError as exc:
                     self._deliver([RequestOutput(command.request_id, [], "", finished=True,
                                                  finish_reason="error", error=str(exc))])
@@ -168,6 +180,8 @@ class AsyncEngine:
                 out = self.engine.abort(command.request_id)
                 if out is not None:
                     self._deliver([out])
+                    if self.observer is not None:
+                        self.observer.on_step(0, [out])
 
     def _run(self) -> None:
         try:
@@ -177,12 +191,11 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                started = time.monotonic()
                 outputs = self.engine.step()
                 self.num_steps += 1
                 self._deliver(outputs)
-                if self.step_listener is not None:
-                    self.step_listener(time.monotonic() - started)
+                if self.observer is not None:
+                    self.observer.on_step(self.engine.last_step_tokens, outputs)
             self._finish_all(RequestStatus.FINISHED_ABORTED, None)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
             logger.exception("engine loop failed")
@@ -200,6 +213,8 @@ class AsyncEngine:
         outputs += [RequestOutput(rid, [], "", finished=True, finish_reason=status.finish_reason, error=message)
                     for rid in pending]
         self._deliver(outputs)
+        if self.observer is not None:
+            self.observer.on_step(0, outputs)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

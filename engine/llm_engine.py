@@ -96,10 +96,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype)
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
+        self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
         """Validate and enqueue; raise ValueError (PromptTooLongError for length) with a user-facing message."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -114,6 +116,8 @@ class LLMEngine:
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                           max_tokens=min(params.max_tokens or room, room),
                           eos_token_ids=self.arch.eos_token_ids, cache_salt=cache_salt, priority=priority)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
                                           if self.tokenizer is not None else None)
@@ -163,7 +167,8 @@ class LLMEngine:
                              text=detok.take_delta(finished=True) if detok else "", finished=True,
                              finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
+                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,6 +177,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, apply the sampled tokens; return per-request outputs."""
         plan = self.scheduler.schedule()
+        self.last_step_tokens = plan.num_batched_tokens
         if plan.is_empty:
             return []
         sampled = self.runner.execute(plan)
@@ -197,7 +203,8 @@ class LLMEngine:
                 text=detok.take_delta(finished) if detok is not None else "",
                 finished=finished, finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                 num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs))
+                num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs,
+                arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time))
             if finished:
                 self._detokenizers.pop(rid, None)
                 self.runner.release(rid)

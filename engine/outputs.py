@@ -30,3 +30,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    arrival_time: float | None = None  # time.monotonic() when the request arrived
+    first_scheduled_time: float | None = None  # when it was first admitted to the running batch

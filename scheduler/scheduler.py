@@ -15,6 +15,7 @@ request's blocks immediately.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -134,6 +135,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:  # first admission; re-admission after preemption is not a query
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += num_cached

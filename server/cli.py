@@ -60,6 +60,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LLMEngine
+    from server.app import build_app
+    from server.config import ServerConfig
+    from server.metrics import Metrics
+
+    config, profile = build_engine_config(args)
+    flags = vars(args)
+    if flags.get("api_key") is None and os.environ.get("KVSERVE_API_KEY"):
+        flags["api_key"] = os.environ["KVSERVE_API_KEY"]
+    server_config = build_section(ServerConfig, "server", profile, flags)
+    engine = LLMEngine(config)
+    metrics = Metrics(engine.model_name, engine)
+    app = build_app(AsyncEngine(engine, observer=metrics), server_config, metrics)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", engine.model_name, server_config.host,
+                                     server_config.port, "on" if server_config.api_key else "off")
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="warning",
+                timeout_graceful_shutdown=server_config.shutdown_grace_s, access_log=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible LLM serving over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    s = serve.add_argument_group("server")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
+    s.add_argument("--max-waiting", dest="max_waiting", type=int, help="queue length beyond which requests get 429")
+    s.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS")
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)

@@ -52,7 +52,12 @@ def test_64_concurrent_generates_complete(async_engine):
 
 def test_cancelling_half_frees_their_blocks_within_one_step(async_engine):
     live_after_step: list[set[str]] = []
-    async_engine.step_listener = lambda _dt: live_after_step.append(set(async_engine.engine.scheduler.requests))
+    class Recorder:
+        def on_step(self, num_tokens, outputs):
+            if num_tokens:
+                live_after_step.append(set(async_engine.engine.scheduler.requests))
+
+    async_engine.observer = Recorder()
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
     async def main():

@@ -1,0 +1,27 @@
+"""HTTP-side configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # also from KVSERVE_API_KEY; None: no authentication
+    max_waiting: int = 256  # requests queued beyond this get 429 + Retry-After
+    max_body_bytes: int = 2 * 1024 * 1024
+    max_n: int = 8  # choices per request
+    max_stop: int = 16  # stop strings per request
+    shutdown_grace_s: float = 20.0  # SIGTERM: in-flight requests may finish for this long
+    log_stats_interval_s: float = 10.0  # periodic throughput/KV log line while busy; 0 disables
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.api_key == "":
+            self.api_key = None

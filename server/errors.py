@@ -1,0 +1,84 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised by the body-size guard while a chunked body is read.
+
+    An HTTPException subclass on purpose: FastAPI re-raises those from body parsing instead
+    of turning them into a generic 400.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body exceeds {max_bytes} bytes")
+
+
+def sse_error_frame(message: str, type: str = "internal_server_error", code: str | None = None) -> str:
+    return f"data: {json.dumps(error_body(message, type, None, code))}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the parameter.
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        elif first.get("type") == "missing":
+            message = f"missing required parameter: '{param}'"
+        else:
+            message = f"invalid value for '{param}': {first.get('msg', 'invalid')}" if param else \
+                str(first.get("msg", "invalid request"))
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        code = "request_too_large" if exc.status_code == 413 else None
+        return JSONResponse(error_body(str(exc.detail), type_, None, code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_server_error"),
+                            status_code=500)

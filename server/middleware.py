@@ -1,0 +1,44 @@
+"""Pure ASGI middleware (never BaseHTTPMiddleware: it hides client disconnects from streams)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from server.errors import BodyTooLarge, error_body
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class BodySizeLimit:
+    """Reject bodies over ``max_bytes``: at once from Content-Length, or while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_json(send, 413, error_body(
+                f"request body exceeds {self.max_bytes} bytes", "invalid_request_error", None, "request_too_large"))
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _send_json(send: Callable[[dict], Awaitable[None]], status: int, body: Any) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,361 @@
+"""Chat and text completions: requests to engine calls, engine outputs to OpenAI responses.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests ("choices"), run concurrently
+and merged. Closing the merged stream (client gone, error) cancels every choice, which
+aborts its engine request and frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.llm_engine import PromptTooLongError
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import TemplateError, encode_chat, encode_prompt
+from server.config import ServerConfig
+from server.errors import APIError, bad_request, sse_error_frame
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+# JSON has no -inf; a sampled token can have zero probability under the raw logits only in
+# theory, but a top-k alternative easily can.
+_MIN_LOGPROB = -9999.0
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed this request after it was accepted."""
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    text: str = ""
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    """One engine request of an HTTP request."""
+
+    choice: Choice
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+def _usage(choices: Sequence[Choice], prompt_lengths: Sequence[int]) -> dict[str, Any]:
+    prompt_tokens = sum(prompt_lengths)
+    completion = sum(c.num_output_tokens for c in choices)
+    # Counted once per prompt (its first choice), like prompt_tokens.
+    cached = sum(c.num_cached_tokens for c in choices if c.index == c.prompt_index * (len(choices) // len(prompt_lengths)))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+
+    # ---- checks shared by every endpoint ----------------------------------------------------
+    def check_api_key(self, authorization: str | None) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.",
+                           "invalid_request_error", None, "invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def check_capacity(self) -> None:
+        if not self.engine.is_healthy:
+            raise APIError(500, f"the engine is not running: {self.engine.error or 'stopped'}",
+                           "internal_server_error", None, "engine_dead")
+        if self.engine.num_waiting >= self.config.max_waiting:
+            raise APIError(429, f"the server is overloaded ({self.engine.num_waiting} requests waiting); retry later",
+                           "rate_limit_error", None, "rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+        try:
+            self.engine.validate(prompt_ids, params)
+        except PromptTooLongError as exc:
+            raise bad_request(str(exc), param, "context_length_exceeded") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+
+    # ---- endpoints --------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        params = body.to_sampling_params(self.config.max_stop)
+        self._check_n(body.n)
+        if not body.messages:
+            raise bad_request("messages must contain at least one message", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt_ids = encode_chat(self.tokenizer, messages)
+        except TemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+        self._validate_prompt(prompt_ids, params, "messages")
+        self.check_capacity()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = self._jobs(request_id, [prompt_ids], params, body.n)
+        if body.stream:
+            return self._sse(self._chat_stream(request_id, jobs, body))
+        return await _cancel_on_disconnect(raw, self._chat_full(request_id, jobs, body))
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        params = body.to_sampling_params(self.config.max_stop)
+        self._check_n(body.n)
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                ids = encode_prompt(self.tokenizer, prompt)
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)
+            else:
+                raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+            self._validate_prompt(ids, params, "prompt")
+            prompts.append(ids)
+        if len(prompts) * body.n > self.config.max_n * 4:
+            raise bad_request(f"too many choices: {len(prompts)} prompts x n={body.n}", "prompt")
+        self.check_capacity()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        jobs = self._jobs(request_id, prompts, params, body.n)
+        if body.stream:
+            return self._sse(self._completion_stream(request_id, jobs, body))
+        return await _cancel_on_disconnect(raw, self._completion_full(request_id, jobs, body))
+
+    def _check_n(self, n: int) -> None:
+        if n > self.config.max_n:
+            raise bad_request(f"n must be at most {self.config.max_n}, got {n}", "n")
+
+    def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Job]:
+        jobs = []
+        for p, ids in enumerate(prompts):
+            for k in range(n):
+                # Distinct seeds per choice, or n seeded choices would all be the same text.
+                seed = None if params.seed is None else params.seed + k
+                choice_params = params if seed == params.seed else _with_seed(params, seed)
+                choice = Choice(index=p * n + k, prompt_index=p, num_prompt_tokens=len(ids))
+                jobs.append(Job(choice, ids, choice_params, f"{request_id}-{p * n + k}"))
+        return jobs
+
+    # ---- running choices --------------------------------------------------------------------
+    async def _merged(self, jobs: list[Job], cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Outputs of all jobs as they come; raises EngineRequestError on an engine failure."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job: Job) -> None:
+            try:
+                async for out in self.engine.generate(job.prompt_token_ids, job.params, job.request_id, cache_salt):
+                    queue.put_nowait((job.choice, out))
+            except (EngineDeadError, ValueError) as exc:
+                queue.put_nowait((job.choice, exc))
+            finally:
+                queue.put_nowait((job.choice, None))
+
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                choice, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise EngineRequestError(str(item))
+                else:
+                    if item.finish_reason == "error":
+                        raise EngineRequestError(item.error or "engine error")
+                    _apply(choice, item)
+                    yield choice, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_to_end(self, jobs: list[Job], cache_salt: str | None) -> None:
+        try:
+            async for _ in self._merged(jobs, cache_salt):
+                pass
+        except EngineRequestError as exc:
+            raise APIError(500, str(exc), "internal_server_error", None, "engine_error") from None
+
+    # ---- chat responses -----------------------------------------------------------------------
+    async def _chat_full(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest) -> Response:
+        created = int(time.time())
+        await self._run_to_end(jobs, body.cache_salt)
+        choices = [j.choice for j in jobs]
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                         "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": _usage(choices, [len(jobs[0].prompt_token_ids)]),
+        })
+
+    async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage_on = body.include_usage_in_stream()
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+            data: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                    "model": self.model_name, "choices": choices}
+            if usage_on:
+                data["usage"] = usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        try:
+            for job in jobs:
+                yield chunk([{"index": job.choice.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for choice, out in self._merged(jobs, body.cache_salt):
+                if not (out.text or out.finished or (body.logprobs and out.logprobs)):
+                    continue
+                delta = {"content": out.text} if out.text else {}
+                logprobs = self._chat_logprobs(out.logprobs or []) if body.logprobs else None
+                yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": choice.finish_reason if out.finished else None}])
+            if usage_on:
+                yield chunk([], _usage([j.choice for j in jobs], [len(jobs[0].prompt_token_ids)]))
+        except EngineRequestError as exc:
+            yield sse_error_frame(str(exc), "internal_server_error", "engine_error")
+        yield "data: [DONE]\n\n"
+
+    # ---- completion responses -----------------------------------------------------------------
+    async def _completion_full(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> Response:
+        created = int(time.time())
+        await self._run_to_end(jobs, body.cache_salt)
+        choices = [j.choice for j in jobs]
+        return JSONResponse({
+            "id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+            "choices": [{"index": c.index, "text": c.text,
+                         "logprobs": self._completion_logprobs(c.logprobs) if body.logprobs is not None else None,
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": _usage(choices, _prompt_lengths(jobs)),
+        })
+
+    async def _completion_stream(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage_on = body.include_usage_in_stream()
+        offsets = {j.choice.index: 0 for j in jobs}
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+            data: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                    "model": self.model_name, "choices": choices}
+            if usage_on:
+                data["usage"] = usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        try:
+            async for choice, out in self._merged(jobs, body.cache_salt):
+                if not (out.text or out.finished or (body.logprobs is not None and out.logprobs)):
+                    continue
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(out.logprobs or [], offsets[choice.index])
+                    offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
+                yield chunk([{"index": choice.index, "text": out.text, "logprobs": logprobs,
+                              "finish_reason": choice.finish_reason if out.finished else None}])
+            if usage_on:
+                yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
+        except EngineRequestError as exc:
+            yield sse_error_frame(str(exc), "internal_server_error", "engine_error")
+        yield "data: [DONE]\n\n"
+
+    # ---- formatting helpers -------------------------------------------------------------------
+    @staticmethod
+    def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+
+    def _completion_logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+        tokens = [self._token_text(e.token_id) for e in entries]
+        text_offset = []
+        for token in tokens:
+            text_offset.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, _MIN_LOGPROB) for e in entries],
+                "top_logprobs": [{self._token_text(t): max(lp, _MIN_LOGPROB) for t, lp in e.top} for e in entries],
+                "text_offset": text_offset}
+
+
+def _apply(choice: Choice, out: RequestOutput) -> None:
+    choice.text += out.text
+    choice.num_output_tokens = out.num_output_tokens
+    choice.num_cached_tokens = out.num_cached_tokens
+    if out.logprobs:
+        choice.logprobs.extend(out.logprobs)
+    if out.finished:
+        choice.finish_reason = out.finish_reason
+
+
+def _prompt_lengths(jobs: list[Job]) -> list[int]:
+    seen: dict[int, int] = {}
+    for job in jobs:
+        seen.setdefault(job.choice.prompt_index, len(job.prompt_token_ids))
+    return list(seen.values())
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed)
+
+
+async def _cancel_on_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
+    """Run a non-streaming handler, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)
