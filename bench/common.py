@@ -1,0 +1,190 @@
+"""Shared pieces of the benchmarks: model loading, prompts, timing, machine facts, results.
+
+Every benchmark runs kvserve and its transformers peer in one process, on the same weights
+and the same torch thread count, and reports ratios rather than absolute numbers: absolute
+throughput on a shared 2-core machine moves by 2x from one minute to the next, ratios
+measured back to back move much less. The load average is recorded next to every result
+so that a run made while something else was busy can be recognised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Chat-style requests (short questions, as a chat UI sends them). Rendered with the model's
+# chat template when it has one.
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain how a hash table works in simple terms.",
+    "Give me three tips for learning to play the guitar.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do vaccines train the immune system?",
+    "Write a Python function that reverses a string.",
+    "What are the main causes of climate change?",
+    "Describe a healthy breakfast.",
+    "Why is the sky blue?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "What is photosynthesis?",
+    "Give me a recipe for pancakes.",
+    "How does a bicycle stay upright?",
+    "List five famous painters and one work by each.",
+    "What is machine learning?",
+    "Explain recursion to a ten year old.",
+    "What should I pack for a weekend hiking trip?",
+    "How do I make a good cup of coffee?",
+    "Tell me a fun fact about octopuses.",
+    "What is the Pythagorean theorem?",
+    "Write an email asking my manager for a day off.",
+    "How does the internet work?",
+]
+
+
+def set_threads(num_threads: int | None) -> int:
+    """Use ``num_threads`` intra-op threads (default: the cores this process may use)."""
+    from engine.llm_engine import available_cores
+
+    n = num_threads or available_cores()
+    torch.set_num_threads(n)
+    return n
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts that explain a number: torch version and threads, cores, load average."""
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return {
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "threads": torch.get_num_threads(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "loadavg_1m": round(load[0], 2),
+        "loadavg_5m": round(load[1], 2),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def load_default_pair(num_threads: int | None = None, max_model_len: int = 2048, kv_cache_gib: float = 1.0,
+                      max_num_seqs: int = 64, max_num_batched_tokens: int = 512):
+    """kvserve's LLMEngine and transformers' model on the same dense weights of the default model."""
+    from transformers import AutoModelForCausalLM
+
+    from cache import CacheConfig
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.loader import resolve_model_dir
+    from scheduler.config import SchedulerConfig
+
+    threads = set_threads(num_threads)
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(num_threads=threads, max_model_len=max_model_len),
+        cache=CacheConfig(kv_cache_memory_gib=kv_cache_gib),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)))
+    path, _ = resolve_model_dir(None)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    return engine, hf
+
+
+def chat_prompts(tokenizer: Any, n: int, offset: int = 0, vocab_size: int | None = None,
+                 seed: int = 0, length: int = 24) -> list[list[int]]:
+    """``n`` chat-style prompts as token ids (``offset`` picks a disjoint set of questions).
+
+    Without a tokenizer (tiny test models) the prompts are random ids of ``length`` tokens.
+    """
+    if tokenizer is None:
+        rng = random.Random(seed * 7919 + offset)
+        low = min(3, vocab_size - 1)
+        return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(n)]
+    from engine.tokenizer import encode_chat, encode_prompt
+
+    prompts = []
+    for i in range(n):
+        question = CHAT_QUESTIONS[(offset + i) % len(CHAT_QUESTIONS)]
+        if (offset + i) >= len(CHAT_QUESTIONS):
+            question += f" (variant {(offset + i) // len(CHAT_QUESTIONS)})"
+        messages = [{"role": "user", "content": question}]
+        if getattr(tokenizer, "chat_template", None):
+            prompts.append(encode_chat(tokenizer, messages))
+        else:
+            prompts.append(encode_prompt(tokenizer, question))
+    return prompts
+
+
+def weight_bytes_per_decode_token(engine: Any) -> int:
+    """Bytes of weights one decode step streams: every layer's matrices and norms, the final
+    norm and the LM head (the embedding lookup reads one row and is not counted)."""
+    model = engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    total += model.norm.numel() * model.norm.element_size()
+    total += model.lm_head.numel() * model.lm_head.element_size()
+    return total
+
+
+def memory_bandwidth_gbs(size_mib: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth (GB/s) of a ``sum`` over a tensor far larger than the caches, best of
+    ``repeats``, with the current torch thread count."""
+    x = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    nbytes = x.numel() * 4
+    del x
+    return nbytes / best / 1e9
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b > 0 else None
+
+
+def verdict(value: float | None, target: float) -> str:
+    return "PASS" if value is not None and value >= target else "FAIL"
+
+
+def print_table(title: str, rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+    cells = [[str(c) for c in header]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for j, r in enumerate(cells):
+        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def write_results(name: str, result: dict[str, Any], path: str | os.PathLike | None = None) -> Path:
+    """Write ``result`` as JSON to ``path`` or ``bench/results/<name>-<timestamp>.json``."""
+    if path is None:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return path
