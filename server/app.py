@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import signal
+import threading
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
+import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -17,6 +22,8 @@ from server.metrics import Metrics
 from server.middleware import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
@@ -81,3 +88,55 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
     if metrics is not None:
         app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False)
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with kvserve's shutdown contract.
+
+    On SIGTERM (or SIGINT) it stops accepting connections, lets in-flight requests run for
+    ``grace_s``, then aborts the rest in the engine, so their streams end with an SSE error
+    frame and ``[DONE]`` (non-streamed ones get a 503), and the process exits 0. Stock uvicorn
+    instead cancels the handlers mid-response (the client sees a truncated body) and re-raises
+    the signal once shut down, so the process dies of SIGTERM.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
+        async def abort_after_grace() -> None:
+            await asyncio.sleep(self.grace_s)
+            if self.engine.num_in_flight:
+                logger.warning("shutdown grace of %.1fs is over: aborting %d in-flight requests", self.grace_s,
+                               self.engine.num_in_flight)
+            await asyncio.to_thread(self.engine.shutdown)
+
+        expiry = asyncio.create_task(abort_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            expiry.cancel()
+
+
+def serve(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> bool:
+    """Run ``app`` until SIGTERM/SIGINT and a drain; False if the server could not start."""
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           access_log=False,
+                                           # a backstop only: the engine abort ends every response first
+                                           timeout_graceful_shutdown=config.shutdown_grace_s + 10),
+                            engine, config.shutdown_grace_s)
+    server.run()
+    return server.started

@@ -63,11 +63,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    import uvicorn
-
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
-    from server.app import build_app
+    from server.app import build_app, serve
     from server.config import ServerConfig
     from server.metrics import Metrics
 
@@ -78,12 +76,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_config = build_section(ServerConfig, "server", profile, flags)
     engine = LLMEngine(config)
     metrics = Metrics(engine.model_name, engine)
-    app = build_app(AsyncEngine(engine, observer=metrics), server_config, metrics)
+    async_engine = AsyncEngine(engine, observer=metrics)
+    app = build_app(async_engine, server_config, metrics)
     logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", engine.model_name, server_config.host,
                                      server_config.port, "on" if server_config.api_key else "off")
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="warning",
-                timeout_graceful_shutdown=server_config.shutdown_grace_s, access_log=False)
-    return 0
+    # SIGTERM drains and exits 0 (see server.app.DrainingServer).
+    return 0 if serve(app, async_engine, server_config) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,22 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body exceeds {max_bytes} bytes")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param_path(loc: Any) -> tuple[str | None, str | None]:
+    """Pydantic's error location as an OpenAI ``param`` ("messages.0.content"), and the union
+    alternative it named, if any ("list[TextPart]"): that tag is no parameter."""
+    parts = []
+    for p in loc:
+        if p == "body" and not parts:
+            continue
+        if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS):
+            return ".".join(parts) or None, p
+        parts.append(str(p))
+    return ".".join(parts) or None, None
+
+
 def sse_error_frame(message: str, type: str = "internal_server_error", code: str | None = None) -> str:
     return f"data: {json.dumps(error_body(message, type, None, code))}\n\n"
 
@@ -59,12 +75,15 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the parameter.
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param, tag = _param_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
         elif first.get("type") == "missing":
             message = f"missing required parameter: '{param}'"
+        elif tag is not None:  # a union field: pydantic reports one error per alternative
+            alternatives = dict.fromkeys(t for t in (_param_path(e.get("loc", ()))[1] for e in errors
+                                                     if _param_path(e.get("loc", ()))[0] == param) if t)
+            message = f"invalid value for '{param}': expected one of {', '.join(alternatives)}"
         else:
             message = f"invalid value for '{param}': {first.get('msg', 'invalid')}" if param else \
                 str(first.get("msg", "invalid request"))

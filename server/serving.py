@@ -33,7 +33,15 @@ _MIN_LOGPROB = -9999.0
 
 
 class EngineRequestError(RuntimeError):
-    """The engine failed this request after it was accepted."""
+    """The engine failed (500) or, shutting down, aborted (503) this request after it was accepted."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+    @property
+    def type(self) -> str:
+        return "service_unavailable_error" if self.status == 503 else "internal_server_error"
 
 
 @dataclass
@@ -191,6 +199,11 @@ class OpenAIServing:
                 else:
                     if item.finish_reason == "error":
                         raise EngineRequestError(item.error or "engine error")
+                    if item.finish_reason == "abort":
+                        # Only the engine stopping aborts a request someone still listens to
+                        # (a client that left is not listening); "abort" is no OpenAI finish_reason.
+                        raise EngineRequestError(item.error or "the request was aborted: the server is shutting down",
+                                                 503, "server_shutting_down")
                     _apply(choice, item)
                     yield choice, item
         finally:
@@ -203,7 +216,7 @@ class OpenAIServing:
             async for _ in self._merged(jobs, cache_salt):
                 pass
         except EngineRequestError as exc:
-            raise APIError(500, str(exc), "internal_server_error", None, "engine_error") from None
+            raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
 
     # ---- chat responses -----------------------------------------------------------------------
     async def _chat_full(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest) -> Response:
@@ -243,7 +256,7 @@ class OpenAIServing:
             if usage_on:
                 yield chunk([], _usage([j.choice for j in jobs], [len(jobs[0].prompt_token_ids)]))
         except EngineRequestError as exc:
-            yield sse_error_frame(str(exc), "internal_server_error", "engine_error")
+            yield sse_error_frame(str(exc), exc.type, exc.code)
         yield "data: [DONE]\n\n"
 
     # ---- completion responses -----------------------------------------------------------------
@@ -284,7 +297,7 @@ class OpenAIServing:
             if usage_on:
                 yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
         except EngineRequestError as exc:
-            yield sse_error_frame(str(exc), "internal_server_error", "engine_error")
+            yield sse_error_frame(str(exc), exc.type, exc.code)
         yield "data: [DONE]\n\n"
 
     # ---- formatting helpers -------------------------------------------------------------------

@@ -1,0 +1,253 @@
+"""A real kvserve HTTP server for the server tests, plus OpenAI schema validation and SSE helpers.
+
+The server runs its own LLMEngine (not the session ``default_engine``: an LLMEngine is driven by
+one thread only, and here that thread is the AsyncEngine loop) under uvicorn in a background
+thread on a free port of 127.0.0.1, with an API key so every request exercises auth.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import pytest
+
+API_KEY = "sk-kvserve-test-key"
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- OpenAI's published schemas --------------------------------------------------------------
+def find_openapi_spec() -> Path | None:
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "shared" / "openai-openapi.yaml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def nullable_to_json_schema(node: Any) -> Any:
+    """OpenAPI 3.0 ``nullable: true`` -> a JSON-Schema union with null (enums included)."""
+    if isinstance(node, list):
+        return [nullable_to_json_schema(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: nullable_to_json_schema(v) for k, v in node.items()}
+    nullable = out.get("nullable")
+    if isinstance(nullable, bool):  # a bool, not a property that happens to be called "nullable"
+        del out["nullable"]
+        if nullable:
+            return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+class OpenAISchemas:
+    """``validate("CreateChatCompletionResponse", body)`` against ``#/components/schemas/...``."""
+
+    URI = "urn:openai-openapi"
+
+    def __init__(self, spec_path: Path) -> None:
+        import yaml
+        from jsonschema import Draft202012Validator
+        from referencing import Registry, Resource
+        from referencing.jsonschema import DRAFT202012
+
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        with open(spec_path, encoding="utf-8") as f:
+            doc = yaml.load(f, Loader=loader)
+        doc = {"components": nullable_to_json_schema(doc["components"])}
+        self.schemas = doc["components"]["schemas"]
+        self._registry = Registry().with_resource(self.URI, Resource(contents=doc, specification=DRAFT202012))
+        self._validator_cls = Draft202012Validator
+        self._validators: dict[str, Any] = {}
+
+    def validator(self, name: str):
+        if name not in self._validators:
+            assert name in self.schemas, f"no schema {name!r} in the OpenAPI spec"
+            self._validators[name] = self._validator_cls(
+                {"$ref": f"{self.URI}#/components/schemas/{name}"}, registry=self._registry)
+        return self._validators[name]
+
+    def errors(self, name: str, instance: Any) -> list[str]:
+        return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+                for e in self.validator(name).iter_errors(instance)]
+
+    def validate(self, name: str, instance: Any) -> None:
+        errors = self.errors(name, instance)
+        assert not errors, f"{name} schema violations:\n" + "\n".join(errors[:10]) + f"\n{json.dumps(instance)[:2000]}"
+
+
+@pytest.fixture(scope="session")
+def openai_schemas() -> OpenAISchemas:
+    spec = find_openapi_spec()
+    if spec is None:
+        pytest.fail("shared/openai-openapi.yaml not found above the test directory")
+    return OpenAISchemas(spec)
+
+
+# ---- SSE ----------------------------------------------------------------------------------
+def parse_sse(raw: str) -> list[Any]:
+    """Strictly framed SSE: only ``data: <json>\\n\\n`` frames, the last one ``data: [DONE]\\n\\n``.
+
+    Returns the decoded JSON payloads (without the [DONE] sentinel).
+    """
+    assert raw.endswith("data: [DONE]\n\n"), f"stream does not end with [DONE]: {raw[-200:]!r}"
+    frames = raw.split("\n\n")
+    assert frames[-1] == "", repr(raw[-200:])
+    frames = frames[:-1]
+    assert frames[-1] == "data: [DONE]"
+    assert frames.count("data: [DONE]") == 1
+    payloads = []
+    for frame in frames[:-1]:
+        assert frame.startswith("data: "), f"bad SSE frame {frame!r}"
+        body = frame[len("data: "):]
+        assert "\n" not in body, f"multi-line SSE frame {frame!r}"
+        payloads.append(json.loads(body))
+    return payloads
+
+
+# ---- the in-process server ------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited early with code {proc.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} did not become healthy within {timeout}s")
+
+
+@dataclass
+class LiveServer:
+    base_url: str  # http://127.0.0.1:PORT
+    api_key: str
+    model: str
+    engine: Any  # the LLMEngine (read-only from tests: the loop thread owns it)
+    async_engine: Any
+    app: Any
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def wait_idle(self, timeout: float = 2.0) -> bool:
+        """True once the engine holds no request and no KV block (polled)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if (not self.engine.has_unfinished() and self.engine.kv_cache.usage == 0
+                    and self.async_engine.num_in_flight == 0):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    import uvicorn
+
+    from cache import CacheConfig
+    from engine.async_engine import AsyncEngine
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from scheduler.config import SchedulerConfig
+    from server.app import build_app
+    from server.config import ServerConfig
+    from server.metrics import Metrics
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
+                                    cache=CacheConfig(kv_cache_memory_gib=0.25),
+                                    scheduler=SchedulerConfig(max_num_seqs=32)))
+    async_engine = AsyncEngine(engine, observer=Metrics(engine.model_name, engine))
+    app = build_app(async_engine, ServerConfig(api_key=API_KEY, max_waiting=256, log_stats_interval_s=0),
+                    async_engine.observer)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, 60)
+        yield LiveServer(base_url, API_KEY, engine.model_name, engine, async_engine, app)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "uvicorn did not stop"
+        assert not async_engine.is_healthy, "the engine loop outlived the app"
+
+
+@pytest.fixture(scope="session")
+def client(live_server):
+    import openai
+
+    with openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def make_async_client(live_server) -> Callable[[], Any]:
+    """AsyncOpenAI clients are bound to the event loop they run in: build one per asyncio.run."""
+    import openai
+
+    def make():
+        return openai.AsyncOpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
+
+    return make
+
+
+@pytest.fixture
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=60) as c:
+        yield c
+
+
+# ---- subprocess servers (signals) -------------------------------------------------------------
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server_process(tmp_path: Path, *extra: str) -> ServerProcess:
+    port = free_port()
+    log_path = tmp_path / f"kvserve-{port}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("KVSERVE_API_KEY", None)
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-model-len", "1024",
+           "--kv-cache-memory", "0.1", "--num-threads", "1", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def stop_server_process(server: ServerProcess) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+

@@ -1,0 +1,192 @@
+"""Overload (429), client disconnects (aborts free blocks), SIGTERM drain of a real ``kvserve serve`` process."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from server.config import ServerConfig
+from server.errors import APIError
+from server.serving import OpenAIServing
+from tests.server.conftest import parse_sse, start_server_process, stop_server_process, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+LONG = {"prompt": "Tell me a very long story about a dragon.", "temperature": 0, "ignore_eos": True}
+
+
+# ---- 429 -------------------------------------------------------------------------------------
+def test_check_capacity_counts_the_waiting_queue():
+    engine = SimpleNamespace(model_name="m", tokenizer=None, is_healthy=True, error=None, num_waiting=0)
+    serving = OpenAIServing(engine, ServerConfig(max_waiting=2))
+    for waiting in (0, 1):
+        engine.num_waiting = waiting
+        serving.check_capacity()
+    engine.num_waiting = 2
+    with pytest.raises(APIError) as exc:
+        serving.check_capacity()
+    assert exc.value.status == 429 and exc.value.headers["Retry-After"].isdigit()
+    assert exc.value.type == "rate_limit_error"
+
+
+def test_full_queue_is_429_with_retry_after(live_server, http, openai_schemas, monkeypatch):
+    monkeypatch.setattr(live_server.app.state.serving.config, "max_waiting", 0)
+    steps = live_server.async_engine.num_steps
+    r = http.post("/v1/completions", json={"model": live_server.model, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 429, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    body = r.json()
+    openai_schemas.validate("ErrorResponse", body)
+    assert body["error"]["type"] == "rate_limit_error"
+    with openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0) as c:
+        with pytest.raises(openai.RateLimitError):
+            c.chat.completions.create(model=live_server.model, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2)
+    assert live_server.async_engine.num_steps == steps  # rejected before reaching the engine
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json={"model": live_server.model, "prompt": "hi",
+                                              "max_tokens": 1}).status_code == 200
+
+
+# ---- disconnects -------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_blocks(live_server):
+    engine = live_server.engine
+    assert live_server.wait_idle()
+    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=30) as c:
+        body = {"model": live_server.model, "max_tokens": 1500, "stream": True, **LONG}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            frames = 0
+            for line in r.iter_lines():
+                frames += line.startswith("data: ")
+                if frames == 3:
+                    break
+            assert engine.has_unfinished() and engine.kv_cache.usage > 0
+            assert live_server.async_engine.num_in_flight == 1
+    # The response is closed with the stream unfinished: httpx drops the connection.
+    assert live_server.wait_idle(2.0), (engine.has_unfinished(), engine.kv_cache.usage)
+
+
+def test_client_timeout_aborts_non_streaming_request(live_server):
+    engine = live_server.engine
+    assert live_server.wait_idle()
+    outcome = {}
+
+    def call():
+        try:
+            httpx.post(f"{live_server.v1}/completions", headers=live_server.headers,
+                       json={"model": live_server.model, "max_tokens": 1500, **LONG},
+                       timeout=httpx.Timeout(30, read=1.5))
+        except httpx.ReadTimeout as exc:
+            outcome["error"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.has_unfinished(), "the request never reached the engine"
+    t.join(10)
+    assert isinstance(outcome.get("error"), httpx.ReadTimeout)
+    assert live_server.wait_idle(2.0), (engine.has_unfinished(), engine.kv_cache.usage)
+
+
+# ---- SIGTERM ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sigterm_servers(tmp_path_factory):
+    """Two `kvserve serve` processes, started together (model loading overlaps)."""
+    tmp = tmp_path_factory.mktemp("sigterm")
+    servers = {"drain": start_server_process(tmp, "--shutdown-grace", str(DRAIN_GRACE)),
+               "grace1": start_server_process(tmp, "--shutdown-grace", "1")}
+    try:
+        for s in servers.values():
+            wait_healthy(s.base_url, 90, s.proc)
+        yield servers
+    finally:
+        for s in servers.values():
+            stop_server_process(s)
+
+
+DRAIN_GRACE = 60  # generous: the machine may be loaded; the drained stream needs far less
+
+
+class StreamReader(threading.Thread):
+    """Reads one SSE response in the background; ``first_chunk`` is set once data arrives."""
+
+    def __init__(self, base_url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.body = base_url, body
+        self.first_chunk = threading.Event()
+        self.raw = b""
+        self.error: BaseException | None = None
+        self.finished_at: float | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.base_url}/v1/completions", json=self.body, timeout=60) as r:
+                for data in r.iter_bytes():
+                    self.raw += data
+                    self.first_chunk.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.finished_at = time.monotonic()
+            self.first_chunk.set()
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_0(sigterm_servers):
+    server = sigterm_servers["drain"]
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "stream": True,
+            "stream_options": {"include_usage": True}, **LONG}
+    reader = StreamReader(server.base_url, body)
+    reader.start()
+    assert reader.first_chunk.wait(30)
+    server.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+
+    refused = False
+    while time.monotonic() - sent < 5 and not refused:
+        try:
+            httpx.get(f"{server.base_url}/health", timeout=1)
+            time.sleep(0.05)
+        except httpx.ConnectError:
+            refused = True
+    assert refused, "new connections are still accepted after SIGTERM"
+    assert reader.is_alive(), "the stream ended before the listener closed: drain not tested"
+
+    reader.join(DRAIN_GRACE)
+    assert reader.error is None, repr(reader.error)
+    chunks = parse_sse(reader.raw.decode())
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all("error" not in c for c in chunks)
+    assert server.proc.wait(DRAIN_GRACE) == 0, server.log()[-3000:]
+    assert time.monotonic() - sent < DRAIN_GRACE
+
+
+def test_sigterm_grace_expiry_aborts_and_exits_0(sigterm_servers, openai_schemas):
+    server = sigterm_servers["grace1"]
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 900, "stream": True, **LONG}
+    reader = StreamReader(server.base_url, body)
+    reader.start()
+    assert reader.first_chunk.wait(30)
+    server.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+    assert time.monotonic() - sent < 20  # 1 s of grace, not the ~900 tokens' worth
+    reader.join(5)
+    assert not reader.is_alive(), "the client hangs after the server exited"
+    assert reader.error is None, repr(reader.error)
+    # The stream ends properly: an error frame says why, then [DONE].
+    frames = parse_sse(reader.raw.decode())
+    assert "error" in frames[-1], frames[-1]
+    openai_schemas.validate("ErrorResponse", frames[-1])
+    assert frames[-1]["error"]["code"] == "server_shutting_down"
+    texts = frames[:-1]
+    assert all(f["choices"][0]["finish_reason"] is None for f in texts)
+    assert 0 < len(texts) < 900
