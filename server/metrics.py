@@ -1,11 +1,41 @@
 """Prometheus metrics with vLLM's names under the ``kvserve_`` namespace.
 
+Exported families (every one labelled ``model_name``; ``promtool check metrics`` clean):
+
+- gauges, read at scrape time: ``num_requests_running``, ``num_requests_waiting`` (the
+  scheduler's queues; preempted requests wait again), ``kv_cache_usage_perc`` (0..1, blocks
+  held by live requests), ``kv_cache_used_tokens`` (token slots in those blocks: block
+  granular, a block shared by several requests counts once), ``kv_cache_capacity_tokens``,
+  ``kv_cache_cached_blocks`` (free blocks still hashed, i.e. evictable prefix-cache entries)
+  and ``cache_config_info`` (block size, number of blocks, dtype, prefix caching on/off);
+- counters: ``prompt_tokens_total`` (counted when a request's prefill completes, i.e. with its
+  first token, like vLLM), ``generation_tokens_total`` (every sampled token),
+  ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens looked up / found
+  at a request's first admission; re-admission after preemption is not a query),
+  ``num_preemptions_total``, ``request_success_total{finished_reason=stop|length}`` and
+  ``request_errors_total{reason=abort|error}``;
+- histograms: ``time_to_first_token_seconds`` and ``inter_token_latency_seconds`` (observed as
+  tokens come out, so an aborted request's tokens count too), and, for requests that finished
+  normally only (so disconnects and engine failures do not skew the percentiles),
+  ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prompt_tokens``,
+  ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step).
+
+Counting is per *engine request*: a completion with ``n`` choices or several prompts is that
+many engine requests, so with ``n > 1`` ``prompt_tokens_total`` counts the prompt ``n`` times
+while the response's ``usage.prompt_tokens`` counts it once.
+
+``request_errors_total`` counts engine-level failures only, as vLLM does: requests the HTTP
+layer rejects before they reach the engine (validation 400s, auth 401, model 404, overload
+429) are not counted; their status codes belong to HTTP access metrics or logs, and a bad
+client must not look like an unhealthy engine on an alerting dashboard.
+
 Three sources, each read where it is cheapest:
 - per-request latencies and token counts, from the engine outputs the loop thread hands to
   ``on_step`` (histograms and counters, updated in the loop thread);
 - scheduler and KV-cache state (gauges, prefix-cache and preemption counters), read at
   scrape time by a custom collector, so the hot path pays nothing for them;
-- a periodic log line built from counter deltas.
+- a periodic log line built from counter deltas (``log_stats``, called every
+  ``ServerConfig.log_stats_interval_s`` by the app; it stays quiet while the engine is idle).
 """
 from __future__ import annotations
 
@@ -26,9 +56,39 @@ logger = logging.getLogger("kvserve.stats")
 disable_created_metrics()
 
 NAMESPACE = "kvserve"
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+SUCCESS_REASONS = ("stop", "length")
+# Buckets follow vLLM's, whose upper ends leave room for long CPU generations: a quantile
+# past the last finite bucket would read as that bucket's bound.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                 320.0, 640.0, 1280.0, 2560.0, 7680.0)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's request-length buckets)."""
+    out, exp = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * exp > max_value:
+                return tuple(out)
+            out.append(m * exp)
+        exp *= 10
+
+
+def buckets_pow2(max_value: int) -> tuple[int, ...]:
+    """1, 8, 16, 32, ... up to ``max_value``, which is always the last bucket (tokens per step)."""
+    out, value = [1], 8
+    while value < max_value:
+        out.append(value)
+        value *= 2
+    if max_value > 1:
+        out.append(max_value)
+    return tuple(out)
 
 
 @dataclass
@@ -37,6 +97,8 @@ class _Timing:
 
 
 class Metrics:
+    """The engine's observer (``on_step``) and the ``/metrics`` route; see the module docstring."""
+
     def __init__(self, model_name: str, engine: LLMEngine) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -49,43 +111,69 @@ class Metrics:
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, labels, namespace=NAMESPACE, buckets=buckets, registry=self.registry)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(model_name)
+        length_buckets = buckets_1_2_5(engine.max_model_len)
+        step_buckets = buckets_pow2(engine.config.scheduler.max_num_batched_tokens)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed.").labels(
+            model_name)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
         self.request_success = counter("request_success", "Requests finished normally, by finish reason.",
                                        ("finished_reason",))
-        self.request_errors = counter("request_errors", "Requests that ended in abort or error, by reason.",
-                                      ("reason",))
+        self.request_errors = counter("request_errors",
+                                      "Engine requests that ended in abort or error, by reason (HTTP-level "
+                                      "rejections are not counted).", ("reason",))
+        for reason in SUCCESS_REASONS:  # export zeros from the start, so rate() has a baseline
+            self.request_success.labels(model_name, reason)
+        for reason in ("abort", "error"):
+            self.request_errors.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first output token.",
-                              LATENCY_BUCKETS).labels(model_name)
+                              TTFT_BUCKETS).labels(model_name)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             LATENCY_BUCKETS).labels(model_name)
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last output token.",
-                             LATENCY_BUCKETS).labels(model_name)
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first admission.",
-                                    LATENCY_BUCKETS).labels(model_name)
+                             ITL_BUCKETS).labels(model_name)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Time from arrival to the last output token (finished requests).",
+                             E2E_BUCKETS).labels(model_name)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time from arrival to first admission (finished requests).",
+                                    QUEUE_BUCKETS).labels(model_name)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.",
-                                               TOKEN_BUCKETS).labels(model_name)
+                                               length_buckets).labels(model_name)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens of finished requests.",
-                                                   TOKEN_BUCKETS).labels(model_name)
+                                                   length_buckets).labels(model_name)
         self.iteration_tokens = histogram("iteration_tokens", "Tokens run by one engine step.",
-                                          TOKEN_BUCKETS).labels(model_name)
+                                          step_buckets).labels(model_name)
         self.registry.register(_EngineStateCollector(self))
         self._timings: dict[str, _Timing] = {}
-        self._last_log = (time.monotonic(), 0.0, 0.0, 0, 0)
+        # Plain totals for the log line (written in the loop thread, read racily by log_stats).
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_log = (time.monotonic(), 0, 0, 0, 0)
 
     # ---- called in the engine loop thread ------------------------------------------------------
     def on_step(self, num_tokens: int, outputs: list[RequestOutput]) -> None:
+        try:
+            self._on_step(num_tokens, outputs)
+        except Exception:  # noqa: BLE001 - a metrics bug must never take the engine loop down
+            logger.exception("metrics update failed")
+
+    def _on_step(self, num_tokens: int, outputs: list[RequestOutput]) -> None:
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)
         now = time.monotonic()
         for out in outputs:
-            timing = self._timings.setdefault(out.request_id, _Timing())
+            timing = self._timings.get(out.request_id)
+            if timing is None:
+                timing = self._timings[out.request_id] = _Timing()
             if out.new_token_ids:
-                self.generation_tokens.inc(len(out.new_token_ids))
-                if timing.last_token_time is None:
+                n = len(out.new_token_ids)
+                self.generation_tokens.inc(n)
+                self._num_generation_tokens += n
+                if timing.last_token_time is None:  # first token: the prefill is done
                     if out.arrival_time is not None:
                         self.ttft.observe(now - out.arrival_time)
+                    if out.num_prompt_tokens:
+                        self.prompt_tokens.inc(out.num_prompt_tokens)
+                        self._num_prompt_tokens += out.num_prompt_tokens
                 else:
                     self.itl.observe(now - timing.last_token_time)
                 timing.last_token_time = now
@@ -95,18 +183,16 @@ class Metrics:
 
     def _on_finished(self, out: RequestOutput, now: float) -> None:
         reason = out.finish_reason or "error"
-        if reason in ("stop", "length"):
-            self.request_success.labels(self.model_name, reason).inc()
-        else:
+        if reason not in SUCCESS_REASONS:
             self.request_errors.labels(self.model_name, reason).inc()
-        if out.num_prompt_tokens:
-            self.prompt_tokens.inc(out.num_prompt_tokens)
-            self.request_prompt_tokens.observe(out.num_prompt_tokens)
-            self.request_generation_tokens.observe(out.num_output_tokens)
+            return
+        self.request_success.labels(self.model_name, reason).inc()
+        self.request_prompt_tokens.observe(out.num_prompt_tokens)
+        self.request_generation_tokens.observe(out.num_output_tokens)
         if out.arrival_time is not None:
             self.e2e.observe(now - out.arrival_time)
             if out.first_scheduled_time is not None:
-                self.queue_time.observe(out.first_scheduled_time - out.arrival_time)
+                self.queue_time.observe(max(0.0, out.first_scheduled_time - out.arrival_time))
 
     # ---- scrape and log -------------------------------------------------------------------------
     async def route(self) -> Response:
@@ -116,19 +202,32 @@ class Metrics:
         """One line of throughput and cache state since the previous call (only when there was work)."""
         sched = self.engine.scheduler
         now = time.monotonic()
-        prompt = sched.stats.prefix_cache_queries - sched.stats.prefix_cache_hits  # computed prompt tokens
-        gen = self.generation_tokens._value.get()
+        prompt, gen = self._num_prompt_tokens, self._num_generation_tokens
+        queries, hits = sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits
         t0, prompt0, gen0, queries0, hits0 = self._last_log
-        self._last_log = (now, prompt, gen, sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits)
-        if gen == gen0 and prompt == prompt0 and not sched.has_unfinished():
+        self._last_log = (now, prompt, gen, queries, hits)
+        if gen == gen0 and prompt == prompt0 and queries == queries0 and not sched.has_unfinished():
             return
         dt = max(now - t0, 1e-9)
-        queries = sched.stats.prefix_cache_queries - queries0
-        hits = sched.stats.prefix_cache_hits - hits0
+        queried = queries - queries0
         logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, "
                     "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
                     (prompt - prompt0) / dt, (gen - gen0) / dt, sched.num_running, sched.num_waiting,
-                    100 * self.engine.kv_cache.usage, 100 * hits / queries if queries else 0.0)
+                    100 * self.engine.kv_cache.usage, 100 * (hits - hits0) / queried if queried else 0.0)
+
+
+def _num_cached_blocks(engine: LLMEngine) -> int:
+    """``BlockPool.num_cached_blocks`` without iterating a dict the loop thread may be resizing."""
+    pool = engine.kv_cache.block_pool
+    for _ in range(5):
+        try:
+            blocks = list(pool.cached_blocks.values())  # one C-level copy: no other thread runs meanwhile
+            break
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    else:
+        return 0
+    return sum(1 for block in blocks if block.ref_cnt == 0)
 
 
 class _EngineStateCollector:
@@ -152,19 +251,22 @@ class _EngineStateCollector:
             c.add_metric([name], value)
             return c
 
-        used_blocks = kv.block_pool.num_blocks - kv.num_free_blocks
+        num_free = kv.num_free_blocks
+        used_blocks = cap.num_blocks - num_free
         yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be admitted (preempted ones included).",
                     sched.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0..1).", kv.usage)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0..1).",
+                    used_blocks / cap.num_blocks)
         yield gauge("kv_cache_used_tokens", "KV token slots in blocks held by live requests.",
                     used_blocks * cap.block_size)
         yield gauge("kv_cache_capacity_tokens", "KV token slots in the whole pool.", cap.num_tokens)
         yield gauge("kv_cache_cached_blocks", "Free blocks kept for prefix reuse (evictable).",
-                    kv.block_pool.num_cached_blocks)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                    _num_cached_blocks(engine))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache at first admission.",
                       sched.stats.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", sched.stats.prefix_cache_hits)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache at first admission.",
+                      sched.stats.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", sched.stats.num_preemptions)
         info = InfoMetricFamily(f"{NAMESPACE}_cache_config", "KV cache configuration.", labels=["model_name"])
         info.add_metric([name], {"block_size": str(cap.block_size), "num_blocks": str(cap.num_blocks),

@@ -1,0 +1,58 @@
+"""The periodic stats line: every interval while busy, silent while idle, and on demand."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.metrics.conftest import LOG_STATS_INTERVAL_S
+
+pytestmark = pytest.mark.slow
+
+LINE = re.compile(r"prompt throughput: (?P<prompt>[\d.]+) tokens/s, generation throughput: (?P<gen>[\d.]+) tokens/s, "
+                  r"running: (?P<running>\d+), waiting: (?P<waiting>\d+), KV cache usage: (?P<kv>[\d.]+)%, "
+                  r"prefix cache hit rate: (?P<hit>[\d.]+)%$")
+PREFIX = "A long shared preamble about caching key value tensors for transformer inference. " * 6
+
+
+def stats_lines(caplog) -> list[re.Match]:
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvserve.stats"]
+    matches = [LINE.match(line) for line in lines]
+    assert all(matches), lines
+    return matches
+
+
+def test_periodic_line_while_busy_and_quiet_when_idle(live_server, caplog):
+    caplog.set_level(logging.INFO, logger="kvserve.stats")
+    with httpx.Client(base_url=live_server.url, timeout=120) as c:
+        for i in range(2):  # the second prompt hits the cache on PREFIX
+            c.post("/v1/completions", json={"model": live_server.model, "prompt": f"{PREFIX} Part {i}.",
+                                            "max_tokens": 12, "ignore_eos": True}).raise_for_status()
+    time.sleep(LOG_STATS_INTERVAL_S * 2)  # the tick after the traffic still reports it
+    busy = stats_lines(caplog)
+    assert busy, "no periodic stats line while requests ran"
+    assert any(float(m["gen"]) > 0 for m in busy)
+    assert any(float(m["prompt"]) > 0 for m in busy)
+
+    caplog.clear()
+    time.sleep(LOG_STATS_INTERVAL_S * 2.5)
+    assert stats_lines(caplog) == [], "stats lines while idle"
+
+
+def test_log_stats_on_demand(live_server, caplog):
+    caplog.set_level(logging.INFO, logger="kvserve.stats")
+    with httpx.Client(base_url=live_server.url, timeout=120) as c:
+        for i in range(2):
+            c.post("/v1/completions", json={"model": live_server.model, "prompt": f"{PREFIX} Section {i}.",
+                                            "max_tokens": 4, "ignore_eos": True}).raise_for_status()
+    live_server.metrics.log_stats()
+    lines = stats_lines(caplog)
+    assert lines, "log_stats() logged nothing after traffic"
+    # The periodic task may have reported part of the traffic already; together the lines cover it.
+    assert any(float(m["gen"]) > 0 for m in lines)
+    assert any(float(m["hit"]) > 0 for m in lines)  # the second prompt reused PREFIX's blocks
+    last = lines[-1]
+    assert int(last["running"]) == 0 and int(last["waiting"]) == 0 and float(last["kv"]) == 0.0
