@@ -121,6 +121,7 @@ def convert_gguf(gguf: Path) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a container's non-root user must read it
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
