@@ -29,5 +29,7 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "flash_attn"):
             raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")

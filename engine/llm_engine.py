@@ -54,6 +54,15 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when torch sees a GPU, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no GPU (install a CUDA build of torch)")
+    return torch.device(name)
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -78,9 +87,14 @@ class LLMEngine:
         self.max_model_len = max_len
         self.config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
 
+        device = resolve_device(config.model.device)
+        if config.model.attention_backend == "flash_attn":
+            # Not shipped yet: it needs a GPU to be tested against the torch backend.
+            raise ValueError("attention_backend 'flash_attn' is not available yet; 'torch' (SDPA over the "
+                             "paged pool) runs on CUDA as well")
         model = LlamaForCausalLM(arch, loaded.hf_config, max_len).to(dtype)
         model.load_hf_state_dict(loaded.state_dict)
-        model.eval()
+        model.to(device).eval()
         loaded.state_dict.clear()  # weights now live in the fused parameters only
 
         cache_cfg = config.cache
@@ -93,7 +107,7 @@ class LLMEngine:
 
         self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype)
+        self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
