@@ -77,6 +77,48 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+class CpuMonitor:
+    """How much CPU *other* processes used while a block ran (from /proc/stat and this
+    process's own CPU time). ``foreign_cores`` near 0 means the measurement had the machine
+    to itself; 0.5 or more on a 2-core machine makes 2-thread matmuls unreliable."""
+
+    def __enter__(self) -> "CpuMonitor":
+        self._busy0, self._own0, self._t0 = _system_busy_s(), _own_cpu_s(), time.perf_counter()
+        self.foreign_cores: float | None = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, own, wall = _system_busy_s(), _own_cpu_s(), time.perf_counter() - self._t0
+        if busy is not None and self._busy0 is not None and wall > 0:
+            self.foreign_cores = round(max(0.0, (busy - self._busy0) - (own - self._own0)) / wall, 2)
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, window_s: float = 1.0) -> float | None:
+    """Wait (up to ``max_wait_s``) until other processes use under ``threshold_cores`` cores
+    over a ``window_s`` window; returns the last foreign load seen (None if unknown)."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with CpuMonitor() as mon:
+            time.sleep(window_s)
+        if mon.foreign_cores is None or mon.foreign_cores < threshold_cores or time.monotonic() >= deadline:
+            return mon.foreign_cores
+
+
+def _system_busy_s() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def _version(module: str) -> str | None:
     try:
         return __import__(module).__version__
@@ -85,7 +127,7 @@ def _version(module: str) -> str | None:
 
 
 def load_default_pair(num_threads: int | None = None, max_model_len: int = 2048, kv_cache_gib: float = 1.0,
-                      max_num_seqs: int = 64, max_num_batched_tokens: int = 512):
+                      max_num_seqs: int = 64, max_num_batched_tokens: int = 512, with_hf: bool = True):
     """kvserve's LLMEngine and transformers' model on the same dense weights of the default model."""
     from transformers import AutoModelForCausalLM
 
@@ -100,6 +142,8 @@ def load_default_pair(num_threads: int | None = None, max_model_len: int = 2048,
         model=ModelConfig(num_threads=threads, max_model_len=max_model_len),
         cache=CacheConfig(kv_cache_memory_gib=kv_cache_gib),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)))
+    if not with_hf:
+        return engine, None
     path, _ = resolve_model_dir(None)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     return engine, hf
@@ -134,6 +178,8 @@ def weight_bytes_per_decode_token(engine: Any) -> int:
     """Bytes of weights one decode step streams: every layer's matrices and norms, the final
     norm and the LM head (the embedding lookup reads one row and is not counted)."""
     model = engine.runner.model
+    if hasattr(model, "decode_weight_bytes"):
+        return model.decode_weight_bytes()
     total = sum(p.numel() * p.element_size() for p in model.layers.parameters())
     total += model.norm.numel() * model.norm.element_size()
     total += model.lm_head.numel() * model.lm_head.element_size()

@@ -19,23 +19,36 @@ class PrefillChunk:
     """One sequence running more than one token this step.
 
     ``start:end`` are its rows in the flat token batch; its queries sit at absolute
-    positions ``context_len - (end - start) .. context_len - 1``. ``mask`` is None when the
-    chunk is the whole context (plain causal attention over the new tokens only).
+    positions ``context_len - (end - start) .. context_len - 1``. ``block_ids`` and ``mask``
+    are None when the chunk is the whole context (plain causal attention over the new tokens
+    only); otherwise ``block_ids`` are the blocks holding all ``context_len`` tokens.
     """
 
     start: int
     end: int
     context_len: int
-    block_ids: torch.Tensor  # [num_blocks_needed] long, covering context_len tokens
+    block_ids: torch.Tensor | None  # [ceil(context_len / block_size)] long
     mask: torch.Tensor | None  # [q_len, context_len] bool, True = may attend
 
 
 @dataclass
 class AttentionMetadata:
+    """Built once per step by the ModelRunner and shared by every layer.
+
+    Decode context is read with one ``index_select`` of whole blocks per layer (a block is
+    one contiguous run of memory, far cheaper to copy than its token rows one by one):
+    ``decode_block_ids`` holds each decoding sequence's first ``ceil(decode_len /
+    block_size)`` blocks, row after row, shorter rows padded with block 0 (finite data that
+    ``decode_mask`` hides); keys past ``decode_len`` are sliced off as a view. ``decode_mask``
+    is None when every decoding sequence has the same context length (always so for a
+    single stream), which lets SDPA run without a mask.
+    """
+
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block_id * block_size + offset) of each new token
     num_decodes: int
-    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks_per_row] long
+    decode_len: int  # longest decode context this step (0 without decodes)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_len] bool, True = may attend
     prefills: list[PrefillChunk]
 
 
@@ -47,12 +60,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Context K or V of sequences: ``[..., n_blocks]`` ids -> ``[..., kv_heads, n_blocks * block_size, head_dim]``."""
-    blocks = cache[block_ids]  # [..., n, bs, kvh, d]
-    shape = blocks.shape
-    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
-    return flat.transpose(-3, -2)
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of K or V of ``num_seqs`` sequences whose blocks are
+    ``block_ids`` (``[num_seqs * blocks_per_row]``) -> ``[num_seqs, kv_heads, length, head_dim]``:
+    one ``index_select`` copy per call, the rest are views."""
+    kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
+    blocks = cache.index_select(0, block_ids)
+    return blocks.view(num_seqs, -1, kv_heads, head_dim)[:, :length].transpose(1, 2)
 
 
 class TorchAttention:
@@ -63,24 +77,28 @@ class TorchAttention:
         """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> ``[T, heads * d]``."""
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
-        out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             # All single-token sequences in one batched call: [B, H, 1, d] against [B, kvH, L, d].
-            keys = _gather(k_cache, meta.decode_block_table)
-            values = _gather(v_cache, meta.decode_block_table)
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True,
-            ).squeeze(2)
+            decoded = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), gather_kv(k_cache, meta.decode_block_ids, nd, meta.decode_len),
+                gather_kv(v_cache, meta.decode_block_ids, nd, meta.decode_len), attn_mask=meta.decode_mask,
+                enable_gqa=True,
+            )
+            if not meta.prefills:  # a pure decode step: no scatter into a shared output
+                return decoded.reshape(nd, num_heads * head_dim)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = decoded.squeeze(2)
         for chunk in meta.prefills:
             q_c = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q_len, d]
-            if chunk.mask is None:
+            if chunk.block_ids is None:
                 keys = k[chunk.start:chunk.end].transpose(0, 1)
                 values = v[chunk.start:chunk.end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(q_c, keys, values, is_causal=True, enable_gqa=True)
             else:
-                keys = _gather(k_cache, chunk.block_ids)[:, :chunk.context_len]
-                values = _gather(v_cache, chunk.block_ids)[:, :chunk.context_len]
+                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len)[0]
+                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len)[0]
                 o = F.scaled_dot_product_attention(q_c, keys, values, attn_mask=chunk.mask, enable_gqa=True)
             out[chunk.start:chunk.end] = o.transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)

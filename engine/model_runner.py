@@ -28,6 +28,7 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         arch = model.arch
         self.model = model
+        model.select_linear_backend()
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
@@ -59,20 +60,31 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
 
-        decode_table = decode_mask = None
+        decode_blocks = decode_mask = None
+        decode_len = 0
         if decodes:
             ctx_lens = []
+            tables = []
             for item in decodes:
                 pos = item.request.num_computed_tokens
                 input_ids.append(item.request.all_token_ids[pos])
                 positions.append(pos)
                 slots.append(item.block_ids[pos // bs] * bs + pos % bs)
                 ctx_lens.append(pos + 1)
-            width = (max(ctx_lens) + bs - 1) // bs
-            decode_table = torch.tensor([s.block_ids[:width] + [0] * (width - len(s.block_ids[:width]))
-                                         for s in decodes], dtype=torch.long)
-            lens = torch.tensor(ctx_lens)
-            decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+                tables.append(item.block_ids)
+            decode_len = max(ctx_lens)
+            width = (decode_len + bs - 1) // bs
+            # Rows shorter than the longest are padded with block 0: finite data, masked out.
+            flat: list[int] = []
+            for t in tables:
+                row = t[:width]
+                flat.extend(row)
+                if len(row) < width:
+                    flat.extend([0] * (width - len(row)))
+            decode_blocks = torch.tensor(flat, dtype=torch.long, device=self.device)
+            if min(ctx_lens) != decode_len:
+                lens = torch.tensor(ctx_lens)
+                decode_mask = (torch.arange(decode_len)[None, :] < lens[:, None])[:, None, None, :].to(self.device)
 
         chunks = []
         for item in prefills:
@@ -80,19 +92,20 @@ class ModelRunner:
             end = start + item.num_new_tokens
             row = len(input_ids)
             input_ids.extend(item.request.all_token_ids[start:end])
-            pos = torch.arange(start, end)
-            table = torch.tensor(item.block_ids[:(end + bs - 1) // bs], dtype=torch.long)
             positions.extend(range(start, end))
-            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
-            mask = None
+            block_ids = item.block_ids
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            table = mask = None
             if start > 0:
-                mask = torch.arange(end)[None, :] <= pos[:, None]
+                table = torch.tensor(block_ids[:(end + bs - 1) // bs], dtype=torch.long, device=self.device)
+                mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
             chunks.append(PrefillChunk(row, row + item.num_new_tokens, end, table, mask))
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
-            decode_block_table=decode_table,
+            decode_block_ids=decode_blocks,
+            decode_len=decode_len,
             decode_mask=decode_mask,
             prefills=chunks,
         )
@@ -121,7 +134,9 @@ class ModelRunner:
                 last_rows.append(row - 1)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)]).float()
+        if len(last_rows) != hidden.shape[0]:  # some rows are prefill tokens that do not sample
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden).float()
         rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
                             output_token_ids=s.request.output_token_ids, generator=self._generator(s),
                             eos_token_ids=s.request.eos_token_ids) for s in sampling]

@@ -84,6 +84,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if serve(app, async_engine, server_config) else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.__main__ import main as bench_main
+
+    return bench_main(args.bench_args, prog="kvserve bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible LLM serving over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS")
     serve.set_defaults(func=cmd_serve)
 
+    # `kvserve bench ...` is `python -m bench ...` (its own parser and --help).
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks against peers (python -m bench --help)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # forward verbatim: REMAINDER would not take a leading option such as --help
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     for noisy in ("httpx", "transformers", "huggingface_hub"):

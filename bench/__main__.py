@@ -1,0 +1,538 @@
+"""kvserve's benchmark suite against its peers, side by side (``python -m bench`` or ``kvserve bench``).
+
+    python -m bench serve-load [--url URL] [--concurrency 1 4 16 32] ...
+    python -m bench peers        # transformers generate / continuous batching, llama.cpp
+    python -m bench kv-cache     # the KV-cache experiment: with vs without a cache
+    python -m bench prefix       # TTFT on a prefix-cache miss vs a hit
+    python -m bench kv-memory    # slot utilization and concurrency in a fixed KV budget
+    python -m bench roofline     # matmul GFLOP/s and memory bandwidth vs kvserve
+    python -m bench all [--quick] [--benchmarks-md BENCHMARKS.md]
+    python -m bench report       # rewrite BENCHMARKS.md from the last `all` run's JSON
+
+Every scenario writes ``<output-dir>/<scenario>.json`` and ``.md`` (and ``.png`` plots) and
+prints PASS/FAIL lines for the issue's targets; ``all`` adds ``summary.json`` / ``summary.md``.
+Scenarios that need a server start ``kvserve serve`` as a subprocess on a free port (or use
+``--url``); the in-process ones load the default model (SmolLM2-135M-Instruct) in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from bench.common import RESULTS_DIR, CpuMonitor, chat_prompts, machine_info, set_threads
+from bench.report import FAIL, PASS, SKIPPED, check_line, print_result, scenario_markdown, write_scenario
+
+SCENARIOS = ("serve-load", "peers", "kv-cache", "prefix", "kv-memory", "roofline")
+
+
+def auto_threads(probe_s: float = 2.0) -> int:
+    """The cores this process may use, less those other processes keep busy (measured over
+    ``probe_s``), at least 1. On a shared 2-core machine a 2-thread matmul (torch or
+    llama.cpp) next to a busy neighbour runs 5-10x slower than a 1-thread one."""
+    from engine.llm_engine import available_cores
+
+    cores = available_cores()
+    with CpuMonitor() as mon:
+        time.sleep(probe_s)
+    busy = mon.foreign_cores or 0.0
+    threads = max(1, cores - int(busy + 0.5))
+    if threads < cores:
+        print(f"other processes keep {busy} of {cores} cores busy: using {threads} thread(s); "
+              "pin with --num-threads", file=sys.stderr)
+    return threads
+
+
+# ---- shared resources ------------------------------------------------------------------------------
+class Context:
+    """What several scenarios share in one run: the server, the default model in process."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if args.num_threads is None:
+            args.num_threads = auto_threads()
+        self.threads = set_threads(args.num_threads)
+        print(f"threads: {self.threads} (torch, the server and llama.cpp)", file=sys.stderr)
+        self._server = None
+        self._engine = None
+        self._hf = None
+        self._tokenizer = None
+
+    @property
+    def server(self) -> Any:
+        if self._server is None:
+            from bench.serving import connect, start_subprocess
+
+            if self.args.url:
+                self._server = connect(self.args.url, self.args.api_key)
+            else:
+                serve_args = ["--num-threads", str(self.threads), *(self.args.serve_arg or [])]
+                print(f"starting kvserve serve {' '.join(serve_args)} (log: {self.out / 'server.log'})",
+                      file=sys.stderr)
+                self._server = start_subprocess(serve_args, log_path=self.out / "server.log")
+        return self._server
+
+    def _load(self, with_hf: bool) -> None:
+        from bench.common import load_default_pair
+
+        if self._engine is None:
+            self._engine, self._hf = load_default_pair(self.args.num_threads, max_model_len=2048, kv_cache_gib=0.5,
+                                                       max_num_seqs=64, with_hf=with_hf)
+        elif with_hf and self._hf is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            from engine.loader import resolve_model_dir
+
+            path, _ = resolve_model_dir(None)
+            self._hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+    @property
+    def engine(self) -> Any:
+        self._load(with_hf=False)
+        return self._engine
+
+    @property
+    def hf(self) -> Any:
+        self._load(with_hf=True)
+        return self._hf
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._engine is not None:
+            return self._engine.tokenizer
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from engine.loader import resolve_model_dir
+
+            path, _ = resolve_model_dir(None)
+            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return self._tokenizer
+
+    def vocab_and_eos(self) -> tuple[int, list[int]]:
+        if self._engine is not None:
+            return self._engine.arch.vocab_size, list(self._engine.arch.eos_token_ids)
+        import json as _json
+
+        from engine.loader import resolve_model_dir
+
+        path, _ = resolve_model_dir(None)
+        cfg = _json.loads((Path(path) / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+        return cfg["vocab_size"], list(eos) if isinstance(eos, list) else [eos]
+
+    def quiet_wait(self) -> float:
+        """Seconds to wait for a quiet CPU before a timed side: --quiet-wait, else 10 s in a full run
+        on all cores (0 when auto-threads already gave a busy neighbour its cores, or --quick)."""
+        if self.args.quiet_wait is not None:
+            return self.args.quiet_wait
+        from engine.llm_engine import available_cores
+
+        return 0.0 if self.args.quick or self.threads < available_cores() else 10.0
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def close_server(self) -> None:
+        self.close()
+
+
+# ---- scenarios -------------------------------------------------------------------------------------
+def _q(args: argparse.Namespace, name: str, full: Any, quick: Any) -> Any:
+    value = getattr(args, name, None)
+    if value is not None:
+        return value
+    return quick if args.quick else full
+
+
+def scenario_serve_load(ctx: Context) -> dict[str, Any]:
+    from bench.serve_load import default_requests_for, run_serve_load
+
+    a = ctx.args
+    vocab, _ = ctx.vocab_and_eos()
+    per_level = _q(a, "requests_per_level", None, None)
+    return run_serve_load(
+        ctx.server, vocab, levels=_q(a, "concurrency", (1, 4, 16, 32), (1, 4, 16, 32)),
+        prompt_len=_q(a, "prompt_len", 192, 96), output_len=_q(a, "output_len", 64, 16),
+        shared_prefix=_q(a, "shared_prefix", 64, 32),
+        requests_for=(lambda c: per_level) if per_level else default_requests_for(a.quick),
+        seed=a.seed, progress=not a.no_progress, out_dir=ctx.out)
+
+
+def scenario_peers(ctx: Context) -> dict[str, Any]:
+    from bench.peers import ALL_PEERS, run_peers
+
+    a = ctx.args
+    peers = [p.strip() for p in (a.peers or ",".join(ALL_PEERS)).split(",") if p.strip()]
+    unknown = set(peers) - set(ALL_PEERS)
+    if unknown:
+        raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {', '.join(ALL_PEERS)}")
+    vocab, eos = ctx.vocab_and_eos()
+    hf = ctx.hf if {"hf", "hf-cb"} & set(peers) else None
+    engine = None if a.no_engine else ctx.engine
+    return run_peers(ctx.server, hf, ctx.tokenizer, vocab, eos, ctx.threads, peers,
+                     prompt_len=_q(a, "prompt_len", 128, 64), output_len=_q(a, "output_len", 64, 8),
+                     single_requests=_q(a, "single_requests", 2, 1), batch_size=_q(a, "batch_size", 32, 32),
+                     batch_waves=_q(a, "batch_waves", 1, 1), seed=a.seed + 7,
+                     gguf=Path(a.gguf) if getattr(a, "gguf", None) else None,
+                     install=not getattr(a, "no_install", False),
+                     progress=not a.no_progress, out_dir=ctx.out, quiet_wait_s=ctx.quiet_wait(), engine=engine)
+
+
+def scenario_kv_cache(ctx: Context) -> dict[str, Any]:
+    from bench.kv_cache import DEFAULT_CONTEXTS, run_kv_cache
+
+    a = ctx.args
+    engine, hf = ctx.engine, ctx.hf
+    contexts = _q(a, "contexts", DEFAULT_CONTEXTS, tuple(c for c in DEFAULT_CONTEXTS if c <= 256))
+    prompt = chat_prompts(engine.tokenizer, 1, offset=2)[0]
+    return run_kv_cache(engine, hf, prompt, engine.arch.vocab_size, new_tokens=_q(a, "new_tokens", 32, 8),
+                        contexts=contexts, repeats=_q(a, "repeats", 3, 2), out_dir=ctx.out)
+
+
+def scenario_prefix(ctx: Context) -> dict[str, Any]:
+    from bench.prefix import run_prefix
+
+    a = ctx.args
+    return run_prefix(ctx.server, ctx.tokenizer, system_tokens=_q(a, "system_tokens", 1000, 1000),
+                      rounds=_q(a, "rounds", 6, 2), progress=not a.no_progress)
+
+
+def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
+    from bench.kv_memory import build_engine, run_kv_memory
+    from bench.serving_vs_hf import make_requests
+
+    a = ctx.args
+    max_len = _q(a, "max_model_len", 2048, 1024)
+    budget = _q(a, "budget_tokens", 4 * max_len, 4 * max_len)
+    engine = build_engine(max_len, budget, num_threads=ctx.threads)
+    try:
+        requests = make_requests(_q(a, "requests", 48, 24), tuple(_q(a, "prompt_range", (64, 512), (96, 384))),
+                                 tuple(_q(a, "output_range", (16, 128), (8, 32))), engine.arch.vocab_size,
+                                 seed=a.seed + 11)
+        return run_kv_memory(engine, requests, progress=not a.no_progress, out_dir=ctx.out)
+    finally:
+        del engine
+        gc.collect()
+
+
+def scenario_roofline(ctx: Context) -> dict[str, Any]:
+    from bench.roofline import run_roofline
+
+    a = ctx.args
+    engine = ctx.engine
+    tok = engine.tokenizer
+    single = chat_prompts(tok, _q(a, "single_requests", 2, 1), offset=3)
+    batch = chat_prompts(tok, _q(a, "batch_size", 32, 16), offset=5)
+    return run_roofline(engine, single, batch, new_tokens=_q(a, "new_tokens", 32, 16),
+                        matmul_n=_q(a, "matmul_n", 2048, 1024), bandwidth_mib=_q(a, "bandwidth_mib", 1024, 512),
+                        out_dir=ctx.out)
+
+
+RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "serve-load": scenario_serve_load, "peers": scenario_peers, "kv-cache": scenario_kv_cache,
+    "prefix": scenario_prefix, "kv-memory": scenario_kv_memory, "roofline": scenario_roofline,
+}
+# In ``all``: the server scenarios first (one server for the three), then the in-process ones.
+ALL_ORDER = ("serve-load", "prefix", "peers", "kv-cache", "kv-memory", "roofline")
+
+
+def run_one(name: str, ctx: Context) -> dict[str, Any]:
+    print(f"\n=== {name} ===", file=sys.stderr)
+    quiet = ctx.quiet_wait()
+    if quiet > 0:
+        from bench.common import wait_for_quiet
+
+        wait_for_quiet(quiet)
+    t0 = time.perf_counter()
+    try:
+        result = RUNNERS[name](ctx)
+    except Exception as exc:  # noqa: BLE001 - one broken scenario must not lose the others
+        traceback.print_exc()
+        result = {"scenario": name, "title": name, "error": f"{type(exc).__name__}: {exc}", "machine": machine_info(),
+                  "checks": [{"name": f"{name} scenario", "value": None, "target": None, "unit": "",
+                              "verdict": FAIL, "detail": f"crashed: {type(exc).__name__}: {exc}"}],
+                  "notes": [f"The scenario crashed: {type(exc).__name__}: {exc}"], "tables": []}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    path = write_scenario(result, ctx.out)
+    print_result(result)
+    print(f"  results: {path} ({result['wall_s']} s)")
+    return result
+
+
+# ---- all + BENCHMARKS.md -----------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def summary_markdown(results: list[dict[str, Any]], run: dict[str, Any]) -> str:
+    lines = ["| target | value | verdict |", "|---|---:|---|"]
+    for r in results:
+        for c in r.get("checks", []):
+            if c["verdict"] in (PASS, FAIL, SKIPPED):
+                target = f" (>= {c['target']}{c['unit']})" if c.get("target") is not None else ""
+                value = "-" if c["value"] is None else f"{c['value']:.3g}{c['unit']}"
+                verdict = c["verdict"] + (f": {c['detail']}" if c["verdict"] == SKIPPED else "")
+                lines.append(f"| {c['name']}{target} | {value} | {verdict} |")
+    return "\n".join(lines)
+
+
+NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the file is regenerated -->", "<!-- /notes -->"
+
+
+def _kept_notes(path: Path) -> str:
+    """The hand-written block between the notes markers of an existing report, if any."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return ""
+    if NOTES_BEGIN in text and NOTES_END in text:
+        return text.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip("\n")
+    return ""
+
+
+def write_benchmarks_md(results: list[dict[str, Any]], run: dict[str, Any], path: Path, plots_dir: Path) -> None:
+    """The Markdown report: command, machine, load, the targets, then every scenario with its
+    plots (copied into ``plots_dir``). A block between the notes markers survives regeneration."""
+    notes = _kept_notes(path)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        for plot in r.get("plots", []):
+            shutil.copyfile(plot, plots_dir / Path(plot).name)
+    rel = os.path.relpath(plots_dir, path.parent)
+    m = run["machine"]
+    out = [
+        "# kvserve benchmarks",
+        "",
+        "Generated by the suite itself (`bench/`, issue 7); rerun with the command below, which rewrites this file.",
+        "Numbers move with the machine: it is shared, so compare the ratios (kvserve and its peers run back to back",
+        "in one run), not the absolute tokens/s across runs.",
+        "",
+        "```",
+        run["command"],
+        "```",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores visible, {m['mem_gib']} GiB RAM; Python {m['python']}, "
+        f"torch {m['torch']}, transformers {m['transformers']}, {m['threads']} torch threads",
+        f"- run: {run['started']} to {run['finished']} ({run['wall_s'] / 60:.1f} min), mode "
+        f"{'quick' if run['quick'] else 'full'}",
+        f"- load: load average {run['loadavg_before']} before, {run['loadavg_after']} after; other processes used "
+        f"{run['foreign_cpu_cores']} cores on average during the run (the machine is shared with other engineers' "
+        "test runs, so absolute numbers are pessimistic)",
+        f"- peers: {run.get('peers_versions', '-')}",
+        "",
+        "## Targets",
+        "",
+        summary_markdown(results, run),
+        "",
+        NOTES_BEGIN,
+        notes,
+        NOTES_END,
+        "",
+    ]
+    for r in results:
+        out.append(scenario_markdown(r, image_dir=rel))
+    path.write_text("\n".join(out).rstrip() + "\n")
+
+
+def run_all(args: argparse.Namespace, argv: Sequence[str], prog: str = "python -m bench") -> list[dict[str, Any]]:
+    ctx = Context(args)
+    skip = {s.strip() for s in (args.skip or "").split(",") if s.strip()}
+    started, load_before = time.strftime("%Y-%m-%d %H:%M:%S"), _loadavg()
+    t0 = time.perf_counter()
+    results = []
+    try:
+        with CpuMonitor() as cpu:
+            for name in ALL_ORDER:
+                if name in skip:
+                    continue
+                if name in ("kv-cache", "kv-memory", "roofline"):
+                    ctx.close_server()  # the in-process scenarios get the cores to themselves
+                results.append(run_one(name, ctx))
+    finally:
+        ctx.close()
+    run = {"command": f"{prog} " + " ".join(argv), "started": started,
+           "scenarios": [r["scenario"] for r in results],
+           "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(time.perf_counter() - t0, 1),
+           "quick": args.quick, "loadavg_before": load_before, "loadavg_after": _loadavg(),
+           "foreign_cpu_cores": cpu.foreign_cores,
+           "machine": {**machine_info(), "cpu": cpu_model(), "mem_gib": mem_total_gib()}}
+    peers = next((r for r in results if r["scenario"] == "peers" and "sides" in r), None)
+    if peers:
+        ll = peers["sides"].get("llamacpp", {}).get("single", {})
+        run["peers_versions"] = (f"transformers {run['machine']['transformers']}; node-llama-cpp {ll.get('version')} "
+                                 f"(llama.cpp {ll.get('llama_cpp_release')})" if "version" in ll else
+                                 f"transformers {run['machine']['transformers']}; llama.cpp skipped")
+    checks = [c for r in results for c in r.get("checks", [])]
+    summary = {"run": run, "checks": checks,
+               "counts": {v: sum(c["verdict"] == v for c in checks) for v in (PASS, FAIL, SKIPPED)}}
+    out = Path(args.output_dir)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out / "summary.md").write_text(summary_markdown(results, run) + "\n")
+    if args.benchmarks_md:
+        write_benchmarks_md(results, run, Path(args.benchmarks_md), Path(args.plots_dir))
+        print(f"\nwrote {args.benchmarks_md} (plots in {args.plots_dir})")
+    print(f"\n=== summary ({run['wall_s'] / 60:.1f} min, load {load_before} -> {run['loadavg_after']}, other processes "
+          f"{cpu.foreign_cores} cores) ===")
+    for c in checks:
+        if c["verdict"] != "INFO":
+            print("  " + check_line(c))
+    print(f"  {summary['counts']}")
+    return results
+
+
+def rebuild_report(args: argparse.Namespace) -> None:
+    """``report``: rewrite the Markdown report from the JSON files of the last ``all`` run."""
+    out = Path(args.output_dir)
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["run"]
+    names = run.get("scenarios") or [n for n in ALL_ORDER if (out / f"{n}.json").exists()]
+    results = [json.loads((out / f"{n}.json").read_text()) for n in names]
+    write_benchmarks_md(results, run, Path(args.benchmarks_md), Path(args.plots_dir))
+    print(f"wrote {args.benchmarks_md} from {out}/summary.json (plots in {args.plots_dir})")
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("common")
+    g.add_argument("--output-dir", default=str(RESULTS_DIR),
+                   help="where JSON, Markdown and PNGs go (default %(default)s)")
+    g.add_argument("--quick", action="store_true", help="small sizes: the whole suite in a few minutes")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="threads for torch, the server and llama.cpp (default: the available cores less those other "
+                        "processes keep busy, measured at start)")
+    g.add_argument("--quiet-wait", type=float, default=None,
+                   help="before each timed side wait up to this many seconds for other processes to go quiet "
+                        "(default 10 in a full run on all cores, else 0)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    srv = common.add_argument_group("server (serve-load, prefix, peers)")
+    srv.add_argument("--url", help="use a running server (e.g. http://127.0.0.1:8000) instead of starting one")
+    srv.add_argument("--api-key", help="bearer token for --url")
+    srv.add_argument("--serve-arg", action="append", metavar="ARG",
+                     help="extra argument for the `kvserve serve` subprocess (repeatable), "
+                          "e.g. --serve-arg=--max-num-seqs=64")
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="scenario", required=True)
+
+    p = sub.add_parser("serve-load", parents=[common],
+                       help="HTTP load at concurrency 1/4/16/32: tok/s, TTFT, TPOT, hit rate")
+    p.add_argument("--concurrency", type=int, nargs="+")
+    p.add_argument("--prompt-len", type=int, help="prompt tokens (default 192; quick 96)")
+    p.add_argument("--shared-prefix", type=int,
+                   help="leading prompt tokens shared by all requests (default 64; quick 32)")
+    p.add_argument("--output-len", type=int, help="output tokens (default 64; quick 16)")
+    p.add_argument("--requests-per-level", type=int, help="requests per level (default max(4, 2c); quick max(2, c))")
+
+    p = sub.add_parser("peers", parents=[common], help="kvserve vs transformers (static, continuous) and llama.cpp")
+    p.add_argument("--peers", help="comma list of hf, hf-cb, llamacpp (default: all)")
+    p.add_argument("--prompt-len", type=int, help="default 128; quick 64")
+    p.add_argument("--output-len", type=int, help="default 64; quick 8")
+    p.add_argument("--single-requests", type=int, help="single-stream requests (default 2; quick 1)")
+    p.add_argument("--batch-size", type=int, help="concurrency / static batch / parallel sequences (default 32)")
+    p.add_argument("--batch-waves", type=int, help="batch requests = batch size x waves (default 1)")
+    p.add_argument("--gguf", help="the F32 GGUF for llama.cpp (default: converted from the shipped Q4_1 file)")
+    p.add_argument("--no-install", action="store_true", help="do not npm install node-llama-cpp (skip if missing)")
+    p.add_argument("--no-engine", action="store_true", help="leave out the in-process kvserve engine row")
+
+    p = sub.add_parser("kv-cache", parents=[common], help="TTFT/TPOT and per-token cost with vs without a KV cache")
+    p.add_argument("--new-tokens", type=int, help="default 32; quick 8")
+    p.add_argument("--contexts", type=int, nargs="+", help="context lengths (default 8 16 ... 1024; quick up to 256)")
+    p.add_argument("--repeats", type=int, help="best of N (default 3; quick 2)")
+
+    p = sub.add_parser("prefix", parents=[common], help="TTFT with a shared 1,000-token system prompt: miss vs hit")
+    p.add_argument("--system-tokens", type=int, help="default 1000")
+    p.add_argument("--rounds", type=int, help="miss/hit pairs (default 6; quick 2)")
+
+    p = sub.add_parser("kv-memory", parents=[common], help="KV slot utilization and concurrency in a fixed budget")
+    p.add_argument("--max-model-len", type=int, help="default 2048; quick 1024")
+    p.add_argument("--budget-tokens", type=int, help="KV pool in token slots (default 4 x max-model-len)")
+    p.add_argument("--requests", type=int, help="default 48; quick 24")
+    p.add_argument("--prompt-range", type=int, nargs=2, metavar=("MIN", "MAX"), help="default 64 512; quick 96 384")
+    p.add_argument("--output-range", type=int, nargs=2, metavar=("MIN", "MAX"), help="default 16 128; quick 8 32")
+
+    p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both")
+    p.add_argument("--new-tokens", type=int, help="default 32; quick 16")
+    p.add_argument("--single-requests", type=int, help="default 2; quick 1")
+    p.add_argument("--batch-size", type=int, help="default 32; quick 16")
+    p.add_argument("--matmul-n", type=int, help="default 2048; quick 1024")
+    p.add_argument("--bandwidth-mib", type=int, help="default 1024; quick 512")
+
+    p = sub.add_parser("all", parents=[common], help="every scenario, then the PASS/FAIL summary")
+    p.add_argument("--skip", help="comma list of scenarios to leave out")
+    p.add_argument("--peers", help="comma list of hf, hf-cb, llamacpp (default: all)")
+    p.add_argument("--no-install", action="store_true", help="do not npm install node-llama-cpp (skip if missing)")
+    p.add_argument("--no-engine", action="store_true", help="leave out the in-process kvserve engine row of peers")
+    p.add_argument("--benchmarks-md", help="also write this Markdown report (e.g. BENCHMARKS.md)")
+    p.add_argument("--plots-dir", default="docs/bench",
+                   help="where --benchmarks-md copies the plots (default %(default)s)")
+
+    p = sub.add_parser("report", help="rewrite the Markdown report from the last `all` run's JSON files")
+    p.add_argument("--output-dir", default=str(RESULTS_DIR), help="the `all` run's output dir (default %(default)s)")
+    p.add_argument("--benchmarks-md", default="BENCHMARKS.md", help="default %(default)s")
+    p.add_argument("--plots-dir", default="docs/bench", help="default %(default)s")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.scenario == "report":
+        rebuild_report(args)
+        return 0
+    if args.scenario == "all":
+        results = run_all(args, argv, prog)
+        return 1 if any("error" in r for r in results) else 0
+    ctx = Context(args)
+    try:
+        result = run_one(args.scenario, ctx)
+    finally:
+        ctx.close()
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Scenario ``peers``: kvserve against the tools a user would pick instead, on the same requests.
+
+Two workloads of synthetic token-id prompts (set prompt and output lengths, EOS ignored so
+every side generates exactly the same number of tokens):
+
+* single stream: ``single_requests`` requests one after the other; decode tokens/s =
+  (tokens - 1) / (last token - first token), so prefill is left out; TTFT next to it;
+* batch: ``batch_size`` x ``batch_waves`` requests; kvserve at concurrency ``batch_size``,
+  output tokens/s over the whole run, prefill included.
+
+Sides: kvserve through its HTTP server (streaming; the client's cost is on kvserve's side);
+transformers ``generate`` on the same dense fp32 weights (single stream, and static batches of
+``batch_size``, left-padded); transformers' continuous batching (the manager behind
+``generate_batch``, see ``bench/serving_vs_hf.py``; batch only); llama.cpp through the npm
+package node-llama-cpp on an all-F32 GGUF of the same weights (``bench/llamacpp.py``; one
+sequence, then ``batch_size`` parallel sequences). Sides run back to back, single stream
+first, so that machine drift spreads over all of them. A side that cannot be installed or run
+is reported as skipped with the reason. A greedy sanity check compares llama.cpp's text with
+kvserve's for one chat prompt (reported, never fatal).
+"""
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from bench.common import chat_prompts, machine_info, ratio, wait_for_quiet
+from bench.engine_vs_hf import hf_single, kvserve_single
+from bench.llamacpp import PeerUnavailable, f32_gguf, run_llamacpp
+from bench.report import check, info, new_figure, save_figure, table
+from bench.serve_load import synthetic_requests
+from bench.serving import LoadMonitor, Progress, Server, completion_request, run_load, summarize
+from bench.serving_vs_hf import BenchRequest, run_hf_continuous, run_hf_static, run_kvserve
+
+ALL_PEERS = ("hf", "hf-cb", "llamacpp")
+SIDES = {"kvserve": "kvserve (HTTP server)", "kvserve-engine": "kvserve engine (in process)",
+         "hf": "transformers generate",
+         "hf-cb": "transformers continuous batching", "llamacpp": "llama.cpp (node-llama-cpp, F32)"}
+TARGETS = {("single", "hf"): 1.5, ("single", "llamacpp"): 0.9,
+           ("batch", "hf"): 2.0, ("batch", "hf-cb"): 1.5, ("batch", "llamacpp"): 3.0}
+
+
+def _skip(exc: BaseException) -> dict[str, Any]:
+    reason = str(exc) if isinstance(exc, PeerUnavailable) else f"{type(exc).__name__}: {exc}"
+    return {"skipped": reason, "traceback": traceback.format_exc(limit=3)}
+
+
+def _kvserve_single(server: Server, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    recs, elapsed = run_load(server, [completion_request(r.prompt_token_ids, r.output_len) for r in requests], 1)
+    s = summarize(recs, elapsed)
+    if s["errors"]:
+        raise RuntimeError(f"kvserve request failed: {s['first_error']}")
+    return {"decode_tps": s["stream_decode_tps"], "ttft_ms": s["ttft_p50_ms"], "output_tokens": s["output_tokens"]}
+
+
+def _kvserve_batch(server: Server, requests: Sequence[BenchRequest], concurrency: int,
+                   progress: bool) -> dict[str, Any]:
+    with Progress(len(requests), f"peers kvserve c={concurrency}", progress) as bar:
+        recs, elapsed = run_load(server, [completion_request(r.prompt_token_ids, r.output_len) for r in requests],
+                                 concurrency, bar)
+    s = summarize(recs, elapsed)
+    if s["errors"]:
+        raise RuntimeError(f"kvserve request failed: {s['first_error']}")
+    return {"tps": s["output_tps"], "elapsed_s": s["elapsed_s"], "output_tokens": s["output_tokens"],
+            "ttft_p50_ms": s["ttft_p50_ms"], "tpot_p50_ms": s["tpot_p50_ms"]}
+
+
+def _engine_single(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    runs = [kvserve_single(engine, r.prompt_token_ids, r.output_len) for r in requests]
+    engine.kv_cache.reset_prefix_cache()
+    return {"decode_tps": round(sum(len(x["tokens"]) - 1 for x in runs) / sum(x["decode_s"] for x in runs), 3),
+            "ttft_ms": round(1000 * sorted(x["ttft_s"] for x in runs)[len(runs) // 2], 2),
+            "output_tokens": sum(len(x["tokens"]) for x in runs)}
+
+
+def _engine_batch(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    out = run_kvserve(engine, requests)  # AsyncEngine, every request submitted at once
+    engine.kv_cache.reset_prefix_cache()
+    return {"tps": round(out["output_tokens"] / out["elapsed_s"], 3), "elapsed_s": round(out["elapsed_s"], 3),
+            "output_tokens": out["output_tokens"]}
+
+
+def _hf_single(model: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    runs = [hf_single(model, r.prompt_token_ids, r.output_len) for r in requests]
+    return {"decode_tps": round(sum(len(x["tokens"]) - 1 for x in runs) / sum(x["decode_s"] for x in runs), 3),
+            "ttft_ms": round(1000 * sorted(x["ttft_s"] for x in runs)[len(runs) // 2], 2),
+            "output_tokens": sum(len(x["tokens"]) for x in runs)}
+
+
+def _llama_single(gguf: Path, requests: Sequence[BenchRequest], threads: int, install: bool) -> dict[str, Any]:
+    out = run_llamacpp(gguf, requests, parallel=1, threads=threads, install=install)
+    reqs = out["requests"]
+    return {"decode_tps": round(sum(len(r["tokens"]) - 1 for r in reqs) / sum(r["decode_s"] for r in reqs), 3),
+            "ttft_ms": round(1000 * sorted(r["ttft_s"] for r in reqs)[len(reqs) // 2], 2),
+            "output_tokens": sum(len(r["tokens"]) for r in reqs), "load_s": round(out["load_s"], 2),
+            "version": out.get("package_version"), "llama_cpp_release": out.get("llama_cpp_release")}
+
+
+def _llama_batch(gguf: Path, requests: Sequence[BenchRequest], parallel: int, threads: int,
+                 install: bool) -> dict[str, Any]:
+    out = run_llamacpp(gguf, requests, parallel=parallel, threads=threads, install=install)
+    tokens = sum(len(r["tokens"]) for r in out["requests"])
+    return {"tps": round(tokens / out["elapsed_s"], 3), "elapsed_s": round(out["elapsed_s"], 3),
+            "output_tokens": tokens, "parallel": out["parallel"]}
+
+
+class _Timer:
+    """Runs one side after (optionally) waiting for a quiet CPU; records other processes' load."""
+
+    def __init__(self, server: Server, quiet_wait_s: float) -> None:
+        self.server, self.quiet_wait_s = server, quiet_wait_s
+
+    def __call__(self, fn: Any, *args: Any) -> dict[str, Any]:
+        if self.quiet_wait_s > 0:
+            wait_for_quiet(self.quiet_wait_s)
+        with LoadMonitor([self.server.pid]) as mon:
+            out = fn(*args)
+        out["foreign_cpu_cores"] = mon.foreign_cores
+        return out
+
+
+def greedy_sanity(server: Server, tokenizer: Any, gguf: Path, threads: int, eos_ids: Sequence[int],
+                  new_tokens: int = 24, install: bool = True) -> dict[str, Any]:
+    """kvserve's and llama.cpp's greedy text for one chat prompt (same weights, same ids)."""
+    prompt = chat_prompts(tokenizer, 1, offset=0)[0]
+    recs, _ = run_load(server, [completion_request(prompt, new_tokens, ignore_eos=False)], 1)
+    kv_text = recs[0].text
+    out = run_llamacpp(gguf, [BenchRequest(prompt, new_tokens)], parallel=1, threads=threads, install=install)
+    ids = out["requests"][0]["tokens"]
+    cut = next((i for i, t in enumerate(ids) if t in set(eos_ids)), len(ids))
+    ll_text = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+    common = 0
+    for a, b in zip(kv_text, ll_text):
+        if a != b:
+            break
+        common += 1
+    return {"match": kv_text == ll_text, "common_prefix_chars": common, "kvserve_text": kv_text,
+            "llamacpp_text": ll_text, "tokens": new_tokens}
+
+
+def run_peers(server: Server, hf_model: Any, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int],
+              threads: int, peers: Sequence[str] = ALL_PEERS, prompt_len: int = 128, output_len: int = 64,
+              single_requests: int = 2, batch_size: int = 32, batch_waves: int = 1, seed: int = 7,
+              gguf: Path | None = None, install: bool = True, progress: bool = True,
+              out_dir: Path | None = None, quiet_wait_s: float = 0.0, engine: Any = None) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    _timed = _Timer(server, quiet_wait_s)
+    single = synthetic_requests(single_requests, prompt_len, output_len, vocab_size, seed=seed * 1000 + 1)
+    batch = synthetic_requests(batch_size * batch_waves, prompt_len, output_len, vocab_size, seed=seed * 1000 + 2)
+    own = ("kvserve", "kvserve-engine") if engine is not None else ("kvserve",)
+    sides: dict[str, dict[str, Any]] = {k: {} for k in (*own, *peers)}
+    sanity: dict[str, Any] | None = None
+
+    llama_path: Path | None = None
+    if "llamacpp" in peers:
+        try:
+            llama_path = gguf or f32_gguf()
+        except Exception as exc:  # noqa: BLE001 - reported as skipped
+            sides["llamacpp"] = {"single": _skip(exc), "batch": _skip(exc)}
+
+    # warm-up of the in-process peers (the server was warmed by serve-load or gets it here)
+    warm = synthetic_requests(1, 16, 4, vocab_size, seed=99)
+    run_load(server, [completion_request(warm[0].prompt_token_ids, 4)], 1)
+    if "hf" in peers or "hf-cb" in peers:
+        hf_single(hf_model, warm[0].prompt_token_ids, 4)
+    if engine is not None:
+        kvserve_single(engine, warm[0].prompt_token_ids, 4)
+
+    # ---- single stream, back to back
+    sides["kvserve"]["single"] = _timed(_kvserve_single, server, single)
+    if engine is not None:
+        sides["kvserve-engine"]["single"] = _timed(_engine_single, engine, single)
+    if "hf" in peers:
+        try:
+            sides["hf"]["single"] = _timed(_hf_single, hf_model, single)
+        except Exception as exc:  # noqa: BLE001
+            sides["hf"]["single"] = _skip(exc)
+    if "hf-cb" in peers:
+        sides["hf-cb"]["single"] = {"skipped": "not measured: continuous batching is a batch peer"}
+    if llama_path is not None:
+        try:
+            sides["llamacpp"]["single"] = _timed(_llama_single, llama_path, single, threads, install)
+        except Exception as exc:  # noqa: BLE001
+            sides["llamacpp"]["single"] = _skip(exc)
+
+    # ---- batch, back to back
+    sides["kvserve"]["batch"] = _timed(_kvserve_batch, server, batch, batch_size, progress)
+    if engine is not None:
+        sides["kvserve-engine"]["batch"] = _timed(_engine_batch, engine, batch)
+    if "hf" in peers:
+        try:
+            out = _timed(run_hf_static, hf_model, batch, batch_size)
+            out["tps"] = round(out["output_tokens"] / out["elapsed_s"], 3)
+            sides["hf"]["batch"] = out
+        except Exception as exc:  # noqa: BLE001
+            sides["hf"]["batch"] = _skip(exc)
+    if "hf-cb" in peers:
+        try:
+            out = _timed(run_hf_continuous, hf_model, batch)
+            out["tps"] = round(out["output_tokens"] / out["elapsed_s"], 3)
+            sides["hf-cb"]["batch"] = out
+        except Exception as exc:  # noqa: BLE001
+            sides["hf-cb"]["batch"] = _skip(exc)
+    if llama_path is not None:
+        try:
+            sides["llamacpp"]["batch"] = _timed(_llama_batch, llama_path, batch, batch_size, threads, install)
+        except Exception as exc:  # noqa: BLE001
+            sides["llamacpp"]["batch"] = _skip(exc)
+        if "skipped" not in sides["llamacpp"].get("single", {}) and tokenizer is not None:
+            try:
+                sanity = greedy_sanity(server, tokenizer, llama_path, threads, eos_ids, install=install)
+            except Exception as exc:  # noqa: BLE001
+                sanity = {"match": None, "error": f"{type(exc).__name__}: {exc}"}
+
+    return _result(server, sides, sanity, peers, threads, prompt_len, output_len, single_requests, batch_size,
+                   batch_waves, llama_path, out_dir)
+
+
+def _result(server: Server, sides: dict[str, Any], sanity: dict[str, Any] | None, peers: Sequence[str], threads: int,
+            prompt_len: int, output_len: int, single_requests: int, batch_size: int, batch_waves: int,
+            llama_path: Path | None, out_dir: Path | None) -> dict[str, Any]:
+    k_single = sides["kvserve"]["single"]["decode_tps"]
+    k_batch = sides["kvserve"]["batch"]["tps"]
+    ratios: dict[str, Any] = {}
+    checks = []
+    for phase, metric, k_value, label in (("single", "decode_tps", k_single, "single-stream decode"),
+                                          ("batch", "tps", k_batch, f"{batch_size}-way throughput")):
+        for peer in peers:
+            target = TARGETS.get((phase, peer))
+            side = sides[peer].get(phase, {})
+            if target is None:
+                continue
+            r = ratio(k_value, side[metric]) if metric in side and side[metric] else None
+            ratios[f"{phase}_vs_{peer}"] = r
+            detail = (f"kvserve {k_value} vs {side[metric]} tok/s" if r is not None else "")
+            checks.append(check(f"{label} kvserve / {SIDES[peer]}", r, target, detail=detail,
+                                skipped=side.get("skipped") if r is None else None))
+    if "kvserve-engine" in sides:
+        e_single, e_batch = sides["kvserve-engine"]["single"]["decode_tps"], sides["kvserve-engine"]["batch"]["tps"]
+        parts = []
+        for peer in peers:
+            for phase, metric, value in (("single", "decode_tps", e_single), ("batch", "tps", e_batch)):
+                v = sides[peer].get(phase, {}).get(metric)
+                if v:
+                    ratios[f"engine_{phase}_vs_{peer}"] = ratio(value, v)
+                    parts.append(f"{phase} vs {peer} {ratio(value, v)}x")
+        checks.append(info("kvserve engine in process (no HTTP) / peers", "; ".join(parts) or "-",
+                           f"(engine {e_single} / {e_batch} tok/s, server {k_single} / {k_batch})"))
+    if "llamacpp" in peers:
+        if sanity is None:
+            checks.append(info("llama.cpp greedy text equals kvserve's", "not run",
+                               sides["llamacpp"].get("single", {}).get("skipped", "")))
+        elif sanity.get("match") is None:
+            checks.append(info("llama.cpp greedy text equals kvserve's", "error", sanity.get("error", "")))
+        else:
+            checks.append(info("llama.cpp greedy text equals kvserve's", "yes" if sanity["match"] else "NO",
+                               f"({sanity['common_prefix_chars']} chars in common; kvserve {sanity['kvserve_text']!r}"
+                               f", llama.cpp {sanity['llamacpp_text']!r})"))
+
+    rows = []
+    for key in sides:
+        s, b = sides[key].get("single", {}), sides[key].get("batch", {})
+        rows.append([SIDES[key], s.get("decode_tps", "skipped" if "skipped" in s else None), s.get("ttft_ms"),
+                     ratios.get(f"single_vs_{key}", ""),
+                     b.get("tps", "skipped" if "skipped" in b else None), b.get("elapsed_s"),
+                     ratios.get(f"batch_vs_{key}", ""),
+                     f"{_f(s.get('foreign_cpu_cores'))} / {_f(b.get('foreign_cpu_cores'))}"])
+    skipped = [f"{SIDES[k]} ({phase}): {v[phase]['skipped']}" for k, v in sides.items() for phase in ("single", "batch")
+               if "skipped" in v.get(phase, {}) and not v[phase]["skipped"].startswith("not measured")]
+    result: dict[str, Any] = {
+        "scenario": "peers", "title": "Peers on the same requests",
+        "workload": {"prompt_len": prompt_len, "output_len": output_len, "single_requests": single_requests,
+                     "batch_size": batch_size, "batch_requests": batch_size * batch_waves, "threads": threads,
+                     "gguf": str(llama_path) if llama_path else None},
+        "server": {"url": server.url, "kind": server.kind, "model": server.model},
+        "sides": sides, "ratios": ratios, "greedy_sanity": sanity, "checks": checks,
+        "notes": [f"Same token-id prompts for every side: {prompt_len} prompt tokens, {output_len} output tokens "
+                  f"(EOS ignored); single stream = {single_requests} requests one at a time (decode tokens/s, prefill "
+                  f"excluded); batch = {batch_size * batch_waves} requests at {batch_size} concurrent / static batches "
+                  f"of {batch_size} / {batch_size} parallel llama.cpp sequences (output tokens/s, prefill included). "
+                  f"{threads} threads everywhere. kvserve/x and the targets use the HTTP server (client and SSE "
+                  "included); the in-process engine row is the same engine without HTTP, as the peers run."]
+                 + ([f"Skipped: {'; '.join(skipped)}"] if skipped else []),
+        "tables": [table("peers: tokens/s on the same requests",
+                         ["side", "single decode tok/s", "single TTFT ms", "kvserve/x", f"batch {batch_size} tok/s",
+                          "batch s", "kvserve/x", "other procs, cores (single / batch)"], rows)],
+    }
+    result["plots"] = _plot(result, out_dir) if out_dir else []
+    result["machine"] = machine_info()
+    return result
+
+
+def _f(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _plot(result: dict[str, Any], out_dir: Path) -> list[str]:
+    fig, axes = new_figure(2, 4.6, 3.4)
+    if fig is None:
+        return []
+    sides = result["sides"]
+    for ax, (phase, metric, title) in zip(axes, (("single", "decode_tps", "single-stream decode"),
+                                                 ("batch", "tps", f"batch {result['workload']['batch_size']} "
+                                                                  "throughput"))):
+        names, values, colors = [], [], []
+        for key, side in sides.items():
+            v = side.get(phase, {}).get(metric)
+            if v:
+                names.append(SIDES[key].replace("transformers ", "HF ").replace(" (node-llama-cpp, F32)", "")
+                             .replace(" (HTTP server)", " (HTTP)"))
+                values.append(v)
+                colors.append("#2a7" if key.startswith("kvserve") else "#888")
+        bars = ax.bar(range(len(values)), values, color=colors)
+        ax.set_xticks(range(len(values)), names, rotation=20, ha="right", fontsize=8)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(title)
+    return [save_figure(fig, out_dir / "peers.png")]

@@ -1,0 +1,52 @@
+"""The benchmarks' core functions run end to end on a tiny random Llama (no timing asserts)."""
+from __future__ import annotations
+
+import pytest
+
+from bench.common import chat_prompts
+from bench.engine_vs_hf import run_engine_vs_hf
+from bench.serving_vs_hf import make_requests, run_serving_vs_hf
+from tests.helpers import tiny_engine, tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf = tiny_hf_model()
+    return tiny_engine(hf, num_blocks=256), hf
+
+
+def test_engine_vs_hf_smoke(pair):
+    engine, hf = pair
+    vocab = hf.config.vocab_size
+    single = chat_prompts(None, 2, offset=1, vocab_size=vocab, length=8)
+    batch = chat_prompts(None, 4, offset=3, vocab_size=vocab, length=10)
+    result = run_engine_vs_hf(engine, hf, single, batch, single_new_tokens=4, batch_new_tokens=4,
+                              bandwidth_mib=16)
+    s, b = result["single_stream"], result["batch"]
+    assert s["kvserve_decode_tps"] > 0 and s["hf_decode_tps"] > 0
+    assert b["kvserve_tps"] > 0 and b["hf_tps"] > 0
+    assert s["ratio"] > 0 and b["ratio"] > 0
+    assert s["verdict"] in ("PASS", "FAIL") and b["verdict"] in ("PASS", "FAIL")
+    assert s["token_match"] == "2/2"  # greedy tokens equal transformers'
+    bw = result["bandwidth"]
+    assert bw["read_gbs"] > 0 and bw["bound_tps"] > 0 and 0 < bw["kvserve_fraction"]
+    assert not engine.has_unfinished()
+
+
+def test_serving_vs_hf_smoke(pair):
+    engine, hf = pair
+    requests = make_requests(4, prompt_len=(5, 20), output_len=(2, 6), vocab_size=hf.config.vocab_size, seed=1,
+                             low_token_id=3)
+    result = run_serving_vs_hf(engine, hf, requests, hf_batch_size=2)
+    expected = sum(r.output_len for r in requests)
+    assert result["workload"]["output_tokens"] == expected
+    assert result["kvserve"]["output_tokens"] == expected and result["kvserve"]["tps"] > 0
+    assert result["hf_static"]["output_tokens"] == expected and result["hf_static"]["tps"] > 0
+    assert result["ratio_vs_static"] > 0 and result["verdict_vs_static"] in ("PASS", "FAIL")
+    cb = result["hf_continuous"]
+    if "skipped" in cb:  # allowed, but never silent: the reason is in the result
+        assert cb["skipped"] and result["verdict_vs_continuous"] == "SKIPPED"
+    else:
+        assert cb["output_tokens"] == expected and cb["tps"] > 0
+        assert result["ratio_vs_continuous"] > 0
+    assert not engine.has_unfinished()
