@@ -258,7 +258,12 @@ def run_one(name: str, ctx: Context) -> dict[str, Any]:
         wait_for_quiet(quiet)
     t0 = time.perf_counter()
     try:
-        result = RUNNERS[name](ctx)
+        from bench.serving import LoadMonitor
+
+        server_pid = ctx.server.pid if name in ("serve-load", "prefix", "peers") else None  # started untimed
+        with LoadMonitor([server_pid]) as mon:
+            result = RUNNERS[name](ctx)
+        result.setdefault("machine", machine_info())["foreign_cpu_cores"] = mon.foreign_cores
     except Exception as exc:  # noqa: BLE001 - one broken scenario must not lose the others
         traceback.print_exc()
         result = {"scenario": name, "title": name, "error": f"{type(exc).__name__}: {exc}", "machine": machine_info(),

@@ -262,9 +262,9 @@ def _result(server: Server, sides: dict[str, Any], sanity: dict[str, Any] | None
     rows = []
     for key in sides:
         s, b = sides[key].get("single", {}), sides[key].get("batch", {})
-        rows.append([SIDES[key], s.get("decode_tps", "skipped" if "skipped" in s else None), s.get("ttft_ms"),
+        rows.append([SIDES[key], s.get("decode_tps", _missing(s)), s.get("ttft_ms"),
                      ratios.get(f"single_vs_{key}", ""),
-                     b.get("tps", "skipped" if "skipped" in b else None), b.get("elapsed_s"),
+                     b.get("tps", _missing(b)), b.get("elapsed_s"),
                      ratios.get(f"batch_vs_{key}", ""),
                      f"{_f(s.get('foreign_cpu_cores'))} / {_f(b.get('foreign_cpu_cores'))}"])
     skipped = [f"{SIDES[k]} ({phase}): {v[phase]['skipped']}" for k, v in sides.items() for phase in ("single", "batch")
@@ -290,6 +290,12 @@ def _result(server: Server, sides: dict[str, Any], sanity: dict[str, Any] | None
     result["plots"] = _plot(result, out_dir) if out_dir else []
     result["machine"] = machine_info()
     return result
+
+
+def _missing(side: dict[str, Any]) -> str | None:
+    if "skipped" not in side:
+        return None
+    return "n/a" if side["skipped"].startswith("not measured") else "skipped"
 
 
 def _f(v: Any) -> str:

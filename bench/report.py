@@ -80,8 +80,10 @@ def scenario_markdown(result: dict[str, Any], image_dir: str | None = None, head
     out = [f"{heading} {result.get('title', result['scenario'])}", ""]
     m = result.get("machine", {})
     if m:
+        foreign = m.get("foreign_cpu_cores")
         out += [f"_{m.get('time')}, threads {m.get('threads')}, load average (1 min) at the end "
-                f"{m.get('loadavg_1m')}_", ""]
+                f"{m.get('loadavg_1m')}" + (f", other processes used {foreign} cores meanwhile" if foreign is not None
+                                            else "") + "_", ""]
     for note in result.get("notes", []):
         out += [note, ""]
     for t in result.get("tables", []):

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 from bench.common import machine_info
 from bench.report import info, new_figure, save_figure, table
-from bench.serving import (Progress, Server, completion_request, prefix_hit_rate, run_load, scrape_metrics,
-                           summarize)
+from bench.serving import (LoadMonitor, Progress, Server, completion_request, prefix_hit_rate, run_load,
+                           scrape_metrics, summarize)
 from bench.serving_vs_hf import BenchRequest
 
 DEFAULT_LEVELS = (1, 4, 16, 32)
@@ -52,11 +52,12 @@ def run_serve_load(server: Server, vocab_size: int, levels: Sequence[int] = DEFA
         reqs = synthetic_requests(requests_for(c), prompt_len, output_len, vocab_size, seed=seed * 1000 + level_index,
                                   shared_prefix=shared_prefix)
         before = scrape_metrics(server)
-        with Progress(len(reqs), f"serve-load c={c}", progress) as bar:
+        with Progress(len(reqs), f"serve-load c={c}", progress) as bar, LoadMonitor([server.pid]) as mon:
             records, elapsed = run_load(server, [completion_request(r.prompt_token_ids, r.output_len) for r in reqs],
                                         c, bar)
         after = scrape_metrics(server)
-        row = {"concurrency": c, **summarize(records, elapsed), **prefix_hit_rate(before, after)}
+        row = {"concurrency": c, **summarize(records, elapsed), **prefix_hit_rate(before, after),
+               "foreign_cpu_cores": mon.foreign_cores}
         row["client_cached_fraction"] = (round(row["cached_tokens"] / row["prompt_tokens"], 4)
                                          if row["prompt_tokens"] else None)
         rows_out.append(row)
@@ -70,16 +71,18 @@ def run_serve_load(server: Server, vocab_size: int, levels: Sequence[int] = DEFA
         "notes": [f"{server.kind} server ({server.model}); prompts of {prompt_len} token ids "
                   f"({shared_prefix} shared by all, like a system prompt), {output_len} output tokens each "
                   "(ignore_eos), streamed through /v1/completions; closed loop at each concurrency. "
-                  "TPOT = (last token - first token) / (tokens - 1). Hit rate from /metrics deltas."],
+                  "TPOT = (last token - first token) / (tokens - 1). Hit rate from /metrics deltas. "
+                  "'other procs': CPU that processes other than the bench and its server used meanwhile."],
     }
     result["tables"] = [table("serve-load: throughput and latency per concurrency",
                               ["concurrency", "requests", "errors", "output tok/s", "req/s", "TTFT p50 ms",
                                "TTFT p90 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms",
-                               "prefix hit rate"],
+                               "prefix hit rate", "other procs (cores)"],
                               [[r["concurrency"], r["requests"], r["errors"], r["output_tps"], r["req_per_s"],
                                 r["ttft_p50_ms"], r["ttft_p90_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"],
                                 r["tpot_p90_ms"], r["tpot_p99_ms"],
-                                None if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%"]
+                                None if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%",
+                                r["foreign_cpu_cores"]]
                                for r in rows_out])]
     best = max(rows_out, key=lambda r: r["output_tps"] or 0)
     expected = (shared_prefix // 16 * 16) / prompt_len if prompt_len else 0
