@@ -109,7 +109,7 @@ class PromptLookupDecoder:
 
 
 def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int = 128, k: int = 4,
-                    ngram_max: int = 3, quiet_wait_s: float = 0.0) -> dict[str, Any]:
+                    ngram_max: int = 3, quiet_wait_s: float = 0.0, ngram_min: int = 1) -> dict[str, Any]:
     """Plain kvserve decode vs prompt-lookup decode on the same prompts (greedy, EOS ignored)."""
     from engine.sampling_params import SamplingParams
 
@@ -125,7 +125,7 @@ def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
                 first = time.perf_counter()
         return {"tokens": tokens, "decode_s": time.perf_counter() - first}
 
-    spec = PromptLookupDecoder(engine, k, ngram_max)
+    spec = PromptLookupDecoder(engine, k, ngram_max, ngram_min)
     spec.generate(prompts[0], 8)  # warm-up
     plain(prompts[0][:8])
     runs = []
@@ -147,7 +147,7 @@ def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
     return {
         "benchmark": "spec_decode",
         "machine": machine_info(),
-        "k": k, "ngram_max": ngram_max, "prompts": len(prompts), "new_tokens": new_tokens,
+        "k": k, "ngram_max": ngram_max, "ngram_min": ngram_min, "prompts": len(prompts), "new_tokens": new_tokens,
         "plain_decode_tps": round(base_tps, 2), "spec_decode_tps": round(spec_tps, 2),
         "speedup": ratio(spec_tps, base_tps),
         "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
@@ -165,14 +165,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--ngram-max", type=int, default=3)
+    parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--quiet-wait", type=float, default=30.0)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     engine, _ = load_default_pair(args.num_threads, kv_cache_gib=0.5, with_hf=False)
     prompts = chat_prompts(engine.tokenizer, args.prompts, offset=1)
-    result = run_spec_decode(engine, prompts, args.tokens, args.k, args.ngram_max, args.quiet_wait)
+    result = run_spec_decode(engine, prompts, args.tokens, args.k, args.ngram_max, args.quiet_wait, args.ngram_min)
     print_table("prompt-lookup speculative decoding (single stream, greedy)", [[
-        f"k={result['k']} ngram<={result['ngram_max']}", result["plain_decode_tps"], result["spec_decode_tps"],
+        f"k={result['k']} ngram {result['ngram_min']}..{result['ngram_max']}", result["plain_decode_tps"], result["spec_decode_tps"],
         result["speedup"], result["acceptance_rate"], result["tokens_per_step"], result["token_match"]]],
         ["config", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/step", "same tokens"])
     print(f"  other processes used {result['foreign_cpu_cores']} cores meanwhile")
