@@ -228,19 +228,12 @@ class OpenAIServing:
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
                          "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
                          "finish_reason": c.finish_reason} for c in choices],
-            "usage": _usage(choices, [len(jobs[0].prompt_token_ids)]),
+            "usage": _usage(choices, _prompt_lengths(jobs)),
         })
 
     async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest) -> AsyncIterator[str]:
-        created = int(time.time())
         usage_on = body.include_usage_in_stream()
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            data: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                    "model": self.model_name, "choices": choices}
-            if usage_on:
-                data["usage"] = usage
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+        chunk = _chunk_writer(request_id, "chat.completion.chunk", self.model_name, usage_on)
 
         try:
             for job in jobs:
@@ -254,7 +247,7 @@ class OpenAIServing:
                 yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason if out.finished else None}])
             if usage_on:
-                yield chunk([], _usage([j.choice for j in jobs], [len(jobs[0].prompt_token_ids)]))
+                yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
         except EngineRequestError as exc:
             yield sse_error_frame(str(exc), exc.type, exc.code)
         yield "data: [DONE]\n\n"
@@ -273,16 +266,9 @@ class OpenAIServing:
         })
 
     async def _completion_stream(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> AsyncIterator[str]:
-        created = int(time.time())
         usage_on = body.include_usage_in_stream()
+        chunk = _chunk_writer(request_id, "text_completion", self.model_name, usage_on)
         offsets = {j.choice.index: 0 for j in jobs}
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            data: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                                    "model": self.model_name, "choices": choices}
-            if usage_on:
-                data["usage"] = usage
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         try:
             async for choice, out in self._merged(jobs, body.cache_salt):
@@ -336,6 +322,21 @@ def _apply(choice: Choice, out: RequestOutput) -> None:
         choice.logprobs.extend(out.logprobs)
     if out.finished:
         choice.finish_reason = out.finish_reason
+
+
+def _chunk_writer(request_id: str, object_name: str, model: str,
+                  usage_on: bool) -> Callable[..., str]:
+    """SSE frame builder for one stream; with ``include_usage`` every chunk carries ``usage`` (null until the last)."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        data: dict[str, Any] = {"id": request_id, "object": object_name, "created": created, "model": model,
+                                "choices": choices}
+        if usage_on:
+            data["usage"] = usage
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    return chunk
 
 
 def _prompt_lengths(jobs: list[Job]) -> list[int]:
