@@ -30,7 +30,7 @@ import torch
 
 from bench.common import (CpuMonitor, chat_prompts, load_default_pair, machine_info, print_table, ratio,
                           wait_for_quiet, write_results)
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
 def propose(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
@@ -71,15 +71,15 @@ class PromptLookupDecoder:
         positions = torch.arange(start, end)
         blocks = torch.arange(-(-end // self.block_size))  # slot = position: blocks 0, 1, 2, ...
         if n == 1 and start > 0:  # plain decode step
-            meta = AttentionMetadata(slot_mapping=positions, num_decodes=1, decode_block_ids=blocks,
-                                     decode_len=end, decode_mask=None, prefills=[])
+            meta = AttentionMetadata(slot_mapping=positions, num_decodes=1,
+                                     decode_groups=[DecodeGroup(0, 1, end, blocks, None)], prefills=[])
         elif start == 0:
-            meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_block_ids=None, decode_len=0,
-                                     decode_mask=None, prefills=[PrefillChunk(0, n, end, None, None)])
+            meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_groups=[],
+                                     prefills=[PrefillChunk(0, n, end, None, None)])
         else:
             mask = torch.arange(end)[None, :] <= positions[:, None]
-            meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_block_ids=None, decode_len=0,
-                                     decode_mask=None, prefills=[PrefillChunk(0, n, end, blocks, mask)])
+            meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_groups=[],
+                                     prefills=[PrefillChunk(0, n, end, blocks, mask)])
         hidden = self.model(torch.tensor(list(tokens)), positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden).argmax(dim=-1)
 

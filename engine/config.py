@@ -18,7 +18,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
-    attention_backend: str = "auto"  # "auto" | "torch" | "flash_attn"
+    attention_backend: str = "auto"  # "auto" | "native" | "torch" | "flash_attn"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
 
@@ -31,5 +31,6 @@ class ModelConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "flash_attn"):
-            raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "native", "torch", "flash_attn"):
+            raise ValueError(f"attention_backend must be auto, native, torch or flash_attn, "
+                             f"got {self.attention_backend!r}")

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
+from engine.attention import make_attention
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel, load_model
@@ -93,6 +94,9 @@ class LLMEngine:
             raise ValueError("attention_backend 'flash_attn' is not available yet; 'torch' (SDPA over the "
                              "paged pool) runs on CUDA as well")
         model = LlamaForCausalLM(arch, loaded.hf_config, max_len).to(dtype)
+        model.attn = make_attention(config.model.attention_backend, device, dtype)
+        logger.info("Attention: %s", "native paged decode kernel + SDPA prefill" if model.attn.native_decode
+                    else "torch SDPA")
         model.load_hf_state_dict(loaded.state_dict)
         model.to(device).eval()
         loaded.state_dict.clear()  # weights now live in the fused parameters only

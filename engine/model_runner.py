@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -23,13 +23,44 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+def split_by_length(lengths: list[int], group_cost: int) -> list[tuple[int, int]]:
+    """Split ascending ``lengths`` into contiguous groups ``[(start, end), ...]`` minimising
+    ``sum(group_cost + rows * longest)``: the tokens each group copies and attends to,
+    padding included, plus a fixed price per extra batched call (in tokens). O(n^2), n = rows.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    if lengths[0] == lengths[-1]:
+        return [(0, n)]
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        longest = lengths[end - 1]
+        for start in range(end):
+            cost = best[start] + group_cost + (end - start) * longest
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups = []
+    end = n
+    while end > 0:
+        groups.append((cut[end], end))
+        end = cut[end]
+    return groups[::-1]
+
+
 class ModelRunner:
+    # A decode group costs about as much as copying and attending to this many more tokens
+    # of context (one more index_select pair and SDPA call per layer).
+    group_cost_tokens = 256
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         arch = model.arch
         self.model = model
         model.select_linear_backend()
         self.block_size = block_size
+        self.native_decode = model.attn.native_decode
         self.device = torch.device(device)
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
@@ -60,31 +91,32 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
 
-        decode_blocks = decode_mask = None
-        decode_len = 0
-        if decodes:
-            ctx_lens = []
-            tables = []
-            for item in decodes:
-                pos = item.request.num_computed_tokens
-                input_ids.append(item.request.all_token_ids[pos])
-                positions.append(pos)
-                slots.append(item.block_ids[pos // bs] * bs + pos % bs)
-                ctx_lens.append(pos + 1)
-                tables.append(item.block_ids)
-            decode_len = max(ctx_lens)
-            width = (decode_len + bs - 1) // bs
+        for item in decodes:  # sorted by context length (see execute)
+            pos = item.request.num_computed_tokens
+            input_ids.append(item.request.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(item.block_ids[pos // bs] * bs + pos % bs)
+        groups = []
+        ctx_lens = [p + 1 for p in positions]
+        # The native kernel reads each row's own length in place: padding costs it nothing.
+        split = [(0, len(ctx_lens))] if self.native_decode and ctx_lens else \
+            split_by_length(ctx_lens, self.group_cost_tokens)
+        for start, end in split:
+            length = max(ctx_lens[start:end])  # the last one when sorted, as execute() does
+            width = (length + bs - 1) // bs
             # Rows shorter than the longest are padded with block 0: finite data, masked out.
             flat: list[int] = []
-            for t in tables:
-                row = t[:width]
+            for item in decodes[start:end]:
+                row = item.block_ids[:width]
                 flat.extend(row)
                 if len(row) < width:
                     flat.extend([0] * (width - len(row)))
-            decode_blocks = torch.tensor(flat, dtype=torch.long, device=self.device)
-            if min(ctx_lens) != decode_len:
-                lens = torch.tensor(ctx_lens)
-                decode_mask = (torch.arange(decode_len)[None, :] < lens[:, None])[:, None, None, :].to(self.device)
+            lens = torch.tensor(ctx_lens[start:end])
+            mask = None
+            if min(ctx_lens[start:end]) != length and not self.native_decode:
+                mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :].to(self.device)
+            groups.append(DecodeGroup(start, end, length, torch.tensor(flat, dtype=torch.long, device=self.device),
+                                      mask, lens.to(self.device)))
 
         chunks = []
         for item in prefills:
@@ -104,9 +136,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
-            decode_block_ids=decode_blocks,
-            decode_len=decode_len,
-            decode_mask=decode_mask,
+            decode_groups=groups,
             prefills=chunks,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -118,8 +148,10 @@ class ModelRunner:
         if out.is_empty:
             return {}
         # The attention layout puts single-token sequences first; keep the same order here.
-        ordered = [s for s in out.scheduled if s.num_new_tokens == 1] + \
-                  [s for s in out.scheduled if s.num_new_tokens > 1]
+        # Single-token rows first, shortest context first (decode groups are contiguous runs).
+        ordered = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
+                         key=lambda s: s.request.num_computed_tokens) + \
+            [s for s in out.scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta = self._prepare(ordered)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         self.num_tokens_computed += input_ids.numel()

@@ -34,13 +34,26 @@ def tiny_hf_model(config: LlamaConfig | None = None, seed: int = 0) -> LlamaForC
 
 def tiny_engine(hf_model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 128,
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
-                enable_prefix_caching: bool = True, tokenizer=None) -> LLMEngine:
+                enable_prefix_caching: bool = True, tokenizer=None, attention_backend: str = "auto") -> LLMEngine:
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf_model.config,
                          arch=ModelArch.from_hf_config(hf_model.config), state_dict=state, tokenizer=tokenizer)
     config = EngineConfig(
-        model=ModelConfig(num_threads=1),
+        model=ModelConfig(num_threads=1, attention_backend=attention_backend),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
     )
     return LLMEngine(config, loaded)
+
+
+def require_native_kernel() -> None:
+    """Skip where no C++ compiler exists; where one does, the kernel must build and load."""
+    import shutil
+
+    import pytest
+
+    from engine.kernels import load_paged_attention
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the native paged attention kernel cannot be built here")
+    assert load_paged_attention(), "the native paged attention kernel failed to build (see the log)"

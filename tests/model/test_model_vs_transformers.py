@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+from tests.helpers import require_native_kernel, tiny_engine, tiny_hf_model, tiny_llama_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ATOL = 2e-4
@@ -61,16 +61,24 @@ def hf_model(request):
     return tiny_hf_model(CONFIGS[request.param])
 
 
-def test_prefill_and_decode_match(hf_model):
-    engine = tiny_engine(hf_model)
+@pytest.fixture(params=["torch", "native"])
+def backend(request):
+    """Every test runs on both attention backends (native: the compiled paged decode kernel)."""
+    if request.param == "native":
+        require_native_kernel()
+    return request.param
+
+
+def test_prefill_and_decode_match(hf_model, backend):
+    engine = tiny_engine(hf_model, attention_backend=backend)
     rec = LogitRecorder(engine)
     rng = random.Random(0)
     engine.generate([random_prompt(rng, 13)], GREEDY)
     assert check_against_hf(hf_model, rec) == 6  # one prefill sample + five decode samples
 
 
-def test_batched_mixed_lengths_match(hf_model):
-    engine = tiny_engine(hf_model)
+def test_batched_mixed_lengths_match(hf_model, backend):
+    engine = tiny_engine(hf_model, attention_backend=backend)
     rec = LogitRecorder(engine)
     rng = random.Random(1)
     prompts = [random_prompt(rng, n) for n in (1, 5, 17, 30, 3)]
@@ -79,9 +87,9 @@ def test_batched_mixed_lengths_match(hf_model):
     assert check_against_hf(hf_model, rec) == 30
 
 
-def test_chunked_prefill_matches(hf_model):
+def test_chunked_prefill_matches(hf_model, backend):
     # A budget of 8 tokens forces a 37-token prompt through five chunks with a cached context.
-    engine = tiny_engine(hf_model, max_num_batched_tokens=8)
+    engine = tiny_engine(hf_model, max_num_batched_tokens=8, attention_backend=backend)
     rec = LogitRecorder(engine)
     rng = random.Random(2)
     prompt = random_prompt(rng, 37)
@@ -91,8 +99,8 @@ def test_chunked_prefill_matches(hf_model):
     assert check_against_hf(hf_model, rec) == 6
 
 
-def test_prefix_cache_hit_matches(hf_model):
-    engine = tiny_engine(hf_model, block_size=4)
+def test_prefix_cache_hit_matches(hf_model, backend):
+    engine = tiny_engine(hf_model, block_size=4, attention_backend=backend)
     rec = LogitRecorder(engine)
     rng = random.Random(3)
     shared = random_prompt(rng, 12)
@@ -105,8 +113,8 @@ def test_prefix_cache_hit_matches(hf_model):
     assert check_against_hf(hf_model, rec) == 12
 
 
-def test_greedy_tokens_equal_hf_generate(hf_model):
-    engine = tiny_engine(hf_model)
+def test_greedy_tokens_equal_hf_generate(hf_model, backend):
+    engine = tiny_engine(hf_model, attention_backend=backend)
     rng = random.Random(4)
     prompts = [random_prompt(rng, n) for n in (4, 9, 21)]
     ours = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
