@@ -69,8 +69,9 @@ def _cpu_identity() -> bytes:
 
 
 def _library_path(flags: list[str]) -> Path:
+    cpu = _cpu_identity() if "-march=native" in flags else b""
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join(flags).encode() + torch.__version__.encode()
-                         + sys.version.encode() + _cpu_identity()).hexdigest()[:16]
+                         + sys.version.encode() + cpu).hexdigest()[:16]
     return kernel_dir() / f"paged_attention-{key}.so"
 
 

@@ -43,6 +43,12 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Asks for one token row of the next block while the current one is processed: blocks sit
+// anywhere in the pool, so the hardware prefetcher cannot guess where the next one starts.
+inline void prefetch_row(const float* row, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+}
+
 // Heads [h0, h1) of one sequence against its cached tokens. q [H, D] (this sequence's
 // queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
 // out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
@@ -53,9 +59,11 @@ void attend(const float* q, const float* k, const float* v, const Layout& lay, i
   const int64_t num_blocks = (L + lay.block_size - 1) / lay.block_size;
   for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
     const float* kb = k + lay.table[j] * lay.block_stride;
+    const float* next = j + 1 < num_blocks ? k + lay.table[j + 1] * lay.block_stride : nullptr;
     const int64_t n = std::min(lay.block_size, L - j * lay.block_size);
     for (int64_t tt = 0; tt < n; ++tt, ++t) {
       const float* kt = kb + tt * lay.token_stride;
+      if (next) prefetch_row(next + tt * lay.token_stride, lay.token_stride);
       for (int64_t h = h0; h < h1; ++h) {
         const float* qh = q + h * D;
         const float* kh = kt + (h / G) * D;
@@ -83,9 +91,11 @@ void attend(const float* q, const float* k, const float* v, const Layout& lay, i
   std::fill(acc, acc + nh * D, 0.f);
   for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
     const float* vb = v + lay.table[j] * lay.block_stride;
+    const float* next = j + 1 < num_blocks ? v + lay.table[j + 1] * lay.block_stride : nullptr;
     const int64_t n = std::min(lay.block_size, L - j * lay.block_size);
     for (int64_t tt = 0; tt < n; ++tt, ++t) {
       const float* vt = vb + tt * lay.token_stride;
+      if (next) prefetch_row(next + tt * lay.token_stride, lay.token_stride);
       for (int64_t h = h0; h < h1; ++h) {
         const float p = scores[(h - h0) * L + t];
         const float* vh = vt + (h / G) * D;
@@ -133,14 +143,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KVH;
   const int64_t heads_per_job = H / split;
 
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+  // Jobs are dealt out round-robin, not in contiguous ranges: rows usually arrive sorted by
+  // context length, and a contiguous split would hand one thread all the long ones.
+  const int64_t num_jobs = B * split;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_jobs));
+  at::parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
     std::vector<float> scores, acc(heads_per_job * D);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / split, h0 = (job % split) * heads_per_job;
-      const Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
-      scores.resize(heads_per_job * lay.len);
-      attend(qp + b * H * D, kp, vp, lay, h0, h0 + heads_per_job, G, D, fscale, scores.data(), acc.data(),
-             op + b * H * D);
+    for (int64_t w = w_begin; w < w_end; ++w) {
+      for (int64_t job = w; job < num_jobs; job += workers) {
+        const int64_t b = job / split, h0 = (job % split) * heads_per_job;
+        const Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
+        scores.resize(heads_per_job * lay.len);
+        attend(qp + b * H * D, kp, vp, lay, h0, h0 + heads_per_job, G, D, fscale, scores.data(), acc.data(),
+               op + b * H * D);
+      }
     }
   });
   return out;

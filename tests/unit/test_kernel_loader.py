@@ -1,0 +1,31 @@
+"""Building the native kernel degrades to the torch backend instead of failing the engine."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.attention import make_attention
+
+
+def test_broken_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        assert kernels._load() is False
+    assert "using the torch backend" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("KVSERVE_DISABLE_KERNELS", "1")
+    assert kernels._load() is False
+
+
+def test_backend_choice():
+    assert make_attention("torch", torch.device("cpu"), torch.float32).native_decode is False
+    assert make_attention("auto", torch.device("cpu"), torch.bfloat16).native_decode is False
+    with pytest.raises(ValueError, match="CPU in float32"):
+        make_attention("native", torch.device("cpu"), torch.bfloat16)
