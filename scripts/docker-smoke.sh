@@ -193,6 +193,7 @@ docker build -f "$CTX/Dockerfile" -t "$IMAGE" \
     --build-arg "SMOLLM2_SPEC=$SMOLLM2_SPEC" \
     "$CTX" >"$WORK/build.log" 2>&1 || { tail -n 40 "$WORK/build.log"; die "docker build failed"; }
 log "built $IMAGE in $((SECONDS - t)) s: $(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=iec)"
+log "$(grep -o 'native attention: [A-Za-z]*' "$WORK/build.log" || echo 'native attention: not reported')"
 
 # ---- 4. the container alone ---------------------------------------------------------------
 API_KEY=smoke-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(12))')
@@ -214,7 +215,7 @@ wait_healthy() {  # container, timeout in seconds
     die "container $1 not healthy after $2 s ($state)"
 }
 wait_healthy "$CONTAINER" 240
-log "healthy $((SECONDS - t)) s after start"
+log "healthy $((SECONDS - t)) s after start; $(docker logs "$CONTAINER" 2>&1 | grep -o 'Attention: .*' | head -n 1)"
 [[ $(docker exec "$CONTAINER" id -u) != 0 ]] || die "the server runs as root"
 
 "$PYTHON" - "$PORT" "$API_KEY" "$WORK/metrics.txt" <<'EOF'
