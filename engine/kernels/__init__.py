@@ -99,9 +99,15 @@ def load_paged_attention() -> bool:
         return _loaded
 
 
+def _registered() -> bool:
+    return "kvserve::paged_decode_attention" in torch._C._dispatch_get_all_op_names()
+
+
 def _load() -> bool:
     if os.environ.get("KVSERVE_DISABLE_KERNELS"):
         return False
+    if _registered():  # a second library would collide with the first one's registration
+        return True
     try:
         flags = _build_flags()
         target = _library_path(flags)
