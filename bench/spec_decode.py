@@ -72,7 +72,8 @@ class PromptLookupDecoder:
         blocks = torch.arange(-(-end // self.block_size))  # slot = position: blocks 0, 1, 2, ...
         if n == 1 and start > 0:  # plain decode step
             meta = AttentionMetadata(slot_mapping=positions, num_decodes=1,
-                                     decode_groups=[DecodeGroup(0, 1, end, blocks, None)], prefills=[])
+                                     decode_groups=[DecodeGroup(0, 1, end, blocks, None, torch.tensor([end]))],
+                                     prefills=[])
         elif start == 0:
             meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_groups=[],
                                      prefills=[PrefillChunk(0, n, end, None, None)])

@@ -50,3 +50,18 @@ def test_serving_vs_hf_smoke(pair):
         assert cb["output_tokens"] == expected and cb["tps"] > 0
         assert result["ratio_vs_continuous"] > 0
     assert not engine.has_unfinished()
+
+
+def test_spec_decode_prototype_matches_plain_greedy():
+    from bench.spec_decode import PromptLookupDecoder, propose
+    from engine.sampling_params import SamplingParams
+
+    assert propose([5, 6, 7, 1, 5, 6], k=2) == [7, 1]  # the n-gram "5 6" seen before continues "7 1"
+    hf = tiny_hf_model()
+    engine = tiny_engine(hf, num_blocks=256)
+    prompt = [3, 4, 5, 6] * 6  # repetitive: drafts get proposed and verified
+    plain = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    engine.kv_cache.reset_prefix_cache()  # the prototype writes pool blocks directly
+    spec = PromptLookupDecoder(engine, k=3).generate(prompt, 12)
+    assert spec["tokens"] == plain.token_ids
+    assert spec["drafted"] > 0
