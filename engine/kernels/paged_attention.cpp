@@ -49,6 +49,22 @@ inline void prefetch_row(const float* row, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
 }
 
+// Calls fn(row, t) for the sequence's cached tokens t = 0 .. len-1 in order, row pointing at
+// token t's entry in pool (keys or values of all kv heads), block by block as the table says.
+template <typename Fn>
+inline void for_each_row(const float* pool, const Layout& lay, Fn&& fn) {
+  const int64_t num_blocks = (lay.len + lay.block_size - 1) / lay.block_size;
+  for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
+    const float* block = pool + lay.table[j] * lay.block_stride;
+    const float* next = j + 1 < num_blocks ? pool + lay.table[j + 1] * lay.block_stride : nullptr;
+    const int64_t n = std::min(lay.block_size, lay.len - j * lay.block_size);
+    for (int64_t i = 0; i < n; ++i, ++t) {
+      if (next) prefetch_row(next + i * lay.token_stride, lay.token_stride);
+      fn(block + i * lay.token_stride, t);
+    }
+  }
+}
+
 // Heads [h0, h1) of one sequence against its cached tokens. q [H, D] (this sequence's
 // queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
 // out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
@@ -56,24 +72,16 @@ inline void prefetch_row(const float* row, int64_t floats) {
 void attend(const float* q, const float* k, const float* v, const Layout& lay, int64_t h0, int64_t h1,
             int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
   const int64_t L = lay.len, nh = h1 - h0;
-  const int64_t num_blocks = (L + lay.block_size - 1) / lay.block_size;
-  for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
-    const float* kb = k + lay.table[j] * lay.block_stride;
-    const float* next = j + 1 < num_blocks ? k + lay.table[j + 1] * lay.block_stride : nullptr;
-    const int64_t n = std::min(lay.block_size, L - j * lay.block_size);
-    for (int64_t tt = 0; tt < n; ++tt, ++t) {
-      const float* kt = kb + tt * lay.token_stride;
-      if (next) prefetch_row(next + tt * lay.token_stride, lay.token_stride);
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* qh = q + h * D;
-        const float* kh = kt + (h / G) * D;
-        float s = 0.f;
+  for_each_row(k, lay, [&](const float* kt, int64_t t) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * D;
+      const float* kh = kt + (h / G) * D;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < D; ++i) s += qh[i] * kh[i];
-        scores[(h - h0) * L + t] = s * scale;
-      }
+      for (int64_t i = 0; i < D; ++i) s += qh[i] * kh[i];
+      scores[(h - h0) * L + t] = s * scale;
     }
-  }
+  });
   for (int64_t h = 0; h < nh; ++h) {
     float* s = scores + h * L;
     float m = s[0];
@@ -89,22 +97,15 @@ void attend(const float* q, const float* k, const float* v, const Layout& lay, i
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + nh * D, 0.f);
-  for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
-    const float* vb = v + lay.table[j] * lay.block_stride;
-    const float* next = j + 1 < num_blocks ? v + lay.table[j + 1] * lay.block_stride : nullptr;
-    const int64_t n = std::min(lay.block_size, L - j * lay.block_size);
-    for (int64_t tt = 0; tt < n; ++tt, ++t) {
-      const float* vt = vb + tt * lay.token_stride;
-      if (next) prefetch_row(next + tt * lay.token_stride, lay.token_stride);
-      for (int64_t h = h0; h < h1; ++h) {
-        const float p = scores[(h - h0) * L + t];
-        const float* vh = vt + (h / G) * D;
-        float* a = acc + (h - h0) * D;
+  for_each_row(v, lay, [&](const float* vt, int64_t t) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const float p = scores[(h - h0) * L + t];
+      const float* vh = vt + (h / G) * D;
+      float* a = acc + (h - h0) * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] += p * vh[i];
-      }
+      for (int64_t i = 0; i < D; ++i) a[i] += p * vh[i];
     }
-  }
+  });
   std::copy(acc, acc + nh * D, out + h0 * D);
 }
 
@@ -125,9 +126,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts do not match");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per query");
   const int64_t G = H / KVH, W = tables.size(1);
-  if (B > 0) {
-    TORCH_CHECK(lens.max().item<int64_t>() <= W * block_size, "a context is longer than its block table");
-    TORCH_CHECK(lens.min().item<int64_t>() >= 1, "every context needs at least one token");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] <= W * block_size, "a context is longer than its block table");
+    TORCH_CHECK(lp[b] >= 1, "every context needs at least one token");
   }
 
   auto out = at::empty({B, H, D}, q.options());
@@ -135,7 +137,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // A job is a whole sequence (each cached row read once, contiguously) when there are
