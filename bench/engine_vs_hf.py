@@ -38,9 +38,11 @@ def _params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
 
 
-def kvserve_single(engine: Any, prompt: Sequence[int], new_tokens: int) -> dict[str, Any]:
-    """One request through ``engine.step()``; times the first token and the decode after it."""
-    engine.add_request(list(prompt), _params(new_tokens))
+def kvserve_single(engine: Any, prompt: Sequence[int], new_tokens: int,
+                   params: SamplingParams | None = None) -> dict[str, Any]:
+    """One request through ``engine.step()``; times the first token and the decode after it.
+    ``params`` defaults to greedy with EOS masked until ``new_tokens`` (as HF's min_new_tokens)."""
+    engine.add_request(list(prompt), params or _params(new_tokens))
     tokens: list[int] = []
     start = time.perf_counter()
     first = None

@@ -22,7 +22,7 @@ import torch
 
 from bench.common import machine_info
 from bench.engine_vs_hf import _pad_id, _TimingStreamer, kvserve_single
-from bench.report import info, new_figure, save_figure, table
+from bench.report import finish_axes, info, new_figure, save_figure, table
 from engine.sampling_params import SamplingParams
 
 DEFAULT_CONTEXTS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -188,20 +188,13 @@ def _plot(costs: list[dict[str, Any]], fits: dict[str, Any], names: dict[str, st
     for k, (color, marker) in styles.items():
         ax.plot(xs, [r[f"{k}_ms"] for r in costs], marker, color=color, label=names[k])
         ax.plot(xs, [fits[k]["a_ms"] + fits[k]["b_ms_per_token"] * x for x in xs], "-", color=color, alpha=0.5)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms per new token")
-    ax.set_title("cost of one token")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "cost of one token", "context length (tokens)", "ms per new token")
     ax = axes[1]
     n_max = xs[-1]
     grid = list(range(0, n_max + 1, max(1, n_max // 64)))
     for k, (color, _) in styles.items():
         a, b = fits[k]["a_ms"], fits[k]["b_ms_per_token"]
         ax.plot(grid, [(a * n + b * n * n / 2) / 1000 for n in grid], "-", color=color, label=names[k])
-    ax.set_xlabel("tokens generated from an empty context")
-    ax.set_ylabel("seconds (from the fits)")
-    ax.set_title("cumulative: quadratic vs linear")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "cumulative: quadratic vs linear", "tokens generated from an empty context",
+                "seconds (from the fits)")
     return [save_figure(fig, out_dir / "kv-cache.png")]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench.common import machine_info
-from bench.report import check, info, new_figure, save_figure, table
+from bench.report import check, finish_axes, info, new_figure, save_figure, table
 from bench.serving import Progress
 from bench.serving_vs_hf import BenchRequest
 from engine.sampling_params import SamplingParams
@@ -131,17 +131,9 @@ def _plot(samples: list[dict[str, Any]], contiguous: int, out_dir: Path) -> list
     ax.plot(steps, [s["live"] / s["slots"] for s in samples], "-", color="#2a7", lw=1)
     ax.axhline(UTIL_TARGET, color="#c33", ls="--", lw=1, label=f"target {UTIL_TARGET:.0%}")
     ax.set_ylim(min(0.85, min(s["live"] / s["slots"] for s in samples) - 0.01), 1.005)
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("live tokens / allocated slots")
-    ax.set_title("slot utilization")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "slot utilization", "engine step", "live tokens / allocated slots")
     ax = axes[1]
     ax.plot(steps, [s["running"] for s in samples], "-", color="#36c", lw=1, label="paged: running requests")
     ax.axhline(contiguous, color="#c33", ls="--", lw=1, label="contiguous preallocation fit")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("requests")
-    ax.set_title("concurrency in the same budget")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "concurrency in the same budget", "engine step", "requests")
     return [save_figure(fig, out_dir / "kv-memory.png")]

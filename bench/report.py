@@ -132,6 +132,16 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, axes
 
 
+def finish_axes(ax: Any, title: str, xlabel: str, ylabel: str, legend: bool = True) -> None:
+    """The suite's common axis dressing: labels, title, a small legend, a light grid."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def save_figure(fig: Any, path: Path) -> str:
     import matplotlib.pyplot as plt
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bench.common import machine_info
-from bench.report import info, new_figure, save_figure, table
+from bench.report import finish_axes, info, new_figure, save_figure, table
 from bench.serving import (LoadMonitor, Progress, Server, completion_request, prefix_hit_rate, run_load,
                            scrape_metrics, summarize)
 from bench.serving_vs_hf import BenchRequest
@@ -113,10 +113,7 @@ def _plot(rows: list[dict[str, Any]], out_dir: Path) -> list[str]:
     ax.plot(cs, [r["output_tps"] or 0 for r in rows], "o-", label="output tokens/s")
     ax.set_xscale("log", base=2)
     ax.set_xticks(cs, [str(c) for c in cs])
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("throughput")
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "throughput", "concurrency", "output tokens/s", legend=False)
     ax = axes[1]
     for key, style in (("ttft", "o-"), ("tpot", "s-")):
         for q, alpha in (("p50", 1.0), ("p99", 0.5)):
@@ -125,9 +122,5 @@ def _plot(rows: list[dict[str, Any]], out_dir: Path) -> list[str]:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(cs, [str(c) for c in cs])
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("ms")
-    ax.set_title("latency")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "latency", "concurrency", "ms")
     return [save_figure(fig, out_dir / "serve-load.png")]

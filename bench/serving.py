@@ -75,7 +75,8 @@ def _model_name(url: str, api_key: str | None) -> str:
     return r.json()["data"][0]["id"]
 
 
-def _wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> None:
+def wait_healthy(url: str, timeout_s: float, alive: Any = lambda: True) -> None:
+    """Poll ``url``/health until it answers 200; fail early once ``alive()`` is False."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
@@ -93,7 +94,7 @@ def connect(url: str, api_key: str | None = None) -> Server:
     url = url.rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
-    _wait_healthy(url, 30)
+    wait_healthy(url, 30)
     return Server(url, _model_name(url, api_key), "url", api_key)
 
 
@@ -121,7 +122,7 @@ def start_subprocess(serve_args: Sequence[str] = (), port: int | None = None, lo
             log.close()
 
     try:
-        _wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
+        wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
         model = _model_name(url, None)
     except BaseException:
         close()
@@ -153,7 +154,7 @@ def start_inprocess(engine: Any, port: int | None = None, log_stats_interval_s: 
         thread.join(30)
 
     try:
-        _wait_healthy(url, 60, alive=thread.is_alive)
+        wait_healthy(url, 60, alive=thread.is_alive)
     except BaseException:
         close()
         raise

@@ -30,6 +30,7 @@ import torch
 
 from bench.common import (CpuMonitor, chat_prompts, load_default_pair, machine_info, print_table, ratio,
                           wait_for_quiet, write_results)
+from bench.engine_vs_hf import kvserve_single
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
@@ -71,15 +72,15 @@ class PromptLookupDecoder:
         positions = torch.arange(start, end)
         blocks = torch.arange(-(-end // self.block_size))  # slot = position: blocks 0, 1, 2, ...
         if n == 1 and start > 0:  # plain decode step
-            meta = AttentionMetadata(slot_mapping=positions, num_decodes=1,
+            meta = AttentionMetadata(slot_mapping=positions,
                                      decode_groups=[DecodeGroup(0, 1, end, blocks, None, torch.tensor([end]))],
                                      prefills=[])
         elif start == 0:
-            meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_groups=[],
+            meta = AttentionMetadata(slot_mapping=positions, decode_groups=[],
                                      prefills=[PrefillChunk(0, n, end, None, None)])
         else:
             mask = torch.arange(end)[None, :] <= positions[:, None]
-            meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_groups=[],
+            meta = AttentionMetadata(slot_mapping=positions, decode_groups=[],
                                      prefills=[PrefillChunk(0, n, end, blocks, mask)])
         hidden = self.model(torch.tensor(list(tokens)), positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden).argmax(dim=-1)
@@ -115,16 +116,10 @@ def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
     from engine.sampling_params import SamplingParams
 
     def plain(prompt: Sequence[int]) -> dict[str, Any]:
-        # ignore_eos: the prototype does not stop at EOS either, so both make new_tokens tokens.
-        engine.add_request(list(prompt), SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-        tokens: list[int] = []
-        first = None
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens.extend(o.new_token_ids)
-            if first is None and tokens:
-                first = time.perf_counter()
-        return {"tokens": tokens, "decode_s": time.perf_counter() - first}
+        # ignore_eos: the prototype does not stop at EOS either (nor masks it), so both sides
+        # make new_tokens tokens by the same greedy rule.
+        return kvserve_single(engine, prompt, new_tokens,
+                              SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
 
     spec = PromptLookupDecoder(engine, k, ngram_max, ngram_min)
     spec.generate(prompts[0], 8)  # warm-up

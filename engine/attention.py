@@ -1,6 +1,6 @@
 """Paged attention: step metadata and the torch reference backend.
 
-Token layout of a step (built by the ModelRunner): the ``num_decodes`` single-token
+Token layout of a step (built by the ModelRunner): the single-token (decode)
 sequences come first, one token each, then each prefill chunk's tokens contiguously.
 Every layer first writes the step's new K/V into the paged pool through ``slot_mapping``
 and only then attends, so a sequence can attend to its own new tokens and to blocks another
@@ -66,7 +66,6 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block_id * block_size + offset) of each new token
-    num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 

@@ -60,7 +60,6 @@ class ModelRunner:
         self.model = model
         model.select_linear_backend()
         self.block_size = block_size
-        self.native_decode = model.attn.native_decode
         self.device = torch.device(device)
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
@@ -99,7 +98,8 @@ class ModelRunner:
         groups = []
         ctx_lens = [p + 1 for p in positions]
         # The native kernel reads each row's own length in place: padding costs it nothing.
-        split = [(0, len(ctx_lens))] if self.native_decode and ctx_lens else \
+        native = self.model.attn.native_decode
+        split = [(0, len(ctx_lens))] if native and ctx_lens else \
             split_by_length(ctx_lens, self.group_cost_tokens)
         for start, end in split:
             length = max(ctx_lens[start:end])  # the last one when sorted, as execute() does
@@ -113,7 +113,7 @@ class ModelRunner:
                     flat.extend([0] * (width - len(row)))
             lens = torch.tensor(ctx_lens[start:end])
             mask = None
-            if min(ctx_lens[start:end]) != length and not self.native_decode:
+            if min(ctx_lens[start:end]) != length and not native:
                 mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :].to(self.device)
             groups.append(DecodeGroup(start, end, length, torch.tensor(flat, dtype=torch.long, device=self.device),
                                       mask, lens.to(self.device)))
@@ -135,7 +135,6 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=len(decodes),
             decode_groups=groups,
             prefills=chunks,
         )

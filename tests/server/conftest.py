@@ -21,6 +21,8 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from bench.serving import wait_healthy as poll_health
+
 API_KEY = "sk-kvserve-test-key"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,17 +124,8 @@ def free_port() -> int:
 
 
 def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited early with code {proc.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url} did not become healthy within {timeout}s")
+    """bench.serving's health poll, failing early when ``proc`` has exited."""
+    poll_health(base_url, timeout, alive=(lambda: proc.poll() is None) if proc is not None else (lambda: True))
 
 
 @dataclass
