@@ -57,7 +57,7 @@ WORKDIR /
 # kernel is built for any x86-64 / arm64 CPU (KVSERVE_KERNEL_CFLAGS above, set again at run time
 # so the runtime finds this build instead of compiling for its own CPU).
 RUN python3 -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
-    && python3 -c "from engine.kernels import load_paged_attention as load; print('native attention:', load())" \
+    && python3 -c "from engine.kernels import load_kernels as load; print('native kernels:', load())" \
     && chmod -R a+rX /opt/kvserve/models \
     && rm -rf /tmp/hf
 

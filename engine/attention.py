@@ -142,7 +142,7 @@ def make_attention(backend: str, device: torch.device, dtype: torch.dtype) -> To
     decode (CPU, fp32; an error when it cannot be built). ``auto``: ``native`` where it
     applies and builds, ``torch`` otherwise.
     """
-    from engine.kernels import load_paged_attention
+    from engine.kernels import load_kernels
 
     if backend == "torch":
         return TorchAttention()
@@ -150,10 +150,10 @@ def make_attention(backend: str, device: torch.device, dtype: torch.dtype) -> To
     if backend == "native":
         if not applies:
             raise ValueError(f"attention_backend 'native' runs on the CPU in float32, not {device.type}/{dtype}")
-        if not load_paged_attention():
+        if not load_kernels():
             raise ValueError("attention_backend 'native': the paged attention kernel could not be built "
                              "(see the warning above); use 'torch' or 'auto'")
         return TorchAttention(native_decode=True)
     if backend == "auto":
-        return TorchAttention(native_decode=applies and load_paged_attention())
+        return TorchAttention(native_decode=applies and load_kernels())
     raise ValueError(f"unknown attention backend {backend!r}")

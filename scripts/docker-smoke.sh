@@ -193,7 +193,7 @@ docker build -f "$CTX/Dockerfile" -t "$IMAGE" \
     --build-arg "SMOLLM2_SPEC=$SMOLLM2_SPEC" \
     "$CTX" >"$WORK/build.log" 2>&1 || { tail -n 40 "$WORK/build.log"; die "docker build failed"; }
 log "built $IMAGE in $((SECONDS - t)) s: $(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=iec)"
-log "$(grep -o 'native attention: [A-Za-z]*' "$WORK/build.log" || echo 'native attention: not reported')"
+log "$(grep -o 'native kernels: [A-Za-z]*' "$WORK/build.log" || echo 'native kernels: not reported')"
 
 # ---- 4. the container alone ---------------------------------------------------------------
 API_KEY=smoke-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(12))')

@@ -52,8 +52,8 @@ def require_native_kernel() -> None:
 
     import pytest
 
-    from engine.kernels import load_paged_attention
+    from engine.kernels import load_kernels
 
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the native paged attention kernel cannot be built here")
-    assert load_paged_attention(), "the native paged attention kernel failed to build (see the log)"
+    assert load_kernels(), "the native paged attention kernel failed to build (see the log)"

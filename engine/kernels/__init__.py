@@ -1,16 +1,21 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-The one kernel today is paged decode attention (``paged_attention.cpp``): it reads each
-sequence's keys and values in place from the block pool instead of gathering them into a
-contiguous copy first, which triples the memory traffic of batched decode in the torch
-backend. It is built once per (source, flags, torch version) into
+Two kernels, one library:
+
+* ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
+  in place from the block pool instead of gathering them into a contiguous copy first,
+  which triples the memory traffic of batched decode in the torch backend.
+* ``quant_linear.cpp``: linear layers computed straight from GGUF Q4_1/Q8_0 blocks, for the
+  few-row matmuls of decode, which stream every weight once per step (see engine/quant.py).
+
+The library is built once per (sources, flags, torch version) into
 ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve/kernels``) with plain ``g++``
 for this CPU (``-march=native``; the cache key includes the CPU model and flags), with no
 ninja and no pybind (the .so registers ``torch.ops.kvserve.*`` when loaded), written to a
 temporary name and renamed, so concurrent processes never load a half-written library.
 
-``load_paged_attention()`` never raises: without a compiler, or on any build error, it
-logs one warning and returns False, and callers use the torch backend.
+``load_kernels()`` never raises: without a compiler, or on any build error, it logs one
+warning and returns False, and callers use the torch paths.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -70,9 +75,10 @@ def _cpu_identity() -> bytes:
 
 def _library_path(flags: list[str]) -> Path:
     cpu = _cpu_identity() if "-march=native" in flags else b""
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join(flags).encode() + torch.__version__.encode()
+    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in SOURCES)
+    key = hashlib.sha256(sources + "\0".join(flags).encode() + torch.__version__.encode()
                          + sys.version.encode() + cpu).hexdigest()[:16]
-    return kernel_dir() / f"paged_attention-{key}.so"
+    return kernel_dir() / f"kvserve_kernels-{key}.so"
 
 
 def _build(compiler: str, flags: list[str], target: Path) -> None:
@@ -80,7 +86,7 @@ def _build(compiler: str, flags: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, str(SOURCE), "-o", tmp, *flags], capture_output=True, text=True)
+        result = subprocess.run([compiler, *map(str, SOURCES), "-o", tmp, *flags], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
         os.chmod(tmp, 0o755)
@@ -90,8 +96,8 @@ def _build(compiler: str, flags: list[str], target: Path) -> None:
             os.unlink(tmp)
 
 
-def load_paged_attention() -> bool:
-    """Make ``torch.ops.kvserve.paged_decode_attention`` available; True when it is."""
+def load_kernels() -> bool:
+    """Make the ``torch.ops.kvserve.*`` kernels available; True when they are."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -115,10 +121,10 @@ def _load() -> bool:
             compiler = _compiler()
             if compiler is None:
                 raise RuntimeError("no C++ compiler (g++) on PATH")
-            logger.info("Compiling the paged attention kernel into %s (once per machine)", target.parent)
+            logger.info("Compiling the native kernels into %s (once per machine)", target.parent)
             _build(compiler, flags, target)
         torch.ops.load_library(str(target))
         return True
     except Exception as exc:  # any failure means: use the torch backend
-        logger.warning("Native paged attention unavailable (%s); using the torch backend", exc)
+        logger.warning("Native kernels unavailable (%s); using the torch backend", exc)
         return False

@@ -1,0 +1,176 @@
+"""Linear layers computed straight from a GGUF checkpoint's quantized blocks.
+
+A GGUF file stores most matrices as blocks of 32 weights: Q4_1 (fp16 scale and offset, 4-bit
+codes; 0.625 bytes a weight) or Q8_0 (fp16 scale, 8-bit codes; 1.06 bytes a weight). The
+loader converts the file once to a dense fp32 checkpoint holding exactly the values those
+blocks decode to, and that dense copy is what prefill runs on. Decode, though, streams every
+weight once per step for a handful of rows, so its speed is weight bytes over memory
+bandwidth, and fp32 is 6.4x (Q4_1) or 3.8x (Q8_0) more bytes than the blocks it came from.
+kvserve keeps the blocks of each linear layer next to the dense weights and sends calls of
+up to ``BlockLinear.MAX_ROWS`` rows to the native kernel (``engine/kernels/quant_linear.cpp``),
+which expands each weight in registers and multiplies in fp32.
+
+Contract: a block matrix is attached to a layer only when it decodes to that layer's dense
+parameter bit for bit (checked at load), so both paths compute the same function of the
+same weights and differ only in summation order, like any two fp32 matmul kernels.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+BLOCK_WEIGHTS = 32
+
+
+class BlockFormat(IntEnum):
+    """GGUF block formats the kernel reads; the values are the kernel's format codes."""
+
+    Q4_1 = 0
+    Q8_0 = 1
+
+    @property
+    def block_bytes(self) -> int:
+        return 20 if self is BlockFormat.Q4_1 else 34
+
+
+@dataclass
+class GGUFMatrix:
+    """A ``[out_features, in_features]`` matrix as a GGUF file stores it: ``data`` is uint8
+    ``[out_features, in_features / 32 * block_bytes]``, one row of blocks per output feature."""
+
+    data: torch.Tensor
+    format: BlockFormat
+    in_features: int
+
+    def __post_init__(self) -> None:
+        want = self.in_features // BLOCK_WEIGHTS * self.format.block_bytes
+        if (self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % BLOCK_WEIGHTS
+                or self.data.shape[1] != want):
+            raise ValueError(f"not {self.format.name} rows of {self.in_features} weights: "
+                             f"{tuple(self.data.shape)} {self.data.dtype}")
+        self.data = self.data.contiguous()
+
+    @staticmethod
+    def stack(parts: list[GGUFMatrix | None]) -> GGUFMatrix | None:
+        """The parts' rows one after another (as ``torch.cat`` of the dense matrices), or None
+        when a part is missing or the parts differ in format or width."""
+        present = [p for p in parts if p is not None]
+        if not present or len(present) < len(parts):
+            return None
+        first = present[0]
+        if any(p.format != first.format or p.in_features != first.in_features for p in present):
+            return None
+        return GGUFMatrix(torch.cat([p.data for p in present]), first.format, first.in_features)
+
+    def pack(self) -> PackedMatrix:
+        """The kernel's layout (strips of 8 output columns, see quant_linear.cpp); same bytes."""
+        data = torch.ops.kvserve.gguf_pack(self.data, self.in_features, int(self.format))
+        return PackedMatrix(data, self.format, self.data.shape[0], self.in_features)
+
+
+@dataclass
+class PackedMatrix:
+    """GGUF blocks regrouped for the kernel (``torch.ops.kvserve.gguf_pack``)."""
+
+    data: torch.Tensor
+    format: BlockFormat
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix the kernel multiplies by: value for value what gguf's own
+        dequantization of the original blocks gives."""
+        return torch.ops.kvserve.gguf_unpack(self.data, self.out_features, self.in_features, int(self.format))
+
+
+class BlockLinear:
+    """``F.linear(x, W, bias)`` with W held as packed GGUF blocks: calls of at most
+    ``max_rows`` rows run the block kernel, larger ones (prefill) run ``dense`` (the same op
+    on the dense fp32 weight).
+
+    ``MAX_ROWS``, measured per format on this project's 2-core CPU against oneDNN on packed
+    fp32 weights (``bench/quant_linear.py``): the kernel reads 6.4x (Q4_1) or 3.8x (Q8_0)
+    fewer bytes, which wins while a call is bandwidth bound; with more rows the matmul turns
+    compute bound, and expanding each weight to fp32 costs more than oneDNN's blocking saves.
+    """
+
+    MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4}
+
+    def __init__(self, blocks: PackedMatrix, bias: torch.Tensor | None,
+                 dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.blocks = blocks
+        self.bias = bias
+        self.dense = dense
+        self.max_rows = self.MAX_ROWS[blocks.format]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self.dense(x)
+        b = self.blocks
+        y = torch.ops.kvserve.gguf_linear(x, b.data, b.out_features, int(b.format))
+        return y if self.bias is None else y.add_(self.bias)
+
+
+# llama.cpp's tensor names for a Llama-family layer -> transformers' names.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for tensors
+    that are not linear weights (norms, ...)."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation for rotary embeddings (the inverse
+    transformers applies when it reads a llama GGUF): new row i is old row ``index[i]``."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
+    """The Q4_1/Q8_0 linear weights of a GGUF file under transformers' names; matrices in other
+    formats (F32, F16, K-quants, ...) are left out and run dense."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    gguf_arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    formats = {gguf.GGMLQuantizationType.Q4_1: BlockFormat.Q4_1, gguf.GGMLQuantizationType.Q8_0: BlockFormat.Q8_0}
+    blocks: dict[str, GGUFMatrix] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        fmt = formats.get(tensor.tensor_type)
+        if name is None or fmt is None:
+            continue
+        data = np.asarray(tensor.data)
+        if gguf_arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = arch.num_heads if ".attn_q." in tensor.name else arch.num_kv_heads
+            data = data[unpermute_rows(data.shape[0], heads)]
+        blocks[name] = GGUFMatrix(torch.from_numpy(np.array(data)), fmt, int(tensor.shape[0]))  # a copy: the file is mapped
+    return blocks
