@@ -19,6 +19,9 @@ class ModelConfig:
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     attention_backend: str = "auto"  # "auto" | "native" | "torch" | "flash_attn"
+    # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's Q4_1/Q8_0
+    # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
+    linear_backend: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
 
@@ -31,6 +34,8 @@ class ModelConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.linear_backend not in ("auto", "gguf", "onednn", "aten"):
+            raise ValueError(f"linear_backend must be auto, gguf, onednn or aten, got {self.linear_backend!r}")
         if self.attention_backend not in ("auto", "native", "torch", "flash_attn"):
             raise ValueError(f"attention_backend must be auto, native, torch or flash_attn, "
                              f"got {self.attention_backend!r}")

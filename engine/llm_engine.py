@@ -18,9 +18,11 @@ from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, n
 from engine.attention import make_attention
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kernels import load_kernels
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
+from engine.quant import read_gguf_blocks
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt
@@ -100,6 +102,7 @@ class LLMEngine:
         model.load_hf_state_dict(loaded.state_dict)
         model.to(device).eval()
         loaded.state_dict.clear()  # weights now live in the fused parameters only
+        self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
 
         cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
@@ -115,6 +118,18 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
+
+    @staticmethod
+    def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
+                       dtype: torch.dtype) -> None:
+        """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built), then bind the matmuls."""
+        if backend in ("auto", "gguf") and loaded.gguf_path is not None and device.type == "cpu" \
+                and dtype == torch.float32 and load_kernels():
+            covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
+            logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them)", covered)
+        chosen = model.select_linear_backend(backend)
+        logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
+                    model.decode_weight_bytes() / 1e6)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

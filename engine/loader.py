@@ -49,6 +49,7 @@ class LoadedModel:
     arch: ModelArch
     state_dict: dict[str, torch.Tensor]
     tokenizer: Any
+    gguf_path: Path | None = None  # the GGUF the dense checkpoint was converted from, if any
 
 
 def conversion_cache_dir() -> Path:
@@ -91,6 +92,14 @@ def resolve_model_dir(model: str | None) -> tuple[Path, str]:
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"no *.safetensors weights in {model} (pickled .bin weights are not loaded)")
     return path, path.name
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file behind a ``--model`` value (None for a checkpoint directory)."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _file_sha256(path: Path) -> str:
@@ -161,4 +170,4 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedM
     if not arch.eos_token_ids and tokenizer.eos_token_id is not None:
         arch = ModelArch(**{**arch.__dict__, "eos_token_ids": frozenset([tokenizer.eos_token_id])})
     return LoadedModel(path=path, name=name, hf_config=hf_config, arch=arch,
-                       state_dict=state_dict, tokenizer=tokenizer)
+                       state_dict=state_dict, tokenizer=tokenizer, gguf_path=gguf_source(model))

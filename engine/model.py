@@ -6,7 +6,7 @@ returns hidden states; ``compute_logits`` runs the LM head only on the rows that
 """
 from __future__ import annotations
 
-import os
+import logging
 from typing import Any, Callable
 
 import torch
@@ -15,6 +15,9 @@ from torch import nn
 
 from engine.arch import ModelArch
 from engine.attention import AttentionMetadata, TorchAttention
+from engine.quant import BlockLinear, GGUFMatrix, PackedMatrix
+
+logger = logging.getLogger(__name__)
 
 
 def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +99,14 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
+                 batch_hint: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.linear`` on ``weight`` for ``aten``, through oneDNN's packed layout for ``onednn``."""
+    if backend == "onednn":
+        return PackedLinear(weight, bias, batch_hint)
+    return lambda x: F.linear(x, weight, bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -111,21 +122,25 @@ class DecoderLayer(nn.Module):
         self.o_bias: nn.Parameter | None = None
         self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
         self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
-        self.use_aten_linear()
+        self.blocks: dict[str, PackedMatrix] = {}  # weight name -> the same matrix as GGUF blocks
+        self.use_linear("aten")
 
-    def use_aten_linear(self) -> None:
-        """Matmuls through ``F.linear`` (MKL) on the parameters."""
-        self.qkv_mm: Callable[[torch.Tensor], torch.Tensor] = lambda y: F.linear(y, self.qkv, self.qkv_bias)
-        self.o_mm: Callable[[torch.Tensor], torch.Tensor] = lambda y: F.linear(y, self.o_proj, self.o_bias)
-        self.gate_up_mm: Callable[[torch.Tensor], torch.Tensor] = lambda y: F.linear(y, self.gate_up)
-        self.down_mm: Callable[[torch.Tensor], torch.Tensor] = lambda y: F.linear(y, self.down)
+    # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
+    MATMULS = (("qkv_mm", "qkv", "qkv_bias"), ("o_mm", "o_proj", "o_bias"),
+               ("gate_up_mm", "gate_up", None), ("down_mm", "down", None))
 
-    def use_packed_linear(self, batch_hint: int = 16) -> None:
-        """Matmuls of 4 rows or more through oneDNN on packed copies of the weights (see PackedLinear)."""
-        self.qkv_mm = PackedLinear(self.qkv, self.qkv_bias, batch_hint)
-        self.o_mm = PackedLinear(self.o_proj, self.o_bias, batch_hint)
-        self.gate_up_mm = PackedLinear(self.gate_up, None, batch_hint)
-        self.down_mm = PackedLinear(self.down, None, batch_hint)
+    def use_linear(self, backend: str, batch_hint: int = 16) -> None:
+        """Bind the four matmuls: ``aten`` (``F.linear``, MKL), ``onednn`` (PackedLinear),
+        ``gguf`` (BlockLinear over ``self.blocks`` where a weight has blocks, with oneDNN
+        for the large calls; aten where oneDNN is unavailable)."""
+        dense_backend = "onednn" if backend == "gguf" and onednn_linear_available() else backend
+        for attr, weight_name, bias_name in self.MATMULS:
+            weight = getattr(self, weight_name)
+            bias = getattr(self, bias_name) if bias_name else None
+            mm = dense_linear(weight, bias, dense_backend, batch_hint)
+            if backend == "gguf" and weight_name in self.blocks:
+                mm = BlockLinear(self.blocks[weight_name], bias, mm)
+            setattr(self, attr, mm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn: TorchAttention) -> torch.Tensor:
@@ -159,31 +174,67 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.attn = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
+        self.lm_head_blocks: PackedMatrix | None = None
         self.linear_backend = "aten"
 
-    def select_linear_backend(self, backend: str | None = None, batch_hint: int = 16) -> str:
-        """Pick the matmul kernels after the weights are loaded: ``aten`` (``F.linear``, MKL) or
-        ``onednn`` (calls of 4+ rows through oneDNN on packed weights, see PackedLinear; it
-        keeps a second, packed copy of every weight matrix).
+    def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
+        """Bind the matmul kernels once the weights are loaded; return the backend in use.
 
-        ``None`` reads ``KVSERVE_LINEAR`` (default ``onednn`` where it is available: fp32 on a
-        CPU torch built with oneDNN). Call it again after reloading weights. Returns the
-        backend in use.
+        ``aten``: ``F.linear`` (MKL). ``onednn``: calls of 4+ rows through oneDNN on a second,
+        packed copy of each weight (see PackedLinear); ``aten`` where oneDNN cannot run (not
+        fp32 on a CPU). ``gguf``: the matrices that have GGUF blocks (see ``attach_blocks``)
+        run calls of up to ``BlockLinear.MAX_ROWS`` rows from the blocks, everything else as
+        ``onednn``; an error when no blocks are attached. ``auto``: ``gguf`` when blocks are
+        attached, else ``onednn``. Call it again after reloading weights.
         """
-        backend = (backend or os.environ.get("KVSERVE_LINEAR") or "onednn").lower()
-        if backend not in ("aten", "onednn"):
-            raise ValueError(f"linear backend must be aten or onednn, got {backend!r}")
+        if backend not in ("auto", "gguf", "onednn", "aten"):
+            raise ValueError(f"linear backend must be auto, gguf, onednn or aten, got {backend!r}")
+        has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
+        if backend == "gguf" and not has_blocks:
+            raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with Q4_1/Q8_0 weights, a CPU "
+                             "in float32 and the native kernels; use 'auto'")
+        if backend == "auto":
+            backend = "gguf" if has_blocks else "onednn"
         if backend == "onednn" and not (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                                         and onednn_linear_available()):
             backend = "aten"
         for layer in self.layers:
-            layer.use_packed_linear(batch_hint) if backend == "onednn" else layer.use_aten_linear()
-        if backend == "onednn":
-            self.lm_head_mm = PackedLinear(self.lm_head, None, batch_hint)
-        else:
-            self.lm_head_mm = lambda h: F.linear(h, self.lm_head)
+            layer.use_linear(backend, batch_hint)
+        dense_backend = "onednn" if backend == "gguf" and onednn_linear_available() else backend
+        self.lm_head_mm = dense_linear(self.lm_head, None, dense_backend, batch_hint)
+        if backend == "gguf" and self.lm_head_blocks is not None:
+            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
         self.linear_backend = backend
         return backend
+
+    @torch.no_grad()
+    def attach_blocks(self, blocks: dict[str, GGUFMatrix]) -> int:
+        """Keep GGUF blocks (HF-named, see ``engine.quant.read_gguf_blocks``) for the fused
+        matrices they cover exactly: a fused matrix gets blocks only when every part has them
+        in one format and they decode to the loaded dense weight bit for bit. Needs the
+        native kernels loaded. Returns the number of matrices covered."""
+        def attach(dense: torch.Tensor, parts: list[str]) -> PackedMatrix | None:
+            stacked = GGUFMatrix.stack([blocks.get(p) for p in parts])
+            packed = stacked.pack() if stacked is not None else None
+            if packed is not None and packed.dequantize().equal(dense):
+                return packed
+            if packed is not None:
+                logger.warning("GGUF blocks of %s do not decode to the loaded weights; running it dense", parts[0])
+            return None
+
+        covered = 0
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            layer.blocks = {}
+            for weight_name, parts in (("qkv", [a + "q_proj", a + "k_proj", a + "v_proj"]), ("o_proj", [a + "o_proj"]),
+                                       ("gate_up", [m + "gate_proj", m + "up_proj"]), ("down", [m + "down_proj"])):
+                found = attach(getattr(layer, weight_name), [p + ".weight" for p in parts])
+                if found is not None:
+                    layer.blocks[weight_name] = found
+                    covered += 1
+        head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
+        self.lm_head_blocks = attach(self.lm_head, [head])
+        return covered + (self.lm_head_blocks is not None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -197,11 +248,19 @@ class LlamaForCausalLM(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
 
     def decode_weight_bytes(self) -> int:
-        """Weight bytes one decode step streams: every layer, the final norm and the LM head
-        (the embedding lookup reads a single row and is not counted)."""
-        return (sum(p.numel() * p.element_size() for p in self.layers.parameters())
-                + self.norm.numel() * self.norm.element_size()
-                + self.lm_head.numel() * self.lm_head.element_size())
+        """Weight bytes one single-row decode step streams with the kernels in use: every
+        layer, the final norm and the LM head, counted as blocks where the ``gguf`` backend
+        reads blocks (the embedding lookup reads a single row and is not counted)."""
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        gguf = self.linear_backend == "gguf"
+        total = nbytes(self.norm)
+        for layer in self.layers:
+            covered = layer.blocks if gguf else {}
+            total += sum(covered[n].nbytes if n in covered else nbytes(p) for n, p in layer.named_parameters())
+        head = self.lm_head_blocks if gguf else None
+        return total + (head.nbytes if head is not None else nbytes(self.lm_head))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -211,6 +270,9 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...) into the fused layout."""
         self.select_linear_backend("aten")  # packed copies would go stale; select again after loading
+        self.lm_head_blocks = None
+        for layer in self.layers:
+            layer.blocks = {}
         sd = dict(sd)
         take = sd.pop
         self.embed.copy_(take("model.embed_tokens.weight"))

@@ -58,7 +58,6 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         arch = model.arch
         self.model = model
-        model.select_linear_backend()
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)

@@ -20,6 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--num-threads", dest="num_threads", type=int)
     g.add_argument("--attention-backend", dest="attention_backend", choices=["auto", "native", "torch", "flash_attn"])
+    g.add_argument("--linear-backend", dest="linear_backend", choices=["auto", "gguf", "onednn", "aten"])
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")
