@@ -175,14 +175,19 @@ def chat_prompts(tokenizer: Any, n: int, offset: int = 0, vocab_size: int | None
 
 
 def weight_bytes_per_decode_token(engine: Any) -> int:
-    """Bytes of weights one decode step streams: every layer's matrices and norms, the final
-    norm and the LM head (the embedding lookup reads one row and is not counted)."""
-    model = engine.runner.model
-    if hasattr(model, "decode_weight_bytes"):
-        return model.decode_weight_bytes()
-    total = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-    total += model.norm.numel() * model.norm.element_size()
-    total += model.lm_head.numel() * model.lm_head.element_size()
+    """Bytes of weights one kvserve decode step streams with its kernels in use: every
+    layer's matrices and norms, the final norm and the LM head (the embedding lookup reads
+    one row and is not counted); GGUF blocks where the decode matmuls read blocks."""
+    return engine.runner.model.decode_weight_bytes()
+
+
+def hf_weight_bytes_per_decode_token(hf_model: Any) -> int:
+    """The same count for a transformers model: all its (dense) parameters but the input
+    embedding, which is counted once as the LM head when the two are tied."""
+    total = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    if not hf_model.config.tie_word_embeddings:
+        emb = hf_model.get_input_embeddings().weight
+        total -= emb.numel() * emb.element_size()
     return total
 
 

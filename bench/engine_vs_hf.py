@@ -9,9 +9,10 @@ Two measurements, both greedy, fp32, exactly the same number of new tokens on bo
   transformers: one left-padded batched ``generate``); output tokens/s over the whole call,
   prefill included.
 
-Single stream is also reported as a fraction of the memory-bandwidth bound: read bandwidth
-measured in this run (a ``sum`` over 1 GiB) divided by the weight bytes one decode token
-streams (all layer weights + LM head).
+Single stream is also reported as a fraction of each side's memory-bandwidth bound: read
+bandwidth measured in this run (a ``sum`` over 1 GiB) divided by the weight bytes one decode
+token streams (all layer weights + LM head): dense fp32 for transformers, the GGUF blocks
+for kvserve where its decode matmuls read them (``linear_backend: gguf``).
 
     python -m bench.engine_vs_hf            # default model, full run (~1-2 min)
     python -m bench.engine_vs_hf --quick    # fewer tokens, smoke test
@@ -25,7 +26,8 @@ from typing import Any, Sequence
 import torch
 
 from bench.common import (CpuMonitor, chat_prompts, load_default_pair, machine_info, memory_bandwidth_gbs,
-                          print_table, ratio, verdict, wait_for_quiet, weight_bytes_per_decode_token,
+                          hf_weight_bytes_per_decode_token, print_table, ratio, verdict, wait_for_quiet,
+                          weight_bytes_per_decode_token,
                           write_results)
 from engine.sampling_params import SamplingParams
 
@@ -198,11 +200,13 @@ def run_engine_vs_hf(engine: Any, hf_model: Any, single_prompts: Sequence[Sequen
     if measure_bandwidth:
         bandwidth = memory_bandwidth_gbs(bandwidth_mib)
         per_token = weight_bytes_per_decode_token(engine)
-        bound = bandwidth * 1e9 / per_token
+        hf_per_token = hf_weight_bytes_per_decode_token(hf_model)
+        bound, hf_bound = bandwidth * 1e9 / per_token, bandwidth * 1e9 / hf_per_token
         result["bandwidth"] = {
             "read_gbs": round(bandwidth, 2), "weight_bytes_per_token": per_token,
             "bound_tps": round(bound, 2), "kvserve_fraction": round(single_k / bound, 3),
-            "hf_fraction": round(single_h / bound, 3),
+            "hf_weight_bytes_per_token": hf_per_token, "hf_bound_tps": round(hf_bound, 2),
+            "hf_fraction": round(single_h / hf_bound, 3),
         }
     return result
 
@@ -227,9 +231,10 @@ def print_report(result: dict[str, Any]) -> None:
               "2-thread matmuls slow down badly under contention; rerun on a quiet machine")
     if "bandwidth" in result:
         bw = result["bandwidth"]
-        print(f"  memory bandwidth {bw['read_gbs']} GB/s, {bw['weight_bytes_per_token'] / 1e6:.0f} MB of weights per "
-              f"decode token -> bound {bw['bound_tps']} tok/s; kvserve at {bw['kvserve_fraction']:.0%}, "
-              f"HF at {bw['hf_fraction']:.0%} of it")
+        print(f"  memory bandwidth {bw['read_gbs']} GB/s; weights streamed per decode token: kvserve "
+              f"{bw['weight_bytes_per_token'] / 1e6:.0f} MB (bound {bw['bound_tps']} tok/s, at "
+              f"{bw['kvserve_fraction']:.0%}), HF {bw['hf_weight_bytes_per_token'] / 1e6:.0f} MB (bound "
+              f"{bw['hf_bound_tps']} tok/s, at {bw['hf_fraction']:.0%})")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

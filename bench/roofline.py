@@ -5,8 +5,9 @@
 * bandwidth bound: read bandwidth of a ``sum`` over a buffer far larger than the caches
   (``bench.common.memory_bandwidth_gbs``);
 * kvserve's single-stream decode (engine, in process) against the bandwidth bound: every
-  decode token streams all weights once (``weight_bytes_per_decode_token``), so the bound is
-  bandwidth / weight bytes tokens/s; target at least 80% of it;
+  decode token streams all weights once (``weight_bytes_per_decode_token``: the GGUF blocks
+  where the decode matmuls read them, fp32 elsewhere), so the bound is bandwidth / weight
+  bytes tokens/s; target at least 80% of it;
 * kvserve's peak throughput (``batch`` prompts generated together) against the compute bound:
   a token costs 2 FLOPs per weight (attention ignored), so the bound is GFLOP/s / (2 x
   weights) tokens/s.
@@ -43,8 +44,9 @@ def run_roofline(engine: Any, single_prompts: Sequence[Sequence[int]], batch_pro
     first_gflops = matmul_gflops(matmul_n, repeats)
     first_bandwidth = memory_bandwidth_gbs(bandwidth_mib, repeats)
     weight_bytes = weight_bytes_per_decode_token(engine)
-    elem = next(engine.runner.model.parameters()).element_size()
-    flops_per_token = 2 * weight_bytes / elem
+    model = engine.runner.model
+    flops_per_token = 2 * (sum(p.numel() for p in model.layers.parameters()) + model.norm.numel()
+                           + model.lm_head.numel())
 
     kvserve_single(engine, single_prompts[0], 4)  # warm-up
     engine.kv_cache.reset_prefix_cache()

@@ -1,0 +1,112 @@
+"""The GGUF block kernel against oneDNN and MKL on the default model's own matrices.
+
+For each matrix shape of SmolLM2-135M (fused qkv, o_proj, fused gate/up, down: Q4_1; the
+tied LM head: Q8_0) and each row count, one call's time through
+
+* ``block``: ``torch.ops.kvserve.gguf_linear`` on the packed GGUF blocks,
+* ``onednn``: kvserve's dense path (``PackedLinear``: oneDNN on packed fp32 weights from 4
+  rows, MKL below),
+* ``mkl``: ``F.linear`` on the fp32 weights (what transformers runs),
+
+cycling over all 30 layers' copies so that, as in a real step, each call reads its weights
+from memory rather than from cache. The ratios say where ``BlockLinear.MAX_ROWS`` belongs:
+the block kernel wins while a call is bound by weight bytes and loses once it is compute
+bound.
+
+    python -m bench.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import machine_info, print_table, ratio, set_threads, write_results
+from engine.quant import GGUFMatrix, PackedMatrix
+
+
+def time_call(fn: Callable[[], Any], min_s: float = 0.3) -> float:
+    """Seconds per call: the mean over as many calls as fit in ``min_s`` (at least 3), after one warm-up."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < min_s:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def default_model_matrices() -> dict[str, list[PackedMatrix]]:
+    """Each matrix kind of the default model, one packed copy per layer (the LM head once)."""
+    from engine.arch import ModelArch
+    from engine.loader import default_gguf_path, resolve_model_dir
+    from engine.quant import read_gguf_blocks
+    from transformers import AutoConfig
+
+    arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(None)[0], local_files_only=True))
+    blocks = read_gguf_blocks(default_gguf_path(), arch)
+
+    def layer(i: int, *names: str) -> PackedMatrix:
+        stacked = GGUFMatrix.stack([blocks[f"model.layers.{i}.{n}.weight"] for n in names])
+        assert stacked is not None
+        return stacked.pack()
+
+    kinds = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    matrices = {kind: [layer(i, *names) for i in range(arch.num_layers)] for kind, names in kinds.items()}
+    matrices["lm_head"] = [blocks["model.embed_tokens.weight"].pack()]
+    return matrices
+
+
+def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int]) -> dict[str, Any]:
+    from engine.kernels import load_kernels
+    from engine.model import PackedLinear
+
+    if not load_kernels():
+        raise RuntimeError("the native kernels could not be built (see the warning above)")
+    results = []
+    for kind, copies in matrices.items():
+        dense = [m.dequantize() for m in copies]
+        packed = [PackedLinear(w, None, 16) for w in dense]
+        first = copies[0]
+        for m in rows:
+            x = torch.randn(m, first.in_features)
+            block_s = time_call(lambda: [torch.ops.kvserve.gguf_linear(x, c.data, c.out_features, int(c.format))
+                                         for c in copies]) / len(copies)
+            onednn_s = time_call(lambda: [p(x) for p in packed]) / len(copies)
+            mkl_s = time_call(lambda: [F.linear(x, w) for w in dense]) / len(copies)
+            results.append({
+                "matrix": kind, "format": first.format.name, "shape": [first.out_features, first.in_features],
+                "rows": m, "block_us": round(block_s * 1e6, 1), "onednn_us": round(onednn_s * 1e6, 1),
+                "mkl_us": round(mkl_s * 1e6, 1), "block_gflops": round(2 * m * first.out_features
+                                                                       * first.in_features / block_s / 1e9, 1),
+                "onednn_over_block": ratio(onednn_s, block_s), "mkl_over_block": ratio(mkl_s, block_s),
+            })
+    return {"scenario": "quant_linear", "machine": machine_info(), "results": results}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    rows = [[r["matrix"], r["format"], "x".join(map(str, r["shape"])), r["rows"], r["block_us"], r["onednn_us"],
+             r["mkl_us"], r["block_gflops"], r["onednn_over_block"], r["mkl_over_block"]] for r in result["results"]]
+    print_table("one call, microseconds (ratios > 1: the block kernel is faster)", rows,
+                ["matrix", "format", "N x K", "rows", "block", "onednn", "mkl", "block GFLOP/s", "onednn/block",
+                 "mkl/block"])
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
+    parser.add_argument("--num-threads", type=int, help="torch threads (default: available cores)")
+    parser.add_argument("--output", help="JSON path (default bench/results/quant_linear-<time>.json)")
+    args = parser.parse_args(argv)
+    set_threads(args.num_threads)
+    result = run_quant_linear(default_model_matrices(), args.rows)
+    print_report(result)
+    print(f"  results: {write_results('quant_linear', result, args.output)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
