@@ -54,8 +54,9 @@ ENV KVSERVE_CACHE_DIR=/opt/kvserve/models \
     TRANSFORMERS_OFFLINE=1
 WORKDIR /
 # (The converter writes through a private temporary folder: open it to the runtime user.) The
-# kernel is built for any x86-64 / arm64 CPU (KVSERVE_KERNEL_CFLAGS above, set again at run time
-# so the runtime finds this build instead of compiling for its own CPU).
+# kernels are built for any x86-64 / arm64 CPU (KVSERVE_KERNEL_CFLAGS above, set again at run time
+# so the runtime finds this build instead of compiling for its own CPU); the GGUF block matmul
+# still takes its AVX2 path on CPUs that have it (chosen at run time).
 RUN python3 -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
     && python3 -c "from engine.kernels import load_kernels as load; print('native kernels:', load())" \
     && chmod -R a+rX /opt/kvserve/models \

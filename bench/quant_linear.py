@@ -61,11 +61,8 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
 
 
 def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int]) -> dict[str, Any]:
-    from engine.kernels import load_kernels
     from engine.model import PackedLinear
 
-    if not load_kernels():
-        raise RuntimeError("the native kernels could not be built (see the warning above)")
     results = []
     for kind, copies in matrices.items():
         dense = [m.dequantize() for m in copies]
@@ -102,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output", help="JSON path (default bench/results/quant_linear-<time>.json)")
     args = parser.parse_args(argv)
     set_threads(args.num_threads)
+    from engine.kernels import load_kernels
+
+    if not load_kernels():
+        raise SystemExit("the native kernels could not be built (see the warning above)")
     result = run_quant_linear(default_model_matrices(), args.rows)
     print_report(result)
     print(f"  results: {write_results('quant_linear', result, args.output)}")

@@ -122,11 +122,15 @@ class LLMEngine:
     @staticmethod
     def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
                        dtype: torch.dtype) -> None:
-        """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built), then bind the matmuls."""
-        if backend in ("auto", "gguf") and loaded.gguf_path is not None and device.type == "cpu" \
-                and dtype == torch.float32 and load_kernels():
+        """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
+        ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
+        then bind the matmuls."""
+        runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
+        fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
+        if (backend == "gguf" and runnable) or (backend == "auto" and fast):
             covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
-            logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them)", covered)
+            logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
+                        torch.ops.kvserve.gguf_kernel_isa())
         chosen = model.select_linear_backend(backend)
         logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
                     model.decode_weight_bytes() / 1e6)

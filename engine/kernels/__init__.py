@@ -48,8 +48,10 @@ def _build_flags() -> list[str]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    # The build is for this machine's CPU (vector width matters: ~2x with AVX-512 over SSE2).
-    # An image built on one machine and run on others sets e.g. KVSERVE_KERNEL_CFLAGS=-march=x86-64-v3.
+    # The build is for this machine's CPU (vector width matters: ~2x with AVX-512 over SSE2 for
+    # the attention kernel). An image built on one machine and run on others sets e.g.
+    # KVSERVE_KERNEL_CFLAGS=-mtune=generic; the block matmul's AVX2 path is compiled either way
+    # and chosen at run time by what the CPU supports.
     flags += os.environ.get("KVSERVE_KERNEL_CFLAGS", "-march=native").split()
     flags += [f"-I{p}" for p in include_paths()]
     for p in library_paths():

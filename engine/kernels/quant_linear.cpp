@@ -25,10 +25,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVSERVE_AVX2 1
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSERVE_X86 1
 #include <immintrin.h>
 #endif
 
@@ -61,12 +63,69 @@ struct Q4_1 {
       }
     }
   }
-  static float value(const uint8_t* sb, int k, int c) {
-    const int g = k / 4, r = k % 4, byte = sb[32 + 16 * g + (r % 2) * 8 + c];
-    return half_at(sb + 2 * c) * static_cast<float>(r < 2 ? byte & 15 : byte >> 4) + half_at(sb + 16 + 2 * c);
+  // w[k][c] = the strip-block's weight at (k, column c), as gguf computes it: d * q + m.
+  static void expand(const uint8_t* sb, float w[kBlock][kStrip]) {
+    float d[kStrip], m[kStrip];
+    for (int c = 0; c < kStrip; ++c) d[c] = half_at(sb + 2 * c), m[c] = half_at(sb + 16 + 2 * c);
+    for (int k = 0; k < kBlock; ++k) {
+      const uint8_t* q = sb + 32 + 16 * (k / 4) + (k % 2) * 8;
+      for (int c = 0; c < kStrip; ++c) w[k][c] = d[c] * static_cast<float>(k % 4 < 2 ? q[c] & 15 : q[c] >> 4) + m[c];
+    }
   }
-#ifdef KVSERVE_AVX2
-  // fn(k, w): w = the strip's 8 columns at k, for k = 0 .. 31 in order.
+};
+
+struct Q8_0 {
+  static constexpr int64_t kGgufBytes = 34;  // half d, 32 int8 codes
+  static constexpr int64_t kStripBytes = 272;
+  static void pack(const uint8_t* const cols[kStrip], uint8_t* dst) {
+    std::memset(dst, 0, kStripBytes);
+    for (int c = 0; c < kStrip; ++c) {
+      if (!cols[c]) continue;
+      std::memcpy(dst + 2 * c, cols[c], 2);
+      for (int k = 0; k < kBlock; ++k) dst[16 + 8 * k + c] = cols[c][2 + k];
+    }
+  }
+  static void expand(const uint8_t* sb, float w[kBlock][kStrip]) {
+    float d[kStrip];
+    for (int c = 0; c < kStrip; ++c) d[c] = half_at(sb + 2 * c);
+    for (int k = 0; k < kBlock; ++k)
+      for (int c = 0; c < kStrip; ++c) w[k][c] = d[c] * static_cast<float>(static_cast<int8_t>(sb[16 + 8 * k + c]));
+  }
+};
+
+// Portable path: each strip-block expanded to fp32 on the stack, then plain loops.
+template <typename Format>
+void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
+                            float* out, int64_t N) {
+  const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
+  float wb[kBlock][kStrip];
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t cols = std::min(kStrip, N - s * kStrip);
+    for (int64_t r = 0; r < M; ++r) {
+      float acc[kStrip] = {};
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        Format::expand(w + s * strip_bytes + b * Format::kStripBytes, wb);
+        const float* xb = x + r * K + b * kBlock;
+        for (int k = 0; k < kBlock; ++k)
+          for (int c = 0; c < kStrip; ++c) acc[c] += xb[k] * wb[k][c];
+      }
+      std::copy(acc, acc + cols, out + r * N + s * kStrip);
+    }
+  }
+}
+
+#ifdef KVSERVE_X86
+// The AVX2 path, compiled for AVX2 + FMA + F16C whatever -march says and taken only when
+// the CPU running it has them (see has_avx2), so a generic build is fast on modern x86.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+template <typename Format>
+struct Avx2;
+
+// fn(k, w): w = the strip-block's 8 columns at k, for k = 0 .. 31 in order.
+template <>
+struct Avx2<Q4_1> {
   template <typename Fn>
   static inline void for_each_k(const uint8_t* sb, Fn&& fn) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
@@ -81,24 +140,10 @@ struct Q4_1 {
       fn(4 * g + 3, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m));
     }
   }
-#endif
 };
 
-struct Q8_0 {
-  static constexpr int64_t kGgufBytes = 34;  // half d, 32 int8 codes
-  static constexpr int64_t kStripBytes = 272;
-  static void pack(const uint8_t* const cols[kStrip], uint8_t* dst) {
-    std::memset(dst, 0, kStripBytes);
-    for (int c = 0; c < kStrip; ++c) {
-      if (!cols[c]) continue;
-      std::memcpy(dst + 2 * c, cols[c], 2);
-      for (int k = 0; k < kBlock; ++k) dst[16 + 8 * k + c] = cols[c][2 + k];
-    }
-  }
-  static float value(const uint8_t* sb, int k, int c) {
-    return half_at(sb + 2 * c) * static_cast<float>(static_cast<int8_t>(sb[16 + 8 * k + c]));
-  }
-#ifdef KVSERVE_AVX2
+template <>
+struct Avx2<Q8_0> {
   template <typename Fn>
   static inline void for_each_k(const uint8_t* sb, Fn&& fn) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
@@ -107,10 +152,8 @@ struct Q8_0 {
       fn(k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
     }
   }
-#endif
 };
 
-#ifdef KVSERVE_AVX2
 // Rows [0, R) of x against one strip: out[r * ldo + c] for c < cols. With few rows, each
 // row keeps A accumulators (k rotates over them) so the FMA chains are independent enough
 // to hide their latency.
@@ -122,7 +165,7 @@ void strip_rows(const float* x, int64_t K, const uint8_t* strip, float* out, int
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
-    Format::for_each_k(strip + b * Format::kStripBytes, [&](int k, __m256 w) {
+    Avx2<Format>::for_each_k(strip + b * Format::kStripBytes, [&](int k, __m256 w) {
       for (int r = 0; r < R; ++r) acc[r][k % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * K + k), w, acc[r][k % A]);
     });
   }
@@ -140,8 +183,8 @@ void strip_rows(const float* x, int64_t K, const uint8_t* strip, float* out, int
 }
 
 template <typename Format>
-void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1, float* out,
-                   int64_t N) {
+void linear_strips_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
+                        float* out, int64_t N) {
   const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* strip = w + s * strip_bytes;
@@ -162,26 +205,28 @@ void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     }
   }
 }
+
+#pragma GCC pop_options
+#endif
+
+bool has_avx2() {
+#ifdef KVSERVE_X86
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c") && !std::getenv("KVSERVE_PORTABLE_KERNELS");
+  return yes;
 #else
-// Portable path: the same walk, one weight at a time.
+  return false;
+#endif
+}
+
 template <typename Format>
 void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1, float* out,
                    int64_t N) {
-  const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
-  for (int64_t s = s0; s < s1; ++s) {
-    const int64_t cols = std::min(kStrip, N - s * kStrip);
-    for (int64_t r = 0; r < M; ++r) {
-      float acc[kStrip] = {};
-      for (int64_t b = 0; b < K / kBlock; ++b) {
-        const uint8_t* sb = w + s * strip_bytes + b * Format::kStripBytes;
-        for (int k = 0; k < kBlock; ++k)
-          for (int c = 0; c < kStrip; ++c) acc[c] += x[r * K + b * kBlock + k] * Format::value(sb, k, c);
-      }
-      std::copy(acc, acc + cols, out + r * N + s * kStrip);
-    }
-  }
-}
+#ifdef KVSERVE_X86
+  if (has_avx2()) return linear_strips_avx2<Format>(x, M, K, w, s0, s1, out, N);
 #endif
+  linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N);
+}
 
 template <typename Fn>
 auto with_format(int64_t format, Fn&& fn) {
@@ -235,10 +280,12 @@ at::Tensor gguf_unpack(const at::Tensor& packed, int64_t N, int64_t K, int64_t f
     const uint8_t* src = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
     const int64_t blocks = K / kBlock;
-    for (int64_t n = 0; n < N; ++n)
+    float wb[kBlock][kStrip];
+    for (int64_t s = 0; s < packed.size(0); ++s)
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* sb = src + ((n / kStrip) * blocks + b) * Format::kStripBytes;
-        for (int k = 0; k < kBlock; ++k) o[n * K + b * kBlock + k] = Format::value(sb, k, n % kStrip);
+        Format::expand(src + (s * blocks + b) * Format::kStripBytes, wb);
+        for (int64_t c = 0; c < std::min(kStrip, N - s * kStrip); ++c)
+          for (int k = 0; k < kBlock; ++k) o[(s * kStrip + c) * K + b * kBlock + k] = wb[k][c];
       }
     return out;
   });
@@ -265,9 +312,14 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out;
 }
 
+// Which gguf_linear path this CPU runs: "avx2" or "portable" (a plain loop, several times
+// slower than fp32 MKL; kvserve's auto backend does not pick the block kernel for it).
+std::string gguf_kernel_isa() { return has_avx2() ? "avx2" : "portable"; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
   m.def("gguf_pack(Tensor gguf, int in_features, int format) -> Tensor");
   m.def("gguf_unpack(Tensor packed, int out_features, int in_features, int format) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");

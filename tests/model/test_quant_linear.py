@@ -2,6 +2,10 @@
 the q/k row order against transformers' GGUF reader, and the default model's blocks."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -190,3 +194,24 @@ def test_gguf_backend_without_blocks_is_a_clear_error():
     assert model.linear_backend in ("onednn", "aten")  # auto: no GGUF behind a tiny model
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
         model.select_linear_backend("gguf")
+
+
+def test_portable_path_equals_f_linear():
+    """The loop non-AVX2 CPUs run (forced here by KVSERVE_PORTABLE_KERNELS, read once per process)."""
+    script = """
+import gguf, numpy as np, torch, torch.nn.functional as F
+from engine.kernels import load_kernels
+assert load_kernels() and torch.ops.kvserve.gguf_kernel_isa() == "portable"
+for fmt, kind in ((0, gguf.GGMLQuantizationType.Q4_1), (1, gguf.GGMLQuantizationType.Q8_0)):
+    raw = gguf.quants.quantize(np.random.default_rng(fmt).standard_normal((37, 96)).astype(np.float32), kind)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(37, 96))
+    packed = torch.ops.kvserve.gguf_pack(torch.from_numpy(raw), 96, fmt)
+    for rows in (1, 9):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(torch.ops.kvserve.gguf_linear(x, packed, 37, fmt), F.linear(x, dense),
+                                   rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+    env = {**os.environ, "KVSERVE_PORTABLE_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
