@@ -186,7 +186,7 @@ def scenario_peers(ctx: Context) -> dict[str, Any]:
                      prompt_len=_q(a, "prompt_len", 128, 64), output_len=_q(a, "output_len", 64, 8),
                      single_requests=_q(a, "single_requests", 2, 1), batch_size=_q(a, "batch_size", 32, 32),
                      batch_waves=_q(a, "batch_waves", 1, 1), seed=a.seed + 7,
-                     gguf=Path(a.gguf) if getattr(a, "gguf", None) else None,
+                     gguf=getattr(a, "gguf", None),
                      install=not getattr(a, "no_install", False),
                      progress=not a.no_progress, out_dir=ctx.out, quiet_wait_s=ctx.quiet_wait(), engine=engine)
 
@@ -476,7 +476,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--single-requests", type=int, help="single-stream requests (default 2; quick 1)")
     p.add_argument("--batch-size", type=int, help="concurrency / static batch / parallel sequences (default 32)")
     p.add_argument("--batch-waves", type=int, help="batch requests = batch size x waves (default 1)")
-    p.add_argument("--gguf", help="the F32 GGUF for llama.cpp (default: converted from the shipped Q4_1 file)")
+    p.add_argument("--gguf", help="the GGUF llama.cpp runs (default: the shipped Q4_1 file, the bytes kvserve's decode "
+                                  "reads; 'f32': an all-F32 conversion of it, the bytes transformers reads)")
     p.add_argument("--no-install", action="store_true", help="do not npm install node-llama-cpp (skip if missing)")
     p.add_argument("--no-engine", action="store_true", help="leave out the in-process kvserve engine row")
 

@@ -12,8 +12,10 @@ Sides: kvserve through its HTTP server (streaming; the client's cost is on kvser
 transformers ``generate`` on the same dense fp32 weights (single stream, and static batches of
 ``batch_size``, left-padded); transformers' continuous batching (the manager behind
 ``generate_batch``, see ``bench/serving_vs_hf.py``; batch only); llama.cpp through the npm
-package node-llama-cpp on an all-F32 GGUF of the same weights (``bench/llamacpp.py``; one
-sequence, then ``batch_size`` parallel sequences). Sides run back to back, single stream
+package node-llama-cpp on the shipped Q4_1 GGUF itself: the same weights in the same bytes
+kvserve's decode matmuls read (``linear_backend: gguf``); ``--gguf f32`` runs it on an all-F32
+conversion instead, the bytes transformers reads (``bench/llamacpp.py``; one sequence, then
+``batch_size`` parallel sequences). Sides run back to back, single stream
 first, so that machine drift spreads over all of them. A side that cannot be installed or run
 is reported as skipped with the reason. A greedy sanity check compares llama.cpp's text with
 kvserve's for one chat prompt (reported, never fatal).
@@ -33,11 +35,12 @@ from bench.report import check, info, new_figure, save_figure, table
 from bench.serve_load import synthetic_requests
 from bench.serving import LoadMonitor, Progress, Server, completion_request, run_load, summarize
 from bench.serving_vs_hf import BenchRequest, run_hf_continuous, run_hf_static, run_kvserve
+from engine.loader import default_gguf_path
 
 ALL_PEERS = ("hf", "hf-cb", "llamacpp")
 SIDES = {"kvserve": "kvserve (HTTP server)", "kvserve-engine": "kvserve engine (in process)",
          "hf": "transformers generate",
-         "hf-cb": "transformers continuous batching", "llamacpp": "llama.cpp (node-llama-cpp, F32)"}
+         "hf-cb": "transformers continuous batching", "llamacpp": "llama.cpp (node-llama-cpp)"}
 TARGETS = {("single", "hf"): 1.5, ("single", "llamacpp"): 0.9,
            ("batch", "hf"): 2.0, ("batch", "hf-cb"): 1.5, ("batch", "llamacpp"): 3.0}
 
@@ -143,7 +146,7 @@ def greedy_sanity(server: Server, tokenizer: Any, gguf: Path, threads: int, eos_
 def run_peers(server: Server, hf_model: Any, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int],
               threads: int, peers: Sequence[str] = ALL_PEERS, prompt_len: int = 128, output_len: int = 64,
               single_requests: int = 2, batch_size: int = 32, batch_waves: int = 1, seed: int = 7,
-              gguf: Path | None = None, install: bool = True, progress: bool = True,
+              gguf: Path | str | None = None, install: bool = True, progress: bool = True,
               out_dir: Path | None = None, quiet_wait_s: float = 0.0, engine: Any = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     _timed = _Timer(server, quiet_wait_s)
@@ -156,7 +159,7 @@ def run_peers(server: Server, hf_model: Any, tokenizer: Any, vocab_size: int, eo
     llama_path: Path | None = None
     if "llamacpp" in peers:
         try:
-            llama_path = gguf or f32_gguf()
+            llama_path = f32_gguf() if str(gguf) == "f32" else Path(gguf) if gguf else default_gguf_path()
         except Exception as exc:  # noqa: BLE001 - reported as skipped
             sides["llamacpp"] = {"single": _skip(exc), "batch": _skip(exc)}
 
@@ -314,7 +317,7 @@ def _plot(result: dict[str, Any], out_dir: Path) -> list[str]:
         for key, side in sides.items():
             v = side.get(phase, {}).get(metric)
             if v:
-                names.append(SIDES[key].replace("transformers ", "HF ").replace(" (node-llama-cpp, F32)", "")
+                names.append(SIDES[key].replace("transformers ", "HF ").replace(" (node-llama-cpp)", "")
                              .replace(" (HTTP server)", " (HTTP)"))
                 values.append(v)
                 colors.append("#2a7" if key.startswith("kvserve") else "#888")
