@@ -123,22 +123,20 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
         self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
         self.blocks: dict[str, PackedMatrix] = {}  # weight name -> the same matrix as GGUF blocks
-        self.use_linear("aten")
+        self.use_linear("aten", use_blocks=False)
 
     # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
     MATMULS = (("qkv_mm", "qkv", "qkv_bias"), ("o_mm", "o_proj", "o_bias"),
                ("gate_up_mm", "gate_up", None), ("down_mm", "down", None))
 
-    def use_linear(self, backend: str, batch_hint: int = 16) -> None:
-        """Bind the four matmuls: ``aten`` (``F.linear``, MKL), ``onednn`` (PackedLinear),
-        ``gguf`` (BlockLinear over ``self.blocks`` where a weight has blocks, with oneDNN
-        for the large calls; aten where oneDNN is unavailable)."""
-        dense_backend = "onednn" if backend == "gguf" and onednn_linear_available() else backend
+    def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16) -> None:
+        """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
+        wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks."""
         for attr, weight_name, bias_name in self.MATMULS:
             weight = getattr(self, weight_name)
             bias = getattr(self, bias_name) if bias_name else None
-            mm = dense_linear(weight, bias, dense_backend, batch_hint)
-            if backend == "gguf" and weight_name in self.blocks:
+            mm = dense_linear(weight, bias, dense, batch_hint)
+            if use_blocks and weight_name in self.blocks:
                 mm = BlockLinear(self.blocks[weight_name], bias, mm)
             setattr(self, attr, mm)
 
@@ -195,14 +193,15 @@ class LlamaForCausalLM(nn.Module):
                              "in float32 and the native kernels; use 'auto'")
         if backend == "auto":
             backend = "gguf" if has_blocks else "onednn"
-        if backend == "onednn" and not (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
-                                        and onednn_linear_available()):
-            backend = "aten"
+        onednn_ok = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32 and onednn_linear_available()
+        dense = "onednn" if backend in ("gguf", "onednn") and onednn_ok else "aten"
+        if backend == "onednn":
+            backend = dense
+        use_blocks = backend == "gguf"
         for layer in self.layers:
-            layer.use_linear(backend, batch_hint)
-        dense_backend = "onednn" if backend == "gguf" and onednn_linear_available() else backend
-        self.lm_head_mm = dense_linear(self.lm_head, None, dense_backend, batch_hint)
-        if backend == "gguf" and self.lm_head_blocks is not None:
+            layer.use_linear(dense, use_blocks, batch_hint)
+        self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
+        if use_blocks and self.lm_head_blocks is not None:
             self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
         self.linear_backend = backend
         return backend

@@ -210,6 +210,7 @@ def gguf_blocks(gguf_path: Path, converted_dir: Path | None, arch: ModelArch) ->
         return load_blocks(cached)
     blocks = read_gguf_blocks(gguf_path, arch)
     if cached is not None:
+        tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
             os.close(fd)
@@ -218,6 +219,6 @@ def gguf_blocks(gguf_path: Path, converted_dir: Path | None, arch: ModelArch) ->
             os.replace(tmp, cached)
         except OSError as exc:  # a read-only cache (a container's baked model): read the GGUF each start
             logger.info("not caching GGUF blocks in %s: %s", cached.parent, exc)
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
     return blocks
