@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
 from engine.llm_engine import LLMEngine
+from engine.openmp import release_openmp_threads
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from scheduler.request import RequestStatus
@@ -78,6 +79,8 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            # The model was built on this thread; its OpenMP workers would halve the loop's speed.
+            release_openmp_threads()
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
 
