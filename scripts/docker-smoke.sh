@@ -216,6 +216,7 @@ wait_healthy() {  # container, timeout in seconds
 }
 wait_healthy "$CONTAINER" 240
 log "healthy $((SECONDS - t)) s after start; $(docker logs "$CONTAINER" 2>&1 | grep -o 'Attention: .*' | head -n 1)"
+log "$(docker logs "$CONTAINER" 2>&1 | grep -o 'Linear layers: .*' | head -n 1)"
 [[ $(docker exec "$CONTAINER" id -u) != 0 ]] || die "the server runs as root"
 
 "$PYTHON" - "$PORT" "$API_KEY" "$WORK/metrics.txt" <<'EOF'
