@@ -60,7 +60,8 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
     return matrices
 
 
-def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int]) -> dict[str, Any]:
+def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int],
+                     min_s: float = 0.3) -> dict[str, Any]:
     from engine.model import PackedLinear
 
     results = []
@@ -71,9 +72,9 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
         for m in rows:
             x = torch.randn(m, first.in_features)
             block_s = time_call(lambda: [torch.ops.kvserve.gguf_linear(x, c.data, c.out_features, int(c.format))
-                                         for c in copies]) / len(copies)
-            onednn_s = time_call(lambda: [p(x) for p in packed]) / len(copies)
-            mkl_s = time_call(lambda: [F.linear(x, w) for w in dense]) / len(copies)
+                                         for c in copies], min_s) / len(copies)
+            onednn_s = time_call(lambda: [p(x) for p in packed], min_s) / len(copies)
+            mkl_s = time_call(lambda: [F.linear(x, w) for w in dense], min_s) / len(copies)
             results.append({
                 "matrix": kind, "format": first.format.name, "shape": [first.out_features, first.in_features],
                 "rows": m, "block_us": round(block_s * 1e6, 1), "onednn_us": round(onednn_s * 1e6, 1),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.common import chat_prompts
 from bench.engine_vs_hf import run_engine_vs_hf
@@ -65,3 +66,22 @@ def test_spec_decode_prototype_matches_plain_greedy():
     spec = PromptLookupDecoder(engine, k=3).generate(prompt, 12)
     assert spec["tokens"] == plain.token_ids
     assert spec["drafted"] > 0
+
+
+def test_quant_linear_bench_smoke():
+    import gguf
+    import numpy as np
+
+    from bench.quant_linear import run_quant_linear
+    from engine.quant import BlockFormat, GGUFMatrix
+    from tests.helpers import require_native_kernel
+
+    require_native_kernel()
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q4_1)
+    matrix = GGUFMatrix(torch.from_numpy(raw), BlockFormat.Q4_1, 64).pack()
+    result = run_quant_linear({"tiny": [matrix, matrix]}, rows=[1, 5], min_s=0.01)
+    assert [r["rows"] for r in result["results"]] == [1, 5]
+    for r in result["results"]:
+        assert r["shape"] == [40, 64] and r["format"] == "Q4_1"
+        assert r["block_us"] > 0 and r["onednn_us"] > 0 and r["mkl_us"] > 0 and r["onednn_over_block"] > 0
