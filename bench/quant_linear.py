@@ -42,6 +42,7 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
     """Each matrix kind of the default model, one packed copy per layer (the LM head once)."""
     from engine.arch import ModelArch
     from engine.loader import default_gguf_path, resolve_model_dir
+    from engine.model import DecoderLayer
     from engine.quant import read_gguf_blocks
     from transformers import AutoConfig
 
@@ -53,9 +54,7 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
         assert stacked is not None
         return stacked.pack()
 
-    kinds = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
-             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-    matrices = {kind: [layer(i, *names) for i in range(arch.num_layers)] for kind, names in kinds.items()}
+    matrices = {kind: [layer(i, *names) for i in range(arch.num_layers)] for kind, names in DecoderLayer.FUSED.items()}
     matrices["lm_head"] = [blocks["model.embed_tokens.weight"].pack()]
     return matrices
 

@@ -76,31 +76,30 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | None) -> tuple[Path, str]:
-    """Map a ``--model`` value to a dense checkpoint directory and a default served name."""
-    if model is None:
-        gguf = default_gguf_path()
-        return convert_gguf(gguf), DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {model}")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"not a GGUF file or checkpoint directory: {model}")
-        return convert_gguf(path), path.stem
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"no config.json in model directory {model}")
-    if not list(path.glob("*.safetensors")):
-        raise ModelLoadError(f"no *.safetensors weights in {model} (pickled .bin weights are not loaded)")
-    return path, path.name
-
-
 def gguf_source(model: str | None) -> Path | None:
     """The GGUF file behind a ``--model`` value (None for a checkpoint directory)."""
     if model is None:
         return default_gguf_path()
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_model_dir(model: str | None) -> tuple[Path, str]:
+    """Map a ``--model`` value to a dense checkpoint directory and a default served name."""
+    gguf = gguf_source(model)
+    if gguf is not None:
+        return convert_gguf(gguf), DEFAULT_MODEL_NAME if model is None else gguf.stem
+    assert model is not None  # the default model is always a GGUF
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {model}")
+    if path.is_file():
+        raise ModelLoadError(f"not a GGUF file or checkpoint directory: {model}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in model directory {model}")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"no *.safetensors weights in {model} (pickled .bin weights are not loaded)")
+    return path, path.name
 
 
 def _file_sha256(path: Path) -> str:

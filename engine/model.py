@@ -128,6 +128,9 @@ class DecoderLayer(nn.Module):
     # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
     MATMULS = (("qkv_mm", "qkv", "qkv_bias"), ("o_mm", "o_proj", "o_bias"),
                ("gate_up_mm", "gate_up", None), ("down_mm", "down", None))
+    # weight parameter -> the HF modules (under ``model.layers.N.``) whose rows it stacks, in order
+    FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
     def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16) -> None:
         """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
@@ -223,11 +226,9 @@ class LlamaForCausalLM(nn.Module):
 
         covered = 0
         for i, layer in enumerate(self.layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             layer.blocks = {}
-            for weight_name, parts in (("qkv", [a + "q_proj", a + "k_proj", a + "v_proj"]), ("o_proj", [a + "o_proj"]),
-                                       ("gate_up", [m + "gate_proj", m + "up_proj"]), ("down", [m + "down_proj"])):
-                found = attach(getattr(layer, weight_name), [p + ".weight" for p in parts])
+            for weight_name, modules in DecoderLayer.FUSED.items():
+                found = attach(getattr(layer, weight_name), [f"model.layers.{i}.{m}.weight" for m in modules])
                 if found is not None:
                     layer.blocks[weight_name] = found
                     covered += 1
@@ -282,17 +283,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.copy_(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = p + "self_attn."
             layer.input_norm.copy_(take(p + "input_layernorm.weight"))
             layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
-            layer.qkv.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
+            for weight_name, modules in DecoderLayer.FUSED.items():
+                getattr(layer, weight_name).copy_(torch.cat([take(f"{p}{m}.weight") for m in modules]))
+            a = p + "self_attn."
             if a + "q_proj.bias" in sd:
                 layer.qkv_bias = nn.Parameter(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
-            layer.o_proj.copy_(take(a + "o_proj.weight"))
             if a + "o_proj.bias" in sd:
                 layer.o_bias = nn.Parameter(take(a + "o_proj.bias").clone())
-            layer.gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            layer.down.copy_(take(p + "mlp.down_proj.weight"))
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")

@@ -118,12 +118,12 @@ class BlockLinear:
         self.bias = bias
         self.dense = dense
         self.max_rows = self.MAX_ROWS[blocks.format]
+        self._format = int(blocks.format)  # the kernel's code, converted once rather than per call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
-        b = self.blocks
-        y = torch.ops.kvserve.gguf_linear(x, b.data, b.out_features, int(b.format))
+        y = torch.ops.kvserve.gguf_linear(x, self.blocks.data, self.blocks.out_features, self._format)
         return y if self.bias is None else y.add_(self.bias)
 
 
