@@ -25,6 +25,9 @@ from bench.serving import wait_healthy as poll_health
 
 API_KEY = "sk-kvserve-test-key"
 REPO = Path(__file__).resolve().parents[2]
+# How long a server may take to load the model and answer /health. Generous: on a busy
+# two-core machine a subprocess server's start can take minutes; nothing is measured by it.
+SERVER_START_TIMEOUT_S = 300
 
 
 # ---- OpenAI's published schemas --------------------------------------------------------------
@@ -173,7 +176,7 @@ def live_server():
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base_url, 60)
+        wait_healthy(base_url, SERVER_START_TIMEOUT_S)
         yield LiveServer(base_url, API_KEY, engine.model_name, engine, async_engine, app)
     finally:
         server.should_exit = True

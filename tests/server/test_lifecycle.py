@@ -13,7 +13,7 @@ import pytest
 from server.config import ServerConfig
 from server.errors import APIError
 from server.serving import OpenAIServing
-from tests.server.conftest import parse_sse, start_server_process, stop_server_process, wait_healthy
+from tests.server.conftest import SERVER_START_TIMEOUT_S, parse_sse, start_server_process, stop_server_process, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def sigterm_servers(tmp_path_factory):
                "grace1": start_server_process(tmp, "--shutdown-grace", "1")}
     try:
         for s in servers.values():
-            wait_healthy(s.base_url, 90, s.proc)
+            wait_healthy(s.base_url, SERVER_START_TIMEOUT_S, s.proc)
         yield servers
     finally:
         for s in servers.values():
