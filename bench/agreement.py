@@ -10,9 +10,10 @@ near-tie costs one position, not the rest of the text.
 Each side gives a list ``top1[i]`` = its arg-max next token after ``ids[:start + i + 1]``:
 
 * transformers: one forward pass over the text (the oracle, fp32);
-* kvserve's engine in process and llama-server: one greedy token per prefix (prefix caching
-  makes each a one-token extension on both), through llama-server's native ``/completion``
-  (``return_tokens`` gives the id; its OpenAI routes have no prompt logprobs / ``echo``).
+* kvserve's engine in process: one greedy token per prefix, all prefixes submitted at once;
+* llama-server: one greedy token per prefix, one request after the other (prompt caching makes
+  each a one-token extension), through its native ``/completion`` (``return_tokens`` gives the
+  id; its OpenAI routes have no prompt logprobs / ``echo``).
 """
 from __future__ import annotations
 
@@ -64,6 +65,21 @@ def hf_top1(model: Any, ids: Sequence[int], start: int = 1) -> list[int]:
     with torch.inference_mode():
         logits = model(torch.tensor([list(ids)])).logits[0]
     return [int(t) for t in logits.argmax(-1)[start - 1:len(ids) - 1]]
+
+
+def engine_top1(engine: Any, ids: Sequence[int], start: int = 1) -> list[int]:
+    """kvserve's engine in process: one greedy token after every prefix, all prefixes submitted
+    at once (the scheduler batches them; the prefix cache shares their common blocks)."""
+    from engine.sampling_params import SamplingParams
+
+    order = [engine.add_request(p, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+             for p in prefixes(ids, start)]
+    first: dict[str, int] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.new_token_ids and o.request_id not in first:
+                first[o.request_id] = int(o.new_token_ids[0])
+    return [first[r] for r in order]
 
 
 def engine_next_token(engine: Any) -> Callable[[list[int]], int]:

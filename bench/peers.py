@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.agreement import AGREEMENT_TARGET, AGREEMENT_TEXT, engine_next_token, hf_top1, per_prefix_top1, prefixes
+from bench.agreement import AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, hf_top1, prefixes
 from bench.agreement import top1_agreement
 from bench.common import hf_weight_bytes_per_decode_token, machine_info, ratio, wait_for_quiet
 from bench.engine_vs_hf import hf_single, kvserve_single
@@ -143,7 +143,7 @@ def teacher_forced_sanity(tokenizer: Any, gguf: Path, threads: int, hf_model: An
     if hf_model is not None:
         sides["transformers"] = hf_top1(hf_model, ids)
     if engine is not None:
-        sides["kvserve"] = per_prefix_top1(engine_next_token(engine), ids)
+        sides["kvserve"] = engine_top1(engine, ids)
         engine.kv_cache.reset_prefix_cache()
     pairs = {}
     for ref in ("transformers", "kvserve"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.agreement import (AGREEMENT_TARGET, AGREEMENT_TEXT, engine_next_token, hf_top1, llama_server_next_token,
+from bench.agreement import (AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, hf_top1, llama_server_next_token,
                              per_prefix_top1, top1_agreement)
 from bench.common import hf_weight_bytes_per_decode_token, machine_info, ratio
 from bench.llama_server import (LlamaServerConfig, check_available, ctx_size_for, gguf_weights, package_version,
@@ -132,7 +132,7 @@ def _agreement(ll: Server, engine: Any, hf_model: Any, tokenizer: Any) -> dict[s
     ids = tokenizer(AGREEMENT_TEXT)["input_ids"]
     sides = {"llama-server": per_prefix_top1(llama_server_next_token(ll.url), ids)}
     if engine is not None:
-        sides["kvserve"] = per_prefix_top1(engine_next_token(engine), ids)
+        sides["kvserve"] = engine_top1(engine, ids)
         engine.kv_cache.reset_prefix_cache()
     if hf_model is not None:
         sides["transformers"] = hf_top1(hf_model, ids)

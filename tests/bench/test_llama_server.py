@@ -181,6 +181,21 @@ def test_hf_top1_matches_per_prefix_greedy():
     assert one_pass == per_prefix_top1(greedy, ids)
 
 
+def test_engine_top1_batched_equals_one_prefix_at_a_time_and_transformers():
+    """kvserve's engine, all prefixes at once, picks what it picks one prefix at a time, and
+    what transformers picks (kvserve matches transformers token for token on the same weights)."""
+    from bench.agreement import engine_next_token, engine_top1, hf_top1
+    from tests.helpers import tiny_engine, tiny_hf_model
+
+    hf = tiny_hf_model()
+    engine = tiny_engine(hf, num_blocks=256)
+    ids = [(7 * i + 3) % (hf.config.vocab_size - 3) + 3 for i in range(40)]
+    batched = engine_top1(engine, ids)
+    assert len(batched) == len(ids) - 1 and not engine.has_unfinished()
+    assert batched == per_prefix_top1(engine_next_token(engine), ids)
+    assert top1_agreement(hf_top1(hf, ids), batched)["fraction"] >= 0.95
+
+
 def test_llama_server_token_id_reads_both_answer_shapes():
     assert llama_server_token_id({"tokens": [260], "content": " the"}) == 260
     assert llama_server_token_id({"completion_probabilities": [{"id": 17, "token": "x"}]}) == 17
