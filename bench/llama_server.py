@@ -21,6 +21,7 @@ with the reason and the command that fixes it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -173,7 +174,14 @@ def format_label(file_type: str, mix: Sequence[tuple[str, float]], min_share: fl
 
 
 def gguf_weights(path: str | os.PathLike) -> dict[str, Any]:
-    """File type, decode bytes per token and the tensor-type mix of a GGUF file."""
+    """File type, decode bytes per token and the tensor-type mix of a GGUF file (parsed once
+    per file version: reading a GGUF's tokenizer fields takes seconds)."""
+    st = Path(path).stat()
+    return dict(_gguf_weights(str(Path(path).resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_weights(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
     import gguf
 
     reader = gguf.GGUFReader(path, "r")

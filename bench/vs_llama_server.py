@@ -80,6 +80,9 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
     except PeerUnavailable as exc:
         skipped = str(exc)
     log = (out_dir / "llama-server.log") if out_dir else None
+    if skipped is not None:  # nothing to compare with: no kvserve-only minutes in `all`
+        return _result(server, engine, hf_model, threads, {}, {}, None, None, skipped, contexts, levels,
+                       output_len, stream_prompt_len, single_requests, waves, out_dir)
 
     _warm(server, vocab_size)
     single: dict[int, dict[str, Any]] = {}
@@ -150,12 +153,14 @@ def _weights(engine: Any, hf_model: Any, llama_path: Path | None) -> dict[str, d
     from engine.loader import default_gguf_path
 
     out: dict[str, dict[str, Any]] = {}
+    shipped = gguf_weights(default_gguf_path())
+    blocks = f"{shipped['file_type']} GGUF blocks ({shipped['label'].split('(', 1)[-1]}"
     if engine is not None:
         model = engine.runner.model
-        shipped = gguf_weights(default_gguf_path())
-        label = (f"{shipped['file_type']} GGUF blocks ({shipped['label'].split('(', 1)[-1]}"
-                 if model.linear_backend == "gguf" else f"dense {str(model.norm.dtype).removeprefix('torch.')}")
+        label = blocks if model.linear_backend == "gguf" else f"dense {str(model.norm.dtype).removeprefix('torch.')}"
         out["kvserve"] = {"label": label, "decode_bytes": model.decode_weight_bytes()}
+    else:  # the server's default (linear_backend gguf on the shipped file); the same rule counts its bytes
+        out["kvserve"] = {"label": f"{blocks}, the server's default", "decode_bytes": shipped["decode_bytes"]}
     if hf_model is not None:
         out["transformers"] = {"label": "dense fp32", "decode_bytes": hf_weight_bytes_per_decode_token(hf_model)}
     if llama_path is not None:
@@ -201,6 +206,11 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
                 rows.append([f"{c} streams", side, weights.get(side, {}).get("label", "-"), _mb(weights.get(side)),
                              s["output_tps"], s["tpot_p50_ms"], s["ttft_p50_ms"], s["output_tokens"],
                              r if side == "kvserve" else "", _f(s.get("foreign_cpu_cores"))])
+    if not single and not streams:
+        checks += [check(f"single-stream decode at {c} prompt tokens, kvserve / llama-server", None, TARGETS["single"],
+                         skipped=skipped) for c in contexts]
+        checks += [check(f"{c} concurrent streams, output tok/s, kvserve / llama-server", None, TARGETS["streams"],
+                         skipped=skipped) for c in levels]
     mismatched = [k for k, p in [*single.items(), *streams.items()] if p.get("same_output_tokens") is False]
     if mismatched:
         checks.append(info("output token counts differ between the servers", mismatched))

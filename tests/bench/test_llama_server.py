@@ -262,3 +262,21 @@ def test_llama_server_scenario_end_to_end(tmp_path):
     assert pairs["llama-server vs transformers"]["fraction"] >= 0.9, pairs
     assert pairs["kvserve vs transformers"]["fraction"] >= 0.9, pairs
     assert (tmp_path / "llama-server.png").exists()
+
+
+def test_scenario_without_the_tree_skips_every_target_with_the_build_command(tmp_path, monkeypatch):
+    """On a clean machine the scenario measures nothing (no kvserve-only minutes) and every
+    target says why it was skipped and how to fix it."""
+    from bench.report import write_scenario
+    from bench.serving import Server
+    from bench.vs_llama_server import run_vs_llama_server
+
+    monkeypatch.setenv("LLAMA_PEER_ROOTFS", str(tmp_path / "none"))
+    never = Server("http://127.0.0.1:9", "m", "url")  # never contacted
+    result = run_vs_llama_server(never, None, None, None, 100, threads=1, contexts=(50, 1000), levels=(4, 8, 16),
+                                 agreement=False, out_dir=tmp_path)
+    assert "build" in result["llama_server"]["skipped"] or "root" in result["llama_server"]["skipped"]
+    verdicts = {c["name"]: c["verdict"] for c in result["checks"]}
+    assert sum(v == "SKIPPED" for v in verdicts.values()) == 5, verdicts
+    assert not result["single"] and not result["streams"]
+    assert write_scenario(result, tmp_path).exists()
