@@ -2,6 +2,7 @@
 
     python -m bench serve-load [--url URL] [--concurrency 1 4 16 32] ...
     python -m bench peers        # transformers generate / continuous batching, llama.cpp
+    python -m bench llama-server # kvserve vs llama.cpp's own server (scripts/llama-server-peer.sh)
     python -m bench kv-cache     # the KV-cache experiment: with vs without a cache
     python -m bench prefix       # TTFT on a prefix-cache miss vs a hit
     python -m bench kv-memory    # slot utilization and concurrency in a fixed KV budget
@@ -30,7 +31,7 @@ from typing import Any, Callable, Sequence
 from bench.common import RESULTS_DIR, CpuMonitor, chat_prompts, machine_info, set_threads
 from bench.report import FAIL, PASS, SKIPPED, check_line, print_result, scenario_markdown, write_scenario
 
-SCENARIOS = ("serve-load", "peers", "kv-cache", "prefix", "kv-memory", "roofline")
+SCENARIOS = ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline")
 
 
 def auto_threads(probe_s: float = 2.0) -> int:
@@ -191,6 +192,24 @@ def scenario_peers(ctx: Context) -> dict[str, Any]:
                      progress=not a.no_progress, out_dir=ctx.out, quiet_wait_s=ctx.quiet_wait(), engine=engine)
 
 
+def scenario_llama_server(ctx: Context) -> dict[str, Any]:
+    from bench.vs_llama_server import DEFAULT_CONTEXTS, DEFAULT_LEVELS, run_vs_llama_server
+
+    a = ctx.args
+    vocab, _ = ctx.vocab_and_eos()
+    agreement = not getattr(a, "no_agreement", False)
+    hf = ctx.hf if agreement else None
+    engine = ctx.engine if agreement else None
+    return run_vs_llama_server(ctx.server, engine, hf, ctx.tokenizer, vocab, ctx.threads,
+                               contexts=_q(a, "contexts", DEFAULT_CONTEXTS, DEFAULT_CONTEXTS),
+                               levels=_q(a, "concurrency", DEFAULT_LEVELS, DEFAULT_LEVELS),
+                               output_len=_q(a, "output_len", 128, 32),
+                               stream_prompt_len=_q(a, "stream_prompt_len", 50, 50),
+                               single_requests=_q(a, "single_requests", 3, 1), waves=_q(a, "waves", 2, 1),
+                               gguf=getattr(a, "llama_gguf", None), seed=a.seed, progress=not a.no_progress,
+                               out_dir=ctx.out, agreement=agreement)
+
+
 def scenario_kv_cache(ctx: Context) -> dict[str, Any]:
     from bench.kv_cache import DEFAULT_CONTEXTS, run_kv_cache
 
@@ -242,11 +261,12 @@ def scenario_roofline(ctx: Context) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "serve-load": scenario_serve_load, "peers": scenario_peers, "kv-cache": scenario_kv_cache,
+    "serve-load": scenario_serve_load, "peers": scenario_peers, "llama-server": scenario_llama_server,
+    "kv-cache": scenario_kv_cache,
     "prefix": scenario_prefix, "kv-memory": scenario_kv_memory, "roofline": scenario_roofline,
 }
 # In ``all``: the server scenarios first (one server for the three), then the in-process ones.
-ALL_ORDER = ("serve-load", "prefix", "peers", "kv-cache", "kv-memory", "roofline")
+ALL_ORDER = ("serve-load", "prefix", "peers", "llama-server", "kv-cache", "kv-memory", "roofline")
 
 
 def run_one(name: str, ctx: Context) -> dict[str, Any]:
@@ -260,7 +280,8 @@ def run_one(name: str, ctx: Context) -> dict[str, Any]:
     try:
         from bench.serving import LoadMonitor
 
-        server_pid = ctx.server.pid if name in ("serve-load", "prefix", "peers") else None  # started untimed
+        server_pid = (ctx.server.pid if name in ("serve-load", "prefix", "peers", "llama-server")
+                      else None)  # started untimed
         with LoadMonitor([server_pid]) as mon:
             result = RUNNERS[name](ctx)
         result.setdefault("machine", machine_info())["foreign_cpu_cores"] = mon.foreign_cores
@@ -398,6 +419,10 @@ def run_all(args: argparse.Namespace, argv: Sequence[str], prog: str = "python -
         run["peers_versions"] = (f"transformers {run['machine']['transformers']}; node-llama-cpp {ll.get('version')} "
                                  f"(llama.cpp {ll.get('llama_cpp_release')})" if "version" in ll else
                                  f"transformers {run['machine']['transformers']}; llama.cpp skipped")
+    ls = next((r for r in results if r["scenario"] == "llama-server" and "llama_server" in r), None)
+    if ls:
+        run["peers_versions"] = (f"{run.get('peers_versions', '-')}; llama-server: "
+                                 f"{ls['llama_server'].get('package') or 'skipped'}")
     checks = [c for r in results for c in r.get("checks", [])]
     summary = {"run": run, "checks": checks,
                "counts": {v: sum(c["verdict"] == v for c in checks) for v in (PASS, FAIL, SKIPPED)}}
@@ -480,6 +505,19 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                   "reads; 'f32': an all-F32 conversion of it, the bytes transformers reads)")
     p.add_argument("--no-install", action="store_true", help="do not npm install node-llama-cpp (skip if missing)")
     p.add_argument("--no-engine", action="store_true", help="leave out the in-process kvserve engine row")
+
+    p = sub.add_parser("llama-server", parents=[common],
+                       help="kvserve vs llama.cpp's own server: single stream at ~50/~1000 ctx, 4/8/16 streams")
+    p.add_argument("--contexts", type=int, nargs="+", help="single-stream prompt lengths (default 50 1000)")
+    p.add_argument("--concurrency", type=int, nargs="+", help="concurrent streams (default 4 8 16)")
+    p.add_argument("--output-len", type=int, help="output tokens per request (default 128; quick 32)")
+    p.add_argument("--stream-prompt-len", type=int, help="prompt tokens of the concurrent streams (default 50)")
+    p.add_argument("--single-requests", type=int, help="single-stream requests per context (default 3; quick 1)")
+    p.add_argument("--waves", type=int, help="concurrent requests = waves x concurrency (default 2; quick 1)")
+    p.add_argument("--llama-gguf", help="the GGUF llama-server runs: default the shipped Q4_1 file; 'f32', "
+                                        "'Q8_0' or 'Q4_K_M' (made with llama-quantize, cached) or a path")
+    p.add_argument("--no-agreement", action="store_true",
+                   help="skip the teacher-forced agreement (and loading the engine and transformers in process)")
 
     p = sub.add_parser("kv-cache", parents=[common], help="TTFT/TPOT and per-token cost with vs without a KV cache")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 8")

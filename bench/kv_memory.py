@@ -11,8 +11,10 @@ After every step it samples:
   last block.
 * concurrency: requests running at once. Contiguous preallocation would reserve
   ``max_model_len`` slots per request, so the same budget fits floor(budget / max_model_len)
-  requests; the paged pool fits as many as their actual lengths allow. Target: at least 4x
-  (peak running requests / contiguous fit).
+  requests; the paged pool fits as many as their actual lengths allow. Target: at least 4x,
+  measured on the MEDIAN number of running requests over the steps where others were still
+  queued (the pool was the limit then), not on the peak: one lucky step with many short
+  requests should not decide the verdict. The peak is printed beside it.
 """
 from __future__ import annotations
 
@@ -28,6 +30,13 @@ from engine.sampling_params import SamplingParams
 
 UTIL_TARGET = 0.96
 CONCURRENCY_TARGET = 4.0
+
+
+def median_running_while_queued(samples: Sequence[dict[str, Any]]) -> float | None:
+    """Median of ``running`` over the samples with ``waiting > 0`` (the pool was full, so
+    ``running`` is what the budget fits); None when no request ever waited."""
+    saturated = [s["running"] for s in samples if s["waiting"] > 0]
+    return statistics.median(saturated) if saturated else None
 
 
 def build_engine(max_model_len: int, budget_tokens: int, block_size: int = 16, num_threads: int | None = None,
@@ -70,9 +79,9 @@ def run_kv_memory(engine: Any, requests: Sequence[BenchRequest], progress: bool 
     util = live_sum / slot_sum if slot_sum else None
     per_sample = [s["live"] / s["slots"] for s in samples]
     peak = max((s["running"] for s in samples), default=0)
-    saturated = [s["running"] for s in samples if s["waiting"] > 0]
+    queued_median = median_running_while_queued(samples)
     contiguous = cap.num_tokens // max_len
-    conc_ratio = peak / contiguous if contiguous else None
+    conc_ratio = queued_median / contiguous if contiguous and queued_median is not None else None
     lengths = [len(r.prompt_token_ids) + r.output_len for r in requests]
     result: dict[str, Any] = {
         "scenario": "kv-memory", "title": "KV memory efficiency (paged pool)",
@@ -88,7 +97,7 @@ def run_kv_memory(engine: Any, requests: Sequence[BenchRequest], progress: bool 
         "utilization_min": round(min(per_sample), 5) if per_sample else None,
         "utilization_p50": round(statistics.median(per_sample), 5) if per_sample else None,
         "peak_running": peak,
-        "median_running_while_queued": statistics.median(saturated) if saturated else None,
+        "median_running_while_queued": queued_median,
         "contiguous_fit": contiguous, "concurrency_ratio": round(conc_ratio, 3) if conc_ratio else None,
         "preemptions": sched.stats.num_preemptions - preempt0,
         "notes": [f"Pool of {cap.num_tokens} token slots ({cap.num_blocks} blocks x {bs}), max_model_len {max_len}; "
@@ -105,16 +114,22 @@ def run_kv_memory(engine: Any, requests: Sequence[BenchRequest], progress: bool 
                                ["median concurrent requests while others queued",
                                 result["median_running_while_queued"]],
                                [f"requests that fit contiguous preallocation at {max_len}", contiguous],
-                               ["concurrency ratio paged / contiguous", result["concurrency_ratio"]],
+                               ["concurrency ratio paged (median while queued) / contiguous",
+                                result["concurrency_ratio"]],
+                               ["peak concurrency ratio paged / contiguous",
+                                round(peak / contiguous, 3) if contiguous else None],
                                ["preemptions", result["preemptions"]],
                                ["mean request length (prompt + output tokens)",
                                 result["workload"]["mean_request_tokens"]]])]
+    no_queue = "no step had requests queued: the pool never limited concurrency (more requests needed)"
     result["checks"] = [
         check("KV slot utilization", util, UTIL_TARGET, unit="",
               detail=f"worst sample {result['utilization_min']}, {len(samples)} samples"),
-        check("concurrent requests in a fixed KV budget, paged / contiguous", conc_ratio, CONCURRENCY_TARGET,
-              detail=f"{peak} vs {contiguous} at max_model_len {max_len}",
-              skipped=None if contiguous else "budget smaller than one max_model_len"),
+        check("concurrent requests in a fixed KV budget (median while queued), paged / contiguous", conc_ratio,
+              CONCURRENCY_TARGET,
+              detail=f"median {queued_median} (peak {peak}) vs {contiguous} at max_model_len {max_len}",
+              skipped=(None if contiguous and queued_median is not None else
+                       "budget smaller than one max_model_len" if not contiguous else no_queue)),
         info("preemptions during the run", result["preemptions"]),
     ]
     result["plots"] = _plot(samples, contiguous, out_dir) if out_dir and samples else []
