@@ -48,4 +48,5 @@ class StructuredOutputSpec:
 
     @staticmethod
     def json_schema(schema: dict) -> "StructuredOutputSpec":
-        return StructuredOutputSpec("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # Key order kept: JSON Schema property order is the order the model is asked to write.
+        return StructuredOutputSpec("json_schema", json.dumps(schema, separators=(",", ":")))
