@@ -81,7 +81,7 @@ class GrammarCompiler:
     """Compiles specs to template matchers on one background thread, cached by spec hash.
 
     The llguidance view of the tokenizer (~1.5 s to build for a 49k vocabulary) is built on
-    that thread too, on first use. ``submit`` is cheap and thread-safe; a cached spec costs a
+    that thread too, as soon as the compiler exists. ``submit`` is cheap and thread-safe; a cached spec costs a
     dictionary lookup. The cache is per compiler, i.e. per tokenizer.
     """
 
@@ -94,6 +94,9 @@ class GrammarCompiler:
         self._max_cached = max_cached
         self._ll_tokenizer: Any = None
         self.num_compiled = 0
+        # Built now, in the background, so the first structured request does not wait for it
+        # (and its ~1.5 s of Python does not compete with traffic for the GIL later).
+        self._executor.submit(self._tokenizer)
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
