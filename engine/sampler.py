@@ -173,15 +173,17 @@ def apply_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.
     bitmask = torch.empty(len(with_grammar), bitmask_words(vocab), dtype=torch.int32)
     for j, i in enumerate(with_grammar):
         rows[i].grammar.fill_bitmask(bitmask[j])
+    every_row = len(with_grammar) == len(rows)
     index = torch.tensor(with_grammar, device=logits.device)
-    masked = logits[index]
+    masked = logits if every_row else logits[index]
     apply_bitmask(masked, bitmask)
     empty = torch.isneginf(masked.amax(dim=-1))
     if bool(empty.any()) and raw is not None:
         fallback = raw[index[empty]].to(logits.dtype)
         apply_bitmask(fallback, bitmask[empty.cpu()])
         masked[empty] = fallback
-    logits[index] = masked
+    if not every_row:
+        logits[index] = masked
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.structured_spec import JSON_LAYOUT, StructuredOutputSpec
@@ -183,5 +185,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     ``logits`` is ``[rows, vocab]``; ``bitmask`` is ``[rows, ceil(vocab/32)]`` int32.
     """
     rows, vocab = logits.shape
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1).view(rows, -1)[:, :vocab]
-    logits.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        # Word w's bit i is byte 4w + i // 8, bit i % 8 in memory: numpy's little-endian unpack
+        # yields token order directly, ~50x faster than shifting 32 bit planes in torch.
+        words = bitmask.contiguous().numpy().view(np.uint8)
+        allowed = torch.from_numpy(np.unpackbits(words, axis=1, count=vocab, bitorder="little"))
+    else:
+        allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1).view(rows, -1)[:, :vocab]
+    # Arithmetic, not masked_fill_: on a CPU thread masked_fill_/where over a [16, 49k] bool mask
+    # cost ~5-15 ms, an add ~1 ms. Banned tokens get -max twice, which overflows to exactly -inf;
+    # allowed ones get 0.
+    huge = torch.finfo(logits.dtype).max
+    logits.add_(allowed.to(device=logits.device, dtype=logits.dtype).sub_(1.0).mul_(huge), alpha=2.0)
