@@ -126,7 +126,7 @@ class OpenAIServing:
         if params.structured_output is None:
             return
         try:
-            validate_spec(params.structured_output)
+            _validate_spec_cached(params.structured_output)
         except GrammarError as exc:
             raise bad_request(f"invalid {param}: {exc}", param) from None
 
@@ -384,6 +384,13 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": [max(e.logprob, _MIN_LOGPROB) for e in entries],
                 "top_logprobs": [{self._token_text(t): max(lp, _MIN_LOGPROB) for t, lp in e.top} for e in entries],
                 "text_offset": text_offset}
+
+
+@lru_cache(maxsize=1024)
+def _validate_spec_cached(spec: Any) -> None:
+    """validate_spec, remembered per spec (a frozen dataclass): a large schema costs tens of ms
+    to check, and load generators send the same one with every request."""
+    validate_spec(spec)
 
 
 def _concat_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
