@@ -292,6 +292,7 @@ class ToolStreamer:
             return {"tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}, "tool_calls"
         if mode == "auto":
             content, calls = self._splitter.finish()
+            calls = calls if self.plan.parallel else calls[:1]
             delta: dict[str, Any] = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
@@ -308,6 +309,7 @@ def finish_message(plan: ToolPlan | None, text: str, finish_reason: str | None) 
         return message, finish_reason
     if plan.mode == "auto":
         content, calls = parse_tool_calls(text)
+        calls = calls if plan.parallel else calls[:1]
     else:
         calls = (plan.calls_from_output(text) if finish_reason == "stop" else None) or []
         content = None if calls else text
