@@ -7,6 +7,7 @@
     python -m bench prefix       # TTFT on a prefix-cache miss vs a hit
     python -m bench kv-memory    # slot utilization and concurrency in a fixed KV budget
     python -m bench roofline     # matmul GFLOP/s and memory bandwidth vs kvserve
+    python -m bench structured   # constrained vs free decoding at 16 streams; compile stalls
     python -m bench all [--quick] [--benchmarks-md BENCHMARKS.md]
     python -m bench report       # rewrite BENCHMARKS.md from the last `all` run's JSON
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, Sequence
 from bench.common import RESULTS_DIR, CpuMonitor, chat_prompts, machine_info, set_threads
 from bench.report import FAIL, PASS, SKIPPED, check_line, print_result, scenario_markdown, write_scenario
 
-SCENARIOS = ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline")
+SCENARIOS = ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "structured")
 
 
 def auto_threads(probe_s: float = 2.0) -> int:
@@ -229,6 +230,16 @@ def scenario_prefix(ctx: Context) -> dict[str, Any]:
                       rounds=_q(a, "rounds", 6, 2), progress=not a.no_progress)
 
 
+def scenario_structured(ctx: Context) -> dict[str, Any]:
+    from bench.structured import run_structured
+
+    a = ctx.args
+    vocab, _ = ctx.vocab_and_eos()
+    return run_structured(ctx.server, ctx.tokenizer, vocab, concurrency=_q(a, "concurrency", 16, 16),
+                          output_len=_q(a, "output_len", 48, 24), rounds=_q(a, "rounds", 2, 1),
+                          inject=_q(a, "inject", 8, 4), progress=not a.no_progress)
+
+
 def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
     from bench.kv_memory import build_engine, run_kv_memory
     from bench.serving_vs_hf import make_requests
@@ -264,9 +275,10 @@ RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "serve-load": scenario_serve_load, "peers": scenario_peers, "llama-server": scenario_llama_server,
     "kv-cache": scenario_kv_cache,
     "prefix": scenario_prefix, "kv-memory": scenario_kv_memory, "roofline": scenario_roofline,
+    "structured": scenario_structured,
 }
 # In ``all``: the server scenarios first (one server for the three), then the in-process ones.
-ALL_ORDER = ("serve-load", "prefix", "peers", "llama-server", "kv-cache", "kv-memory", "roofline")
+ALL_ORDER = ("serve-load", "prefix", "structured", "peers", "llama-server", "kv-cache", "kv-memory", "roofline")
 
 
 def run_one(name: str, ctx: Context) -> dict[str, Any]:
@@ -280,7 +292,7 @@ def run_one(name: str, ctx: Context) -> dict[str, Any]:
     try:
         from bench.serving import LoadMonitor
 
-        server_pid = (ctx.server.pid if name in ("serve-load", "prefix", "peers", "llama-server")
+        server_pid = (ctx.server.pid if name in ("serve-load", "prefix", "peers", "llama-server", "structured")
                       else None)  # started untimed
         with LoadMonitor([server_pid]) as mon:
             result = RUNNERS[name](ctx)
@@ -527,6 +539,13 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p = sub.add_parser("prefix", parents=[common], help="TTFT with a shared 1,000-token system prompt: miss vs hit")
     p.add_argument("--system-tokens", type=int, help="default 1000")
     p.add_argument("--rounds", type=int, help="miss/hit pairs (default 6; quick 2)")
+
+    p = sub.add_parser("structured", parents=[common],
+                       help="constrained (JSON schema) vs free decoding at 16 streams; grammar compiles off the step")
+    p.add_argument("--concurrency", type=int, help="streams (default 16)")
+    p.add_argument("--output-len", type=int, help="output tokens (default 48; quick 24)")
+    p.add_argument("--rounds", type=int, help="rounds of both sides (default 2; quick 1)")
+    p.add_argument("--inject", type=int, help="requests with a fresh schema in the stall test (default 8; quick 4)")
 
     p = sub.add_parser("kv-memory", parents=[common], help="KV slot utilization and concurrency in a fixed budget")
     p.add_argument("--max-model-len", type=int, help="default 2048; quick 1024")

@@ -196,6 +196,10 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self.num_steps += 1
+                if not outputs and self.engine.last_step_tokens == 0:
+                    # Everything left waits for a grammar to compile: do not spin on empty steps.
+                    self._wake.wait(0.002)
+                    self._wake.clear()
                 self._deliver(outputs)
                 if self.observer is not None:
                     self.observer.on_step(self.engine.last_step_tokens, outputs)

@@ -25,6 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.quant import gguf_blocks
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler, RequestGrammar
 from engine.tokenizer import encode_prompt
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
@@ -116,6 +117,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
+        # Structured output: grammars compile on the compiler's thread; requests whose grammar is
+        # not resolved yet wait in _compiling (the scheduler skips them) while others step.
+        self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size) if self.tokenizer is not None else None
+        self._compiling: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
 
@@ -155,7 +160,11 @@ class LLMEngine:
                           eos_token_ids=self.arch.eos_token_ids, cache_salt=cache_salt, priority=priority)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if params.structured_output is not None:
+            request.grammar = RequestGrammar(self.grammars.submit(params.structured_output))
         self.scheduler.add_request(request)
+        if request.grammar is not None:
+            self._compiling[request_id] = request
         self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
                                           if self.tokenizer is not None else None)
         return request_id
@@ -167,6 +176,11 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.arch.vocab_size})")
+        bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < self.arch.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.arch.vocab_size})")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer; this engine has none")
         if n >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n} tokens but the context length is {self.max_model_len} "
                                      "tokens (at least one must be left to generate)")
@@ -199,6 +213,7 @@ class LLMEngine:
 
     def _final(self, request: Request) -> RequestOutput:
         self.runner.release(request.request_id)
+        self._compiling.pop(request.request_id, None)
         detok = self._detokenizers.pop(request.request_id, None)
         return RequestOutput(request_id=request.request_id, new_token_ids=[],
                              text=detok.take_delta(finished=True) if detok else "", finished=True,
@@ -213,16 +228,18 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, apply the sampled tokens; return per-request outputs."""
+        outputs = self._resolve_grammars()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_batched_tokens
         if plan.is_empty:
-            return []
+            return outputs
         sampled = self.runner.execute(plan)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
-        outputs = []
         for request in touched:
             rid = request.request_id
             token = request.output_token_ids[-1]
+            if request.grammar is not None and not request.status.is_finished:
+                self._advance_grammar(request, token)
             detok = self._detokenizers.get(rid)
             if detok is not None and detok.add_token(token) is not None:
                 request.stop_reason = detok.stopped_on
@@ -235,17 +252,49 @@ class LLMEngine:
             logprobs = None
             if sample.logprob is not None:
                 logprobs = [TokenLogprob(token, sample.logprob, sample.top_logprobs or [])]
+            prompt_logprobs = None
+            if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
+                prompt_logprobs = list(request.prompt_logprobs)
             outputs.append(RequestOutput(
                 request_id=rid, new_token_ids=[token],
                 text=detok.take_delta(finished) if detok is not None else "",
                 finished=finished, finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                 num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs,
-                arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time))
+                arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+                prompt_logprobs=prompt_logprobs,
+                error=request.grammar.error if request.grammar is not None and finished else None))
             if finished:
                 self._detokenizers.pop(rid, None)
                 self.runner.release(rid)
         return outputs
+
+    # ---- structured output -------------------------------------------------------------------
+    def _resolve_grammars(self) -> list[RequestOutput]:
+        """Build the matcher of every request whose grammar finished compiling; a request whose
+        grammar failed finishes here with an error (the engine goes on)."""
+        outputs = []
+        for rid, request in list(self._compiling.items()):
+            if not request.grammar.compiled():
+                continue
+            del self._compiling[rid]
+            if not request.grammar.resolve():
+                logger.info("request %s: grammar failed: %s", rid, request.grammar.error)
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+                out = self._final(request)
+                out.error = f"invalid grammar: {request.grammar.error}"
+                outputs.append(out)
+        return outputs
+
+    def _advance_grammar(self, request: Request, token: int) -> None:
+        """Feed the sampled token to the request's matcher; finish the request when the grammar
+        is complete (no EOS step needed) or, should it ever reject a token, with an error."""
+        grammar = request.grammar
+        if not grammar.accept(token):
+            logger.warning("request %s: grammar rejected token %d: %s", request.request_id, token, grammar.error)
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+        elif grammar.is_terminated and token not in request.eos_token_ids:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     # ---- offline convenience ----------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

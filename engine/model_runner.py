@@ -12,6 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.model import LlamaForCausalLM
+from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -153,6 +154,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(ordered)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         self.num_tokens_computed += input_ids.numel()
+        self._collect_prompt_logprobs(ordered, hidden)
 
         sampling = []
         last_rows = []
@@ -169,7 +171,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).float()
         rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
                             output_token_ids=s.request.output_token_ids, generator=self._generator(s),
-                            eos_token_ids=s.request.eos_token_ids) for s in sampling]
+                            eos_token_ids=s.request.eos_token_ids, grammar=s.request.grammar)
+                for s in sampling]
         result = self.sampler(logits, rows)
         sampled = {}
         for i, item in enumerate(sampling):
@@ -181,3 +184,38 @@ class ModelRunner:
                 item.request.sampling_params.logprobs is not None else None,
             )
         return sampled
+
+    # Logits of this many prompt positions at a time: [256, vocab] floats, not [prompt, vocab].
+    _PROMPT_LOGITS_SLICE = 256
+
+    def _collect_prompt_logprobs(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Append to ``request.prompt_logprobs`` the logprob (and top-k) of each prompt token that
+        this step's chunk predicts, for requests that asked for prompt logprobs.
+
+        Position p's logits predict token p+1; entries are appended strictly in order, so a chunk
+        recomputed after preemption adds nothing it already added.
+        """
+        row = 0
+        for item in ordered:
+            request = item.request
+            first_row, row = row, row + item.num_new_tokens
+            if not request.wants_prompt_logits:
+                continue
+            k = request.sampling_params.prompt_logprobs or 0
+            start = request.num_computed_tokens
+            end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            pos = max(start, len(request.prompt_logprobs))
+            while pos < end:
+                stop = min(end, pos + self._PROMPT_LOGITS_SLICE)
+                logits = self.model.compute_logits(hidden[first_row + pos - start:first_row + stop - start]).float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(request.prompt_token_ids[pos + 1:stop + 1], device=logits.device)
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                top_ids = top_vals = None
+                if k:
+                    top_vals, top_ids = logprobs.topk(k, dim=-1)
+                    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+                for j, token in enumerate(request.prompt_token_ids[pos + 1:stop + 1]):
+                    top = list(zip(top_ids[j], top_vals[j])) if k else []
+                    request.prompt_logprobs.append(TokenLogprob(token, chosen[j], top))
+                pos = stop

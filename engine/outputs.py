@@ -32,3 +32,6 @@ class RequestOutput:
     error: str | None = None
     arrival_time: float | None = None  # time.monotonic() when the request arrived
     first_scheduled_time: float | None = None  # when it was first admitted to the running batch
+    # On the first output of a request that asked for prompt logprobs: one entry per prompt
+    # token from the second on (the first has no context to be predicted from).
+    prompt_logprobs: list[TokenLogprob] | None = None

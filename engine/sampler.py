@@ -4,9 +4,13 @@ Per row, in order (vLLM / OpenAI semantics):
 
 1. penalties: repetition (HF/CTRL, over prompt + output tokens), then frequency and
    presence (OpenAI, over output-token counts);
-2. min_tokens: stop token ids (and EOS unless ``ignore_eos``) are masked to -inf while
+2. logit_bias: each listed token's value is added to its logit (OpenAI semantics);
+3. min_tokens: stop token ids (and EOS unless ``ignore_eos``) are masked to -inf while
    fewer than ``min_tokens`` tokens have been generated;
-3. greedy rows take the argmax; the other rows are divided by their temperature and
+4. grammar: a row with a structured-output grammar gets -inf on every token the grammar
+   does not allow next (a token bitmask filled by the request's matcher). Should that leave
+   nothing (min_tokens banned the EOS the grammar requires), the grammar wins;
+5. greedy rows take the argmax; the other rows are divided by their temperature and
    truncated by top-k, then top-p (nucleus, renormalised after top-k), then min-p, and
    one token is drawn from what is left.
 
@@ -23,10 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_bitmask, bitmask_words
+
+if TYPE_CHECKING:
+    from engine.structured_output import RequestGrammar
 
 # Top-p looks for the nucleus among the top-256 tokens, then the top-4096, and only
 # then sorts the whole vocabulary: on CPU a full sort of a 49k vocabulary costs ~20x a
@@ -47,6 +56,7 @@ class SamplingRow:
     # manual_seed(seed)), else None.
     generator: torch.Generator | None
     eos_token_ids: frozenset[int] = frozenset()  # used for min_tokens masking
+    grammar: "RequestGrammar | None" = None  # resolved matcher of a structured-output request
 
 
 @dataclass
@@ -80,7 +90,9 @@ class Sampler:
 
         work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
         apply_penalties(work, rows)
+        apply_logit_bias(work, rows)
         apply_min_tokens(work, rows)
+        apply_grammar(work, rows, logits)
         token_ids = _sample(work, rows)
         logprobs, top_logprobs = _logprobs(logits, token_ids, rows)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
@@ -131,9 +143,53 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         logits.view(-1)[torch.tensor(idx, device=logits.device)] = float("-inf")
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's ``logit_bias`` values to its logits, in place (ids past the vocabulary
+    are skipped; the engine refuses them at admission)."""
+    vocab = logits.shape[1]
+    idx: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, value in (row.params.logit_bias or {}).items():
+            if 0 <= token < vocab:
+                idx.append(i * vocab + token)
+                values.append(value)
+    if idx:
+        flat = logits.view(-1)
+        index = torch.tensor(idx, device=logits.device)
+        flat[index] = flat[index] + torch.tensor(values, dtype=logits.dtype, device=logits.device)
+
+
+def apply_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.Tensor | None = None) -> None:
+    """Mask, in place, every token the row's grammar does not allow next to -inf.
+
+    If a row has no token left (another mask removed all the grammar allows), it is reset to
+    ``raw`` (the unmodified logits) under the grammar mask alone: the grammar is the contract.
+    """
+    with_grammar = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not with_grammar:
+        return
+    vocab = logits.shape[1]
+    bitmask = torch.empty(len(with_grammar), bitmask_words(vocab), dtype=torch.int32)
+    for j, i in enumerate(with_grammar):
+        rows[i].grammar.fill_bitmask(bitmask[j])
+    every_row = len(with_grammar) == len(rows)
+    index = torch.tensor(with_grammar, device=logits.device)
+    masked = logits if every_row else logits[index]
+    apply_bitmask(masked, bitmask)
+    empty = torch.isneginf(masked.amax(dim=-1))
+    if bool(empty.any()) and raw is not None:
+        fallback = raw[index[empty]].to(logits.dtype)
+        apply_bitmask(fallback, bitmask[empty.cpu()])
+        masked[empty] = fallback
+    if not every_row:
+        logits[index] = masked
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return p.is_greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(row)
+    return (p.is_greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(row)
+            and not p.logit_bias and row.grammar is None)
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -13,10 +13,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.structured_spec import StructuredOutputSpec
+
 # Temperatures below this are treated as 0, i.e. greedy decoding (dividing logits by a
 # near-zero temperature would overflow anyway).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 _SEED_MIN = -(2**63)  # the range torch.Generator.manual_seed accepts
 _SEED_MAX = 2**64 - 1
 
@@ -44,6 +47,15 @@ class SamplingParams:
     # None: no logprobs; k >= 0: logprob of the sampled token plus top-k alternatives (k <= 20)
     logprobs: int | None = None
     min_tokens: int = 0  # EOS/stop tokens are masked until this many tokens were generated
+    # token id -> value added to its logit before sampling, in [-100, 100] (OpenAI semantics);
+    # ids are checked against the vocabulary by the engine (validate_prompt)
+    logit_bias: dict[int, float] | None = None
+    # the output must match this grammar (response_format, tools, guided_*); None: free text
+    structured_output: StructuredOutputSpec | None = None
+    # None: no prompt logprobs; k >= 0: logprob of each prompt token (from the second on) plus
+    # its top-k alternatives. Such a request skips the prefix cache: every prompt position's
+    # logits must be computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -76,6 +88,13 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         self.min_tokens = _int("min_tokens", self.min_tokens, minimum=0)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            raise ValueError("structured_output must be a StructuredOutputSpec")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
@@ -121,6 +140,24 @@ def _stop_strings(stop: Any) -> list[str]:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
     return list(stop)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None or (isinstance(bias, dict) and not bias):
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token ids to numbers, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str):  # JSON object keys are strings
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        token = _int("logit_bias", token, minimum=0)
+        out[token] = _float_in("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return out
 
 
 def _stop_token_ids(ids: Any) -> list[int]:

@@ -13,7 +13,8 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize the result.
 
     The template text already holds the special tokens it needs, so no extra BOS is added.
@@ -21,8 +22,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generati
     if getattr(tokenizer, "chat_template", None) is None:
         raise TemplateError("this model has no chat template; use /v1/completions")
     try:
+        extra = {"tools": tools} if tools else {}  # only for templates with a tools section
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **extra)
     except Exception as exc:  # jinja raises TemplateError subclasses with useful messages
         raise TemplateError(f"chat template failed: {exc}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -54,9 +55,27 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     first_scheduled_time: float | None = None
+    # Structured output: the engine's per-request grammar (engine.structured_output.RequestGrammar).
+    # While its compilation is pending (``ready()`` False) the scheduler leaves the request waiting.
+    grammar: Any = None
+    # Prompt logprobs collected so far (entry i: prompt token i+1 given the tokens before it),
+    # filled by the runner when sampling_params.prompt_logprobs is set.
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def is_blocked(self) -> bool:
+        """Not schedulable yet: its grammar is still compiling."""
+        return self.grammar is not None and not self.grammar.ready()
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and are not complete: every prompt position must run
+        through the model (no prefix-cache hit may skip it)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_prompt_tokens(self) -> int:

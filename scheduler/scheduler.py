@@ -123,10 +123,18 @@ class Scheduler:
             budget -= num_new
             index += 1
 
+        blocked: list[Request] = []  # skipped this step (grammar compiling), put back in order
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request.all_token_ids, request.cache_salt)
+            if request.is_blocked:
+                blocked.append(self.waiting.popleft())
+                continue
+            if request.wants_prompt_logits:
+                cached_blocks, num_cached = [], 0
+            else:
+                cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request.all_token_ids,
+                                                                              request.cache_salt)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -144,6 +152,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv_cache.get_block_ids(request.request_id)))
             budget -= num_new
+        self.waiting.extendleft(reversed(blocked))
         return out
 
     # ---- applying a step's results ------------------------------------------------------

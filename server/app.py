@@ -22,6 +22,7 @@ from server.metrics import Metrics
 from server.middleware import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import OpenAIServing
+from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize_route(body: TokenizeRequest) -> dict:
+        return await asyncio.to_thread(tokenize, serving, body)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize_route(body: DetokenizeRequest) -> dict:
+        return await asyncio.to_thread(detokenize, serving, body)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:

@@ -1,16 +1,23 @@
-"""OpenAI request models. Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
+"""OpenAI request models.
+
+Fields outside OpenAI's API are accepted (vLLM's extras from load generators); OpenAI fields
+kvserve does not implement are classified in ``server.openai_fields`` and, when they ask for
+the feature, answered with a 400 naming them (``check_fields``), never silently dropped.
 
 Range checks live here (so a bad value is a 400 that names its parameter); cross-field
 rules live in ``to_sampling_params``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import json
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import SamplingParams
+from engine.structured_spec import StructuredOutputSpec
 from server.errors import bad_request
+from server.openai_fields import check_fields
 
 
 class StreamOptions(BaseModel):
@@ -24,11 +31,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant turn made (input)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -41,10 +65,65 @@ class ChatMessage(BaseModel):
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by chat and text completions."""
-
+class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> StructuredOutputSpec | None:
+        """The grammar this format asks for (None for free text); 400 if it is incomplete."""
+        if self.type == "json_object":
+            return StructuredOutputSpec("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a 'json_schema' object",
+                                  "response_format.json_schema")
+            return StructuredOutputSpec.json_schema(self.json_schema.json_schema or {})
+        return None
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions.
+
+    ``extra="allow"``: unknown fields are kept (in ``model_extra``) so that ``check_fields``
+    can refuse the OpenAI ones kvserve does not implement; other extras are ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    _kind = "chat"
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -64,6 +143,38 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's structured-output extras (accepted because clients of vLLM send them)
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def check_unsupported(self) -> None:
+        """400 for an OpenAI field kvserve does not implement (see server.openai_fields)."""
+        check_fields(self._kind, {**self.model_dump(exclude_unset=True), **(self.model_extra or {})}, self.n)
+
+    def guided_spec(self) -> StructuredOutputSpec | None:
+        """vLLM's guided_* extras as a grammar spec (at most one may be given)."""
+        given = [k for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise bad_request(f"only one of {', '.join(given)} may be given", given[1])
+        if not given:
+            return None
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError:
+                    raise bad_request("guided_json is not valid JSON", "guided_json") from None
+            return StructuredOutputSpec.json_schema(schema)
+        if self.guided_regex is not None:
+            return StructuredOutputSpec("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            return StructuredOutputSpec("choice", json.dumps(self.guided_choice))
+        return StructuredOutputSpec("grammar", self.guided_grammar or "")
 
     @field_validator("stop")
     @classmethod
@@ -78,7 +189,9 @@ class SamplingFields(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, max_stop: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, max_stop: int,
+                        structured_output: StructuredOutputSpec | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         stops = self.stop or []
         if len(stops) > max_stop:
             raise bad_request(f"at most {max_stop} stop sequences are allowed, got {len(stops)}", "stop")
@@ -98,9 +211,14 @@ class SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=self.min_tokens,
+                logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+                structured_output=structured_output,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
-            raise bad_request(str(exc)) from None
+            message = str(exc)
+            raise bad_request(message, message.split(" ", 1)[0] if message.startswith("logit_bias") else None) \
+                from None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -108,29 +226,50 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
-    def to_sampling_params(self, max_stop: int) -> SamplingParams:
+    def to_sampling_params(self, max_stop: int,
+                           structured_output: StructuredOutputSpec | None = None) -> SamplingParams:
+        """``structured_output``: the tool-call grammar, when tool_choice forces a call."""
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # max_completion_tokens is the newer name and wins when both are given.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs, max_stop)
+        spec = self.response_format.spec() if self.response_format is not None else None
+        guided = self.guided_spec()
+        if spec is not None and guided is not None:
+            raise bad_request("give either response_format or a guided_* field, not both", "response_format")
+        spec = spec or guided
+        if structured_output is not None:
+            if spec is not None:
+                raise bad_request("a forced tool call (tool_choice required or named) cannot be combined with "
+                                  "response_format", "tool_choice")
+            spec = structured_output
+        return self.sampling_params(max_tokens, logprobs, max_stop, spec)
 
 
 class CompletionRequest(SamplingFields):
+    _kind = "completions"
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    response_format: ResponseFormat | None = None  # a vLLM extra on completions
 
     def to_sampling_params(self, max_stop: int) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        return self.sampling_params(self.max_tokens, self.logprobs, max_stop)
+        spec = self.response_format.spec() if self.response_format is not None else None
+        guided = self.guided_spec()
+        if spec is not None and guided is not None:
+            raise bad_request("give either response_format or a guided_* field, not both", "response_format")
+        # echo with logprobs: the prompt's token logprobs too (lm-eval's loglikelihood).
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(self.max_tokens, self.logprobs, max_stop, spec or guided, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (each text or token ids)."""

@@ -25,7 +25,9 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
+from engine.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
 
 # JSON has no -inf; a sampled token can have zero probability under the raw logits only in
 # theory, but a top-k alternative easily can.
@@ -54,6 +56,9 @@ class Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs on /v1/completions
+    echo: str | None = None  # the prompt text, when echo is asked
+    echoed: bool = False  # streaming: the echo went out with the first chunk
 
 
 @dataclass
@@ -112,19 +117,40 @@ class OpenAIServing:
         except PromptTooLongError as exc:
             raise bad_request(str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
-            raise bad_request(str(exc), param) from None
+            message = str(exc)
+            raise bad_request(message, "logit_bias" if message.startswith("logit_bias") else param) from None
+
+    @staticmethod
+    def _check_grammar(params: SamplingParams, param: str) -> None:
+        """400 for a schema / regex / grammar that cannot compile (checked without a tokenizer)."""
+        if params.structured_output is None:
+            return
+        try:
+            _validate_spec_cached(params.structured_output)
+        except GrammarError as exc:
+            raise bad_request(f"invalid {param}: {exc}", param) from None
+
+    @property
+    def _template_has_tools(self) -> bool:
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     # ---- endpoints --------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
-        params = body.to_sampling_params(self.config.max_stop)
+        body.check_unsupported()
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        forced = plan.spec() if plan is not None else None
+        params = body.to_sampling_params(self.config.max_stop, forced)
+        self._check_grammar(params, "tools" if forced is not None else "response_format")
         self._check_n(body.n)
         if not body.messages:
             raise bad_request("messages must contain at least one message", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        with_tools = self._template_has_tools
+        messages = render_messages(body.messages, plan, with_tools)
         try:
-            prompt_ids = encode_chat(self.tokenizer, messages)
+            prompt_ids = encode_chat(self.tokenizer, messages,
+                                     tools=plan.tools if plan is not None and plan.shows_tools and with_tools
+                                     else None)
         except TemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         self._validate_prompt(prompt_ids, params, "messages")
@@ -132,12 +158,14 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(request_id, [prompt_ids], params, body.n)
         if body.stream:
-            return self._sse(self._chat_stream(request_id, jobs, body))
-        return await _cancel_on_disconnect(raw, self._chat_full(request_id, jobs, body))
+            return self._sse(self._chat_stream(request_id, jobs, body, plan))
+        return await _cancel_on_disconnect(raw, self._chat_full(request_id, jobs, body, plan))
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
+        body.check_unsupported()
         params = body.to_sampling_params(self.config.max_stop)
+        self._check_grammar(params, "response_format")
         self._check_n(body.n)
         prompts = []
         for prompt in body.prompts():
@@ -154,6 +182,10 @@ class OpenAIServing:
         self.check_capacity()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(request_id, prompts, params, body.n)
+        if body.echo:
+            for job in jobs:
+                prompt = body.prompts()[job.choice.prompt_index]
+                job.choice.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         if body.stream:
             return self._sse(self._completion_stream(request_id, jobs, body))
         return await _cancel_on_disconnect(raw, self._completion_full(request_id, jobs, body))
@@ -219,21 +251,27 @@ class OpenAIServing:
             raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
 
     # ---- chat responses -----------------------------------------------------------------------
-    async def _chat_full(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest) -> Response:
+    async def _chat_full(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
+                         plan: ToolPlan | None = None) -> Response:
         created = int(time.time())
         await self._run_to_end(jobs, body.cache_salt)
         choices = [j.choice for j in jobs]
+        rendered = []
+        for c in choices:
+            message, finish_reason = finish_message(plan, c.text, c.finish_reason)
+            rendered.append({"index": c.index, "message": message,
+                             "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
+                             "finish_reason": finish_reason})
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                         "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
-                         "finish_reason": c.finish_reason} for c in choices],
-            "usage": _usage(choices, _prompt_lengths(jobs)),
+            "choices": rendered, "usage": _usage(choices, _prompt_lengths(jobs)),
         })
 
-    async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
+                           plan: ToolPlan | None = None) -> AsyncIterator[str]:
         usage_on = body.include_usage_in_stream()
         chunk = _chunk_writer(request_id, "chat.completion.chunk", self.model_name, usage_on)
+        streamers = {j.choice.index: ToolStreamer(plan or ToolPlan("none", [])) for j in jobs}
 
         try:
             for job in jobs:
@@ -242,10 +280,21 @@ class OpenAIServing:
             async for choice, out in self._merged(jobs, body.cache_salt):
                 if not (out.text or out.finished or (body.logprobs and out.logprobs)):
                     continue
-                delta = {"content": out.text} if out.text else {}
+                streamer = streamers[choice.index]
+                delta = streamer.delta(out.text)
+                finish_reason = None
+                if out.finished:
+                    tail, finish_reason = streamer.final(choice.finish_reason)
+                    if tail:
+                        if delta:  # one delta per chunk: send what streamed first
+                            yield chunk([{"index": choice.index, "delta": delta, "logprobs": None,
+                                          "finish_reason": None}])
+                        delta = tail
                 logprobs = self._chat_logprobs(out.logprobs or []) if body.logprobs else None
+                if not (delta or out.finished or logprobs):
+                    continue
                 yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": choice.finish_reason if out.finished else None}])
+                              "finish_reason": finish_reason}])
             if usage_on:
                 yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
         except EngineRequestError as exc:
@@ -259,8 +308,8 @@ class OpenAIServing:
         choices = [j.choice for j in jobs]
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-            "choices": [{"index": c.index, "text": c.text,
-                         "logprobs": self._completion_logprobs(c.logprobs) if body.logprobs is not None else None,
+            "choices": [{"index": c.index, "text": (c.echo or "") + c.text,
+                         "logprobs": self._echoed_logprobs(c, jobs) if body.logprobs is not None else None,
                          "finish_reason": c.finish_reason} for c in choices],
             "usage": _usage(choices, _prompt_lengths(jobs)),
         })
@@ -275,10 +324,19 @@ class OpenAIServing:
                 if not (out.text or out.finished or (body.logprobs is not None and out.logprobs)):
                     continue
                 logprobs = None
+                text = out.text
+                echo = choice.echo is not None and not choice.echoed  # the prompt goes first, once
+                if echo:
+                    choice.echoed = True
+                    text = (choice.echo or "") + text
                 if body.logprobs is not None:
                     logprobs = self._completion_logprobs(out.logprobs or [], offsets[choice.index])
+                    if echo and out.prompt_logprobs is not None:
+                        job = next(j for j in jobs if j.choice is choice)
+                        logprobs = _concat_logprobs(self._prompt_logprobs(job.prompt_token_ids, out.prompt_logprobs),
+                                                    logprobs)
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
-                yield chunk([{"index": choice.index, "text": out.text, "logprobs": logprobs,
+                yield chunk([{"index": choice.index, "text": text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason if out.finished else None}])
             if usage_on:
                 yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
@@ -303,6 +361,20 @@ class OpenAIServing:
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries], "refusal": None}
 
+    def _prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:
+        """Completion-style logprobs of the prompt: the first token has none (null), as in vLLM."""
+        rest = self._completion_logprobs(entries, len(self._token_text(prompt_ids[0])))
+        first = self._token_text(prompt_ids[0])
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+    def _echoed_logprobs(self, choice: Choice, jobs: list[Job]) -> dict[str, Any]:
+        output = self._completion_logprobs(choice.logprobs)
+        if choice.echo is None or choice.prompt_logprobs is None:
+            return output
+        job = next(j for j in jobs if j.choice is choice)
+        return _concat_logprobs(self._prompt_logprobs(job.prompt_token_ids, choice.prompt_logprobs), output)
+
     def _completion_logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
         tokens = [self._token_text(e.token_id) for e in entries]
         text_offset = []
@@ -314,7 +386,25 @@ class OpenAIServing:
                 "text_offset": text_offset}
 
 
+@lru_cache(maxsize=1024)
+def _validate_spec_cached(spec: Any) -> None:
+    """validate_spec, remembered per spec (a frozen dataclass): a large schema costs tens of ms
+    to check, and load generators send the same one with every request."""
+    validate_spec(spec)
+
+
+def _concat_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Completion logprobs of the prompt then of the output (the output's offsets shifted)."""
+    shift = sum(len(t) for t in first["tokens"])
+    return {"tokens": first["tokens"] + second["tokens"],
+            "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+            "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
+
+
 def _apply(choice: Choice, out: RequestOutput) -> None:
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
     choice.text += out.text
     choice.num_output_tokens = out.num_output_tokens
     choice.num_cached_tokens = out.num_cached_tokens

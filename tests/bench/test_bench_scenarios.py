@@ -108,6 +108,19 @@ def test_prefix(server, tokenizer, tmp_path):
     assert 0 < data["prefix_hit_rate"] <= 1
 
 
+def test_structured(server, tokenizer, tmp_path):
+    from bench.structured import run_structured
+
+    data = _written(run_structured(server, tokenizer, len(tokenizer), concurrency=3, output_len=4, rounds=1,
+                                   inject=2, progress=False), tmp_path)
+    assert not data["errors"]
+    for side in ("unconstrained", "constrained"):
+        assert data["sides"][side][0]["output_tokens"] == 3 * 4 and data["sides"][side][0]["output_tps"] > 0
+    assert data["tps_ratio"] > 0 and data["gap_ratio"] > 0
+    assert len(data["injected_first_token_ms"]["fresh"]) == 2
+    assert [c["verdict"] for c in data["checks"][:2]] != ["SKIPPED", "SKIPPED"]
+
+
 def _write_tiny_gguf(hf, path: Path) -> None:
     """The tiny HF Llama as an F32 GGUF, tokenizer metadata copied from the shipped GGUF, with
     llama.cpp's q/k row permutation (what convert_hf_to_gguf.py does)."""
@@ -296,7 +309,7 @@ def test_cli_and_benchmarks_md(tmp_path):
     from bench.report import check
 
     parser = build_parser()
-    for scenario in ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "all"):
+    for scenario in ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "structured", "all"):
         assert parser.parse_args([scenario, "--quick"]).scenario == scenario
     from server.cli import main as kvserve_main
 

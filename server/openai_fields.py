@@ -1,0 +1,120 @@
+"""Every request field of OpenAI's chat completions and completions, and what kvserve does with it.
+
+One table serves three readers: the request check (a *rejected* field, when it asks for the
+feature, gets a 400 naming it), docs/api.md (its field table is generated from this one and a
+test keeps them equal), and the tests (each rejected row is sent with its ``example``).
+
+Fields outside OpenAI's API (vLLM's extras such as ``top_k``, ``ignore_eos``, ``guided_json``,
+which load generators send) are not in the table and stay accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from server.errors import bad_request
+
+Status = Literal["supported", "ignored", "rejected"]
+
+
+def _present(value: Any) -> bool:
+    return value is not None
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    name: str
+    status: Status
+    note: str = ""  # what is supported, why it is ignored, or why it is rejected
+    # For rejected fields: a value that asks for the feature (the test sends it) and the test
+    # of whether a given value does (default: any non-null value).
+    example: Any = None
+    asks: Callable[[Any], bool] = _present
+
+
+def _supported(name: str, note: str = "") -> FieldRule:
+    return FieldRule(name, "supported", note)
+
+
+def _ignored(name: str, why: str) -> FieldRule:
+    return FieldRule(name, "ignored", why)
+
+
+def _rejected(name: str, why: str, example: Any, asks: Callable[[Any], bool] = _present) -> FieldRule:
+    return FieldRule(name, "rejected", why, example, asks)
+
+
+_COMMON = [
+    _supported("model", "must name the served model (404 otherwise)"),
+    _supported("frequency_penalty"), _supported("presence_penalty"),
+    _supported("logit_bias", "token ids in the vocabulary, values in [-100, 100]"),
+    _supported("n"), _supported("seed"), _supported("stop", "up to `max_stop` strings"),
+    _supported("stream"), _supported("stream_options", "`include_usage`; `include_obfuscation` is ignored"),
+    _supported("temperature"), _supported("top_p"),
+    _ignored("user", "an end-user id for OpenAI's abuse monitoring; kvserve keeps no per-user records"),
+]
+
+CHAT_FIELDS: list[FieldRule] = [
+    _supported("messages", "roles system, developer (as system), user, assistant (with `tool_calls`), tool; "
+                           "text content parts only"),
+    *_COMMON,
+    _supported("logprobs"), _supported("top_logprobs", "0-20"),
+    _supported("max_tokens"), _supported("max_completion_tokens", "wins over `max_tokens`"),
+    _supported("response_format", "`text`, `json_object`, `json_schema` (constrained decoding)"),
+    _supported("tools", "function tools"),
+    _supported("tool_choice", "`none`, `auto`, `required`, or a named function"),
+    _supported("parallel_tool_calls"),
+    _ignored("metadata", "tags for stored completions; kvserve stores none"),
+    _ignored("store", "kvserve never stores completions for later retrieval"),
+    _ignored("safety_identifier", "an end-user id for OpenAI's abuse monitoring"),
+    _ignored("service_tier", "one tier; the response does not claim another"),
+    _ignored("prompt_cache_key", "the prefix cache is keyed by content (and `cache_salt`), not by a key"),
+    _ignored("prompt_cache_retention", "prefix caching is automatic; retention follows the cache's LRU"),
+    _ignored("prompt_cache_options", "prefix caching is automatic; retention follows the cache's LRU"),
+    _ignored("reasoning_effort", "the served model does not reason; accepted so reasoning clients work"),
+    _ignored("verbosity", "a hint for OpenAI's models; the served model has no such control"),
+    _rejected("audio", "audio output is not supported", {"voice": "alloy", "format": "wav"}),
+    _rejected("modalities", "only text output is supported", ["text", "audio"],
+              lambda v: v is not None and any(m != "text" for m in v)),
+    _rejected("prediction", "predicted outputs are not supported",
+              {"type": "content", "content": "x"}),
+    _rejected("web_search_options", "web search is not supported", {}),
+    _rejected("functions", "deprecated; use `tools`", [{"name": "f", "parameters": {"type": "object"}}]),
+    _rejected("function_call", "deprecated; use `tool_choice`", "auto"),
+    _rejected("moderation", "moderation is not supported", {"enabled": True}),
+]
+
+COMPLETION_FIELDS: list[FieldRule] = [
+    _supported("prompt", "a string, a list of strings, token ids, or a list of token-id lists"),
+    *_COMMON,
+    _supported("max_tokens"),
+    _supported("logprobs", "0-20"),
+    _supported("echo", "prepends the prompt; with `logprobs`, its token logprobs (the first is null)"),
+    _rejected("best_of", "server-side best-of-n ranking is not supported (best_of equal to n is accepted)", 3,
+              lambda v: v is not None and v != 1),
+    _rejected("suffix", "insertion (fill-in-the-middle) is not supported", "x", lambda v: bool(v)),
+]
+
+TABLES: dict[str, list[FieldRule]] = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS}
+
+
+def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:
+    """400 naming the first rejected field of ``body`` whose value asks for its feature."""
+    for rule in TABLES[kind]:
+        if rule.status != "rejected" or rule.name not in body:
+            continue
+        value = body[rule.name]
+        if rule.name == "best_of" and value == n:
+            continue
+        if rule.asks(value):
+            raise bad_request(f"'{rule.name}' is not supported by kvserve: {rule.note}", rule.name,
+                              "unsupported_parameter")
+
+
+def markdown_table(kind: str) -> str:
+    """The docs/api.md table for ``kind`` (kept equal to the docs by a test)."""
+    lines = ["| field | status | notes |", "|---|---|---|"]
+    for rule in sorted(TABLES[kind], key=lambda r: r.name):
+        label = {"supported": "supported", "ignored": "accepted, ignored", "rejected": "rejected (400)"}[rule.status]
+        lines.append(f"| `{rule.name}` | {label} | {rule.note} |")
+    return "\n".join(lines)
