@@ -447,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--throughput-max-tokens", type=int, default=32)
     ap.add_argument("--throughput-concurrency", type=int, default=8)
     ap.add_argument("--skip-failover", action="store_true")
+    ap.add_argument("--throughput-only", action="store_true", help="skip the routing and failover steps")
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -458,8 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                       failover=not args.skip_failover)
     report = lambda text: print(text, flush=True)  # noqa: E731
-    ok, out = smoke(cfg, log_dir, report)
-    if args.throughput:
+    ok, out = (True, {}) if args.throughput_only else smoke(cfg, log_dir, report)
+    if args.throughput or args.throughput_only:
         _, out["throughput"] = throughput(args.model, cfg, args.throughput_max_tokens, args.throughput_concurrency,
                                           log_dir, report)
     if args.json:
