@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     g.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
+    g.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                   help="split the model over N ranks, one process each (gloo on CPU)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False)
 
 
