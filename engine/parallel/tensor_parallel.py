@@ -25,6 +25,7 @@ rank is refused.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -32,6 +33,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -146,7 +148,10 @@ def _worker(rank: int, world: int, port: int, arch: ModelArch, hf_config: Any, m
     group = Group.create(rank, world, port).connect()
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     while True:
-        msg = group.broadcast_object()
+        try:
+            msg = group.broadcast_object()
+        except RuntimeError:  # rank 0 is gone (its process exited or died): so is the engine
+            return
         kind = msg[0]
         if kind == "stop":
             return
@@ -202,7 +207,10 @@ class TensorParallelModel:
         group.connect()
         logger.info("Tensor parallel: %d ranks over gloo (this process is rank 0; %d query heads, %d KV heads "
                     "and %d vocabulary rows per rank)", world, local.num_heads, local.num_kv_heads, local.vocab_size)
-        return cls(shard, group, arch.vocab_size, procs)
+        model = cls(shard, group, arch.vocab_size, procs)
+        ref = weakref.ref(model)
+        atexit.register(lambda: (m := ref()) is not None and m.close())  # stop the workers cleanly
+        return model
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
