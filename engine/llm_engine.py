@@ -96,14 +96,23 @@ class LLMEngine:
             # Not shipped yet: it needs a GPU to be tested against the torch backend.
             raise ValueError("attention_backend 'flash_attn' is not available yet; 'torch' (SDPA over the "
                              "paged pool) runs on CUDA as well")
-        model = LlamaForCausalLM(arch, loaded.hf_config, max_len).to(dtype)
-        model.attn = make_attention(config.model.attention_backend, device, dtype)
+        if config.model.tensor_parallel_size > 1:  # engine/parallel: this process is rank 0
+            from engine.parallel.tensor_parallel import TensorParallelModel
+
+            model = TensorParallelModel.launch(
+                arch, loaded.hf_config, loaded.state_dict, config.model.tensor_parallel_size, max_len,
+                config.model.attention_backend, config.model.linear_backend, dtype,
+                config.model.num_threads or available_cores(), device)
+            loaded.state_dict.clear()
+        else:
+            model = LlamaForCausalLM(arch, loaded.hf_config, max_len).to(dtype)
+            model.attn = make_attention(config.model.attention_backend, device, dtype)
+            model.load_hf_state_dict(loaded.state_dict)
+            model.to(device).eval()
+            loaded.state_dict.clear()  # weights now live in the fused parameters only
+            self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
         logger.info("Attention: %s", "native paged decode kernel + SDPA prefill" if model.attn.native_decode
                     else "torch SDPA")
-        model.load_hf_state_dict(loaded.state_dict)
-        model.to(device).eval()
-        loaded.state_dict.clear()  # weights now live in the fused parameters only
-        self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
 
         cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,

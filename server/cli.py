@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     g.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
+    g.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                   help="split the model over N ranks, one process each (gloo on CPU)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False)
 
 
@@ -69,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from server.app import build_app, serve
     from server.config import ServerConfig
+    from server import metrics_compat
     from server.metrics import Metrics
 
     config, profile = build_engine_config(args)
@@ -78,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_config = build_section(ServerConfig, "server", profile, flags)
     engine = LLMEngine(config)
     metrics = Metrics(engine.model_name, engine)
+    metrics_compat.enable(metrics, server_config.metrics_compat)
     async_engine = AsyncEngine(engine, observer=metrics)
     app = build_app(async_engine, server_config, metrics)
     logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", engine.model_name, server_config.host,
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int)
     s.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
     s.add_argument("--max-waiting", dest="max_waiting", type=int, help="queue length beyond which requests get 429")
+    s.add_argument("--metrics-compat", dest="metrics_compat", choices=["vllm"],
+                   help="also export the vLLM metric names that routers read (vllm:num_requests_waiting, ...)")
     s.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS")
     serve.set_defaults(func=cmd_serve)
 

@@ -15,6 +15,7 @@ class ServerConfig:
     max_stop: int = 16  # stop strings per request
     shutdown_grace_s: float = 20.0  # SIGTERM: in-flight requests may finish for this long
     log_stats_interval_s: float = 10.0  # periodic throughput/KV log line while busy; 0 disables
+    metrics_compat: str | None = None  # "vllm": also export the vLLM metric names routers read
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -23,5 +24,7 @@ class ServerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.metrics_compat not in (None, "vllm"):
+            raise ValueError(f"metrics_compat must be 'vllm' or null, got {self.metrics_compat!r}")
         if self.api_key == "":
             self.api_key = None

@@ -143,6 +143,8 @@ class Metrics:
         self.iteration_tokens = histogram("iteration_tokens", "Tokens run by one engine step.",
                                           step_buckets).labels(model_name)
         self.registry.register(_EngineStateCollector(self))
+        # What /metrics serializes: the registry, or a wrapper (server.metrics_compat) around it.
+        self.exposition = self.registry
         self._timings: dict[str, _Timing] = {}
         # Plain totals for the log line (written in the loop thread, read racily by log_stats).
         self._num_prompt_tokens = 0
@@ -196,7 +198,7 @@ class Metrics:
 
     # ---- scrape and log -------------------------------------------------------------------------
     async def route(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.exposition), media_type=CONTENT_TYPE_LATEST)
 
     def log_stats(self) -> None:
         """One line of throughput and cache state since the previous call (only when there was work)."""

@@ -32,7 +32,7 @@ DOCKERFILES = {
     "Dockerfile": "configs/cpu.yaml",
     "Dockerfile.gpu": "configs/gpu.yaml",
 }
-ALL_DOCKERFILES = [*DOCKERFILES, "scripts/prometheus-offline.Dockerfile"]
+ALL_DOCKERFILES = [*DOCKERFILES, "scripts/prometheus-offline.Dockerfile", "deploy/router/Dockerfile"]
 
 
 # ---- tools ------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: one process per rank (see tensor_parallel.py)."""

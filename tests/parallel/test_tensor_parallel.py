@@ -1,0 +1,92 @@
+"""Tensor parallelism on CPU: TP=2 (gloo, 2 processes) gives TP=1's greedy tokens, with prefix
+caching and preemption in play, on a tiny random Llama (GQA, a vocabulary that does not split
+evenly, so the last LM-head slice is padded)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cache import CacheConfig
+from engine.config import ModelConfig
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import LoadedModel
+from engine.arch import ModelArch
+from engine.parallel.tensor_parallel import shard_arch, shard_state_dict
+from engine.sampling_params import SamplingParams
+from scheduler.config import SchedulerConfig
+from tests.helpers import tiny_hf_model, tiny_llama_config
+
+# 4 query heads, 2 KV heads, vocab 131 (66 rows per rank, one of them padding).
+CONFIG = dict(vocab_size=131, num_attention_heads=4, num_key_value_heads=2)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+def engine(hf, tp: int, attention_backend: str = "auto") -> LLMEngine:
+    """``auto``: the native decode kernel where it builds (each rank runs it on its own heads)."""
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf.config,
+                         arch=ModelArch.from_hf_config(hf.config), state_dict=state, tokenizer=None)
+    # 14 blocks of 4 tokens cannot hold the batch below at once: requests get preempted.
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(num_threads=1, attention_backend=attention_backend, tensor_parallel_size=tp,
+                          device="cpu"),
+        cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)), loaded)
+
+
+def workload() -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 131) for _ in range(12)]  # three full blocks every prompt shares
+    return [shared + [rng.randrange(3, 131) for _ in range(rng.randint(2, 6))] for _ in range(4)]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(tiny_llama_config(**CONFIG))
+
+
+def test_shards_cover_the_weights(hf):
+    arch = ModelArch.from_hf_config(hf.config)
+    sd = hf.state_dict()
+    local = shard_arch(arch, 2)
+    assert (local.num_heads, local.num_kv_heads, local.vocab_size) == (2, 1, 66)
+    parts = [shard_state_dict(sd, arch, r, 2) for r in range(2)]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(torch.cat([p[q] for p in parts]), sd[q])
+    down = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([p[down] for p in parts], dim=1), sd[down])
+    emb = torch.cat([p["model.embed_tokens.weight"] for p in parts])
+    assert torch.equal(emb[:131], sd["model.embed_tokens.weight"]) and not emb[131:].any()
+    with pytest.raises(ValueError, match="must divide"):
+        shard_arch(arch, 3)
+
+
+def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
+    ps = workload()
+    one = engine(hf, 1)
+    expected = one.generate(ps, PARAMS)
+    two = engine(hf, 2)
+    try:
+        got = two.generate(ps, PARAMS)
+        # Rank 0's pool holds its own KV head only.
+        assert two.runner.kv_caches[0][0].shape[2] == 1 and one.runner.kv_caches[0][0].shape[2] == 2
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        for e in (one, two):
+            assert e.scheduler.stats.num_preemptions > 0, "the workload must preempt"
+            assert e.scheduler.stats.prefix_cache_hits > 0, "the workload must hit the prefix cache"
+        assert sum(r.num_cached_tokens for r in got) == sum(r.num_cached_tokens for r in expected) > 0
+        # A second round reuses the cached prefix blocks on both ranks.
+        again = two.generate(ps[:2], PARAMS)
+        assert [r.token_ids for r in again] == [r.token_ids for r in expected[:2]]
+        assert all(r.num_cached_tokens >= 12 for r in again)
+        assert two.kv_cache.usage == 0
+    finally:
+        two.runner.model.close()
+    assert all(not p.is_alive() for p in two.runner.model.procs)
+
+
+def test_refusals(hf):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ModelConfig(tensor_parallel_size=0)
