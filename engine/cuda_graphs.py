@@ -89,6 +89,9 @@ def build_decode_inputs(token_ids: Sequence[int], positions: Sequence[int], bloc
 class CudaGraphRunner:
     """Captures ``model`` forward + LM head for each bucket and replays them.
 
+    Without ``capture()`` (on a CPU, in tests) ``run`` executes the same padded static-input
+    forward eagerly, which is how the padding and sink logic is tested without a GPU.
+
     The attention backend must be ``graph_safe_decode``; its decode split count is fixed by
     passing the model's context (``max_model_len``) as the group length.
     """
@@ -105,7 +108,8 @@ class CudaGraphRunner:
         self.width = (max_model_len + block_size - 1) // block_size
         self.device = device
         top = self.sizes[-1]
-        self.host = DecodeInputs(*(torch.empty(shape, dtype=dt).pin_memory() for shape, dt in (
+        pin = device.type == "cuda"
+        self.host = DecodeInputs(*(torch.empty(shape, dtype=dt, pin_memory=pin) for shape, dt in (
             ((top,), torch.long), ((top,), torch.long), ((top,), torch.long), ((top, self.width), torch.int32),
             ((top,), torch.int32))))
         self.static = DecodeInputs(*(torch.empty_like(t, device=device) for t in (
@@ -164,5 +168,8 @@ class CudaGraphRunner:
         build_decode_inputs(token_ids, positions, block_ids, bucket, self.width, self.block_size, self.sink_block,
                             self.host)
         self._copy_inputs(bucket)
-        self.graphs[bucket].replay()
+        graph = self.graphs.get(bucket)
+        if graph is None:  # not captured (a CPU test of the padding, or capture skipped): run it eagerly
+            return self._forward(bucket, self._meta(bucket))[:len(token_ids)]
+        graph.replay()
         return self.logits[bucket][:len(token_ids)]

@@ -84,10 +84,14 @@ class ModelRunner:
         """Capture decode graphs when the device is CUDA and the backend allows it; True if captured."""
         if self.device.type != "cuda" or not self.model.attn.graph_safe_decode:
             return False
-        self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size,
-                                      self.sink_block, self.device)
+        self.graphs = self.padded_decode_runner(max_num_seqs, max_model_len)
         self.graphs.capture()
         return True
+
+    def padded_decode_runner(self, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner:
+        """The bucketed, padded decode path over this runner's pool (not yet captured)."""
+        return CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size,
+                               self.sink_block, self.device)
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """One forward pass at the largest step the scheduler may plan (``num_tokens`` prompt
