@@ -79,3 +79,19 @@ def test_padded_decode_path_matches_transformers():
     assert calls and set(calls) == {3}  # three decode rows, padded to the bucket of 4
     assert check_against_hf(hf, recorder) == 3 * 6
     assert runner.kv_caches[0][0][40].abs().sum() > 0  # padding wrote to the sink block only
+
+
+def test_profile_run_fits_its_pool():
+    """The profiling pass (run on the GPU before sizing the pool) plans the largest step the
+    scheduler may: all its blocks fit ``profile_blocks`` and every sequence samples."""
+    from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+
+    engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_hidden_layers=1)), attention_backend="torch")
+    runner = engine.runner
+    assert runner.profile_blocks(64, 5) == 5 * 4  # 12 or 16 tokens per sequence, blocks of 4
+    runner.allocate_kv(runner.profile_blocks(64, 5))
+    seen = []
+    runner.sampler = lambda logits, rows: seen.append(logits.shape) or type("O", (), {
+        "token_ids": [0] * len(rows), "logprobs": None, "top_logprobs": None})()
+    runner.profile_run(64, 5)
+    assert seen == [torch.Size([5, 128])] and runner.num_tokens_computed == 0
