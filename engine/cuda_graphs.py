@@ -71,18 +71,22 @@ def build_decode_inputs(token_ids: Sequence[int], positions: Sequence[int], bloc
     out.seq_lens[:bucket] = 1
     out.block_table[:bucket] = sink_block
     if n:
+        # One index_put for the whole table instead of a copy per row (256 rows per step).
+        used = [p // block_size + 1 for p in positions]
+        if max(used) > width:
+            i = max(range(n), key=used.__getitem__)
+            raise ValueError(f"row {i} needs {used[i]} blocks but the table has {width} columns")
+        flat = torch.tensor([b for row, u in zip(block_ids, used) for b in row[:u]], dtype=torch.int32)
+        counts = torch.tensor(used)
+        rows = torch.repeat_interleave(torch.arange(n), counts)
+        starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        out.block_table[rows, torch.arange(len(flat)) - starts] = flat
         pos = torch.tensor(positions, dtype=torch.long)
         out.input_ids[:n] = torch.tensor(token_ids, dtype=torch.long)
         out.positions[:n] = pos
         out.seq_lens[:n] = (pos + 1).to(torch.int32)
-        slots = []
-        for i, (p, row) in enumerate(zip(positions, block_ids)):
-            used = p // block_size + 1
-            if used > width:
-                raise ValueError(f"row {i} needs {used} blocks but the table has {width} columns")
-            out.block_table[i, :used] = torch.tensor(row[:used], dtype=torch.int32)
-            slots.append(row[p // block_size] * block_size + p % block_size)
-        out.slot_mapping[:n] = torch.tensor(slots, dtype=torch.long)
+        last = torch.tensor([row[u - 1] for row, u in zip(block_ids, used)], dtype=torch.long)
+        out.slot_mapping[:n] = last * block_size + pos % block_size
     return out
 
 

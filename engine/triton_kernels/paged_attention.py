@@ -15,11 +15,14 @@ per sequence) and each sequence's context length:
 
 Softmax runs online in float32; dots take the pool's dtype (bf16/fp16 on tensor cores,
 float32 with IEEE precision). Every launch is free of host synchronisation, so a decode step
-can be captured in a CUDA graph when its split count is fixed (``num_splits``).
+can be captured in a CUDA graph when its split count is fixed (``num_splits``). Tile sizes
+are fixed per call site, never derived from a step's lengths, so a serving run compiles each
+kernel once per (dtype, head layout, block size) and never mid-run.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -149,7 +152,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _dot_in_f32(dtype: torch.dtype) -> bool:
     """Triton's interpreter (3.9) computes bf16/fp16 ``tl.dot`` wrongly (garbage values), so
     under it the kernels upcast to float32 first; compiled kernels keep the pool's dtype."""
-    return dtype != torch.float32 and bool(triton.knobs.runtime.interpret)
+    return dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -194,7 +197,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
-    block_n = max(16, min(block_n, triton.next_power_of_2(max_len)))
     if num_splits is None:
         num_splits, split_tokens = plan_splits(max_len, batch * kv_heads, block_n)
     else:
@@ -226,7 +228,6 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return
     _, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    block_m = max(16, min(block_m, triton.next_power_of_2(max_query_len)))
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, query_start, seq_lens, out, scale, seq_offset,
