@@ -123,6 +123,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.replays = 0  # graph replays so far (tests and logs)
 
     def _meta(self, bucket: int) -> AttentionMetadata:
         s = self.static
@@ -176,4 +177,5 @@ class CudaGraphRunner:
         if graph is None:  # not captured (a CPU test of the padding, or capture skipped): run it eagerly
             return self._forward(bucket, self._meta(bucket))[:len(token_ids)]
         graph.replay()
+        self.replays += 1
         return self.logits[bucket][:len(token_ids)]

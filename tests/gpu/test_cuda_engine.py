@@ -97,6 +97,8 @@ def test_batched_decode_and_prefix_hit(hf_model, backend, dtype, graphs):
     assert hit.num_cached_tokens == 2 * block
     assert check(hf_model, recorder, dtype) >= 7 * 6
     assert engine.kv_cache.usage == 0
+    if used_graphs:
+        assert engine.runner.graphs.replays >= 5  # the decode steps of both batches replayed graphs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,6 +124,7 @@ def test_preemption_resumes_identically(hf_model, backend, graphs):
     recorder = LogitRecorder(engine)
     results = engine.generate(ps, params)
     assert engine.scheduler.stats.num_preemptions > 0
+    assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 0) == (graphs and backend == "triton")
     assert [r.token_ids for r in results] == alone
     check(hf_model, recorder, "float32")
     assert engine.kv_cache.usage == 0

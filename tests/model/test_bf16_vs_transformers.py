@@ -63,3 +63,17 @@ def test_bf16_logits_match_transformers(name, tmp_path):
         torch.testing.assert_close(logits, expected, atol=BF16_ATOL, rtol=0.02)
         agree += int(logits.argmax() == expected.argmax())
     assert len(recorder.records) == 12 and agree >= 11  # a near-tie may flip one greedy pick
+
+
+@pytest.mark.slow
+def test_gguf_is_dequantized_to_bf16_at_load():
+    """The default model is a Q4_1 GGUF: in bf16 every weight is its float32 dequantization
+    rounded to bf16 (the dequantized dense copy is cached, so both loads are quick)."""
+    from engine.loader import load_model
+
+    dense = load_model(None, torch.float32).state_dict
+    bf16 = load_model(None, torch.bfloat16).state_dict
+    assert bf16.keys() == dense.keys()
+    for name, weight in bf16.items():
+        assert weight.dtype == torch.bfloat16, name
+        assert weight.equal(dense[name].to(torch.bfloat16)), name
