@@ -90,7 +90,24 @@ def test_cancelling_half_frees_their_blocks_within_one_step(async_engine):
 
 
 def test_event_loop_stays_responsive_under_full_load(async_engine):
+    """The loop never waits for a model step: its lag stays well below one step's duration.
+
+    On an idle machine that means under 50 ms. A busy machine (another process on one of the
+    two cores) stretches both the steps and the OS's wake-ups, so the bound is also set
+    relative to the step time measured in the same run: a loop that waited for steps would
+    lag by whole steps.
+    """
+    import time
+
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    step_ends: list[float] = []
+
+    class StepClock:
+        def on_step(self, num_tokens, outputs):
+            if num_tokens:
+                step_ends.append(time.monotonic())
+
+    async_engine.observer = StepClock()
 
     async def main():
         load = asyncio.gather(*(collect(async_engine, prompt(i), params) for i in range(64)))
@@ -104,8 +121,10 @@ def test_event_loop_stays_responsive_under_full_load(async_engine):
         return lags
 
     lags = asyncio.run(main())
-    assert len(lags) > 10
-    assert max(lags) < 0.05
+    steps = sorted(b - a for a, b in zip(step_ends, step_ends[1:]))
+    assert len(lags) > 10 and len(steps) >= 40
+    median_step = steps[len(steps) // 2]
+    assert max(lags) < max(0.05, 0.5 * median_step), (max(lags), median_step)
 
 
 def test_engine_failure_reaches_every_request_and_health(async_engine, monkeypatch):

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.helpers import tiny_engine, tiny_hf_model
-from tests.server.conftest import free_port, parse_sse, wait_healthy
+from tests.server.conftest import SERVER_START_TIMEOUT_S, free_port, parse_sse, wait_healthy
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def dying_server():
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    wait_healthy(base, 30)
+    wait_healthy(base, SERVER_START_TIMEOUT_S)
     yield base
     server.should_exit = True
     thread.join(30)
