@@ -104,9 +104,11 @@ def synthetic_tokenizer(vocab_size: int) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    # The unknown token sits past the model's vocabulary: no generated id is special (skipped).
+    vocab = {f"t{i}": i for i in range(vocab_size)} | {"<unk>": vocab_size}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def build_engine(args: argparse.Namespace, config: dict[str, Any]) -> Any:

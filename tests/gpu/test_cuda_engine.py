@@ -150,3 +150,24 @@ def test_kv_pool_sized_by_profiling(caplog):
     assert engine.capacity.num_blocks > 1000  # a tiny model leaves most of the 3 GiB to the pool
     out = engine.generate([[5, 6, 7]], GREEDY)[0]
     assert len(out.token_ids) == 6
+
+
+def test_http_server_and_metrics_on_cuda():
+    """`--device cuda` end to end: the OpenAI server streams completions from a CUDA engine
+    (graphs on) and /metrics reports them."""
+    from bench.gpu_check import synthetic_tokenizer
+    from bench.serving import completion_request, run_load, scrape_metrics, start_inprocess
+
+    hf = tiny_hf_model(CONFIGS["gqa"])
+    engine = tiny_engine(hf, device="cuda", dtype="bfloat16", tokenizer=synthetic_tokenizer(128))
+    server = start_inprocess(engine)
+    try:
+        reqs = [completion_request(p, 8) for p in prompts(6, seed=4)]
+        records, _ = run_load(server, reqs, concurrency=3)
+        metrics = scrape_metrics(server)
+    finally:
+        server.close()
+    assert [r.error for r in records] == [None] * 6
+    assert all(r.output_tokens == 8 and len(r.text.split()) == 8 for r in records)
+    assert metrics is not None and metrics.get("kvserve_generation_tokens_total", 0) >= 48
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
