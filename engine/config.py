@@ -18,11 +18,17 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
-    attention_backend: str = "auto"  # "auto" | "native" | "torch" | "flash_attn"
+    attention_backend: str = "auto"  # a name of engine.attention.ATTENTION_BACKENDS
     # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's Q4_1/Q8_0
     # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
     linear_backend: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
+    # profiling forward pass, CUDA graphs, then the KV pool takes the rest); ignored on CPU
+    gpu_memory_utilization: float = 0.9
+    # CUDA: capture decode steps in CUDA graphs (batch-size buckets up to max_num_seqs);
+    # False runs every step eagerly
+    cuda_graphs: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over (engine/parallel)
 
@@ -39,6 +45,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.linear_backend not in ("auto", "gguf", "onednn", "aten"):
             raise ValueError(f"linear_backend must be auto, gguf, onednn or aten, got {self.linear_backend!r}")
-        if self.attention_backend not in ("auto", "native", "torch", "flash_attn"):
-            raise ValueError(f"attention_backend must be auto, native, torch or flash_attn, "
-                             f"got {self.attention_backend!r}")
+        from engine.attention.base import check_backend_name
+
+        check_backend_name(self.attention_backend)
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -15,9 +15,10 @@ from typing import Sequence
 import torch
 
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
-from engine.attention import make_attention
+from engine.attention import select_attention
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.gpu_memory import profile_kv_budget
 from engine.kernels import load_kernels
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaForCausalLM
@@ -67,6 +68,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def build_model(loaded: LoadedModel, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """An empty model with its parameters allocated in ``dtype`` directly on ``device`` (no
+    float32 or host copy of an 8B model on the way); weights are loaded afterwards."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(loaded.arch, loaded.hf_config, max_len)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype)  # the RoPE tables are computed in float32 and cast, as transformers does
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -92,10 +106,7 @@ class LLMEngine:
         self.config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
 
         device = resolve_device(config.model.device)
-        if config.model.attention_backend == "flash_attn":
-            # Not shipped yet: it needs a GPU to be tested against the torch backend.
-            raise ValueError("attention_backend 'flash_attn' is not available yet; 'torch' (SDPA over the "
-                             "paged pool) runs on CUDA as well")
+        cache_cfg = config.cache
         if config.model.tensor_parallel_size > 1:  # engine/parallel: this process is rank 0
             from engine.parallel.tensor_parallel import TensorParallelModel
 
@@ -105,26 +116,45 @@ class LLMEngine:
                 config.model.num_threads or available_cores(), device)
             loaded.state_dict.clear()
         else:
-            model = LlamaForCausalLM(arch, loaded.hf_config, max_len).to(dtype)
-            model.attn = make_attention(config.model.attention_backend, device, dtype)
+            model = build_model(loaded, max_len, dtype, device)
+            model.attn = select_attention(config.model.attention_backend, device, dtype, cache_cfg.block_size)
             model.load_hf_state_dict(loaded.state_dict)
-            model.to(device).eval()
+            model.eval()
             loaded.state_dict.clear()  # weights now live in the fused parameters only
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
-        logger.info("Attention: %s", "native paged decode kernel + SDPA prefill" if model.attn.native_decode
-                    else "torch SDPA")
+        logger.info("Attention: %s on %s (%s)", model.attn.describe(), device, config.model.dtype)
 
-        cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                        torch.empty((), dtype=dtype).element_size())
-        num_blocks = cache_cfg.num_blocks or num_blocks_for_memory(
-            int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size, per_token)
+        sched = self.config.scheduler
+        if cache_cfg.num_blocks:
+            num_blocks = cache_cfg.num_blocks
+            self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
+        elif device.type == "cuda":
+            # Profile with a pool just big enough for the largest step, then size the real one.
+            self.runner = ModelRunner(model, 1, cache_cfg.block_size, dtype, device)
+            tokens, seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+            self.runner.allocate_kv(self.runner.profile_blocks(tokens, seqs))
+            profile = profile_kv_budget(device, config.model.gpu_memory_utilization,
+                                        lambda: self.runner.profile_run(tokens, seqs))
+            self.runner.allocate_kv(0)
+            logger.info(profile.describe())
+            num_blocks = num_blocks_for_memory(profile.kv_budget, cache_cfg.block_size, per_token)
+            if num_blocks == 0:
+                raise ValueError("no GPU memory is left for the KV cache after loading the model: raise "
+                                 "--gpu-memory-utilization or lower --max-num-batched-tokens")
+            self.runner.allocate_kv(num_blocks)
+        else:
+            num_blocks = num_blocks_for_memory(int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size,
+                                               per_token)
+            self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
         self.capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
         logger.info(self.capacity.describe(max_len))
+        if config.model.cuda_graphs and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len):
+            logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
         self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         # Structured output: grammars compile on the compiler's thread; requests whose grammar is
         # not resolved yet wait in _compiling (the scheduler skips them) while others step.

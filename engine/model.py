@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.arch import ModelArch
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.quant import BlockLinear, GGUFMatrix, PackedMatrix
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> tuple[tor
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     positions = torch.arange(max_positions, dtype=torch.float)
+    inv_freq = inv_freq.to(positions.device)  # the initialisers build on the CPU; the model may be elsewhere
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
@@ -144,7 +145,7 @@ class DecoderLayer(nn.Module):
             setattr(self, attr, mm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, attn: TorchAttention) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """``sin`` is the sign-adjusted table of :func:`signed_sin`."""
         t = x.shape[0]
         y = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
@@ -173,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
-        self.attn = TorchAttention()
+        self.attn: AttentionBackend = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
         self.lm_head_blocks: PackedMatrix | None = None
         self.linear_backend = "aten"
@@ -289,9 +290,11 @@ class LlamaForCausalLM(nn.Module):
                 getattr(layer, weight_name).copy_(torch.cat([take(f"{p}{m}.weight") for m in modules]))
             a = p + "self_attn."
             if a + "q_proj.bias" in sd:
-                layer.qkv_bias = nn.Parameter(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
+                bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+                layer.qkv_bias = nn.Parameter(bias.to(layer.qkv.device, layer.qkv.dtype))
             if a + "o_proj.bias" in sd:
-                layer.o_bias = nn.Parameter(take(a + "o_proj.bias").clone())
+                layer.o_bias = nn.Parameter(take(a + "o_proj.bias").to(layer.o_proj.device, layer.o_proj.dtype,
+                                                                        copy=True))
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")

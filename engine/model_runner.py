@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PagedLayout, PrefillChunk
+from engine.cuda_graphs import CudaGraphRunner
 from engine.model import LlamaForCausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
 from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request
 
 
 @dataclass
@@ -57,17 +60,61 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        arch = model.arch
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(arch.num_layers)]
+        self.dtype = dtype
+        self.allocate_kv(num_blocks)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.num_tokens_computed = 0  # tokens that went through the model, for tests and stats
+        self.graphs: CudaGraphRunner | None = None
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """(Re)allocate the pool: ``num_blocks`` blocks for the cache manager plus one sink
+        block (index ``num_blocks``) that padded CUDA-graph rows write to."""
+        arch = self.model.arch
+        shape = (num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = []  # drop the old pool before allocating the new one
+        # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(arch.num_layers)]
+        self.sink_block = num_blocks
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Capture decode graphs when the device is CUDA and the backend allows it; True if captured."""
+        if self.device.type != "cuda" or not self.model.attn.graph_safe_decode:
+            return False
+        self.graphs = self.padded_decode_runner(max_num_seqs, max_model_len)
+        self.graphs.capture()
+        return True
+
+    def padded_decode_runner(self, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner:
+        """The bucketed, padded decode path over this runner's pool (not yet captured)."""
+        return CudaGraphRunner(self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size,
+                               self.sink_block, self.device)
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """One forward pass at the largest step the scheduler may plan (``num_tokens`` prompt
+        tokens over ``num_seqs`` sequences, each sampling), for memory profiling. Needs a pool
+        of at least ``profile_blocks(num_tokens, num_seqs)`` blocks."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        per_seq = num_tokens // num_seqs
+        blocks_per_seq = (per_seq + num_tokens % num_seqs + self.block_size - 1) // self.block_size
+        scheduled = []
+        for i in range(num_seqs):
+            n = per_seq + (num_tokens % num_seqs if i == 0 else 0)
+            req = Request(request_id=f"profile-{i}", prompt_token_ids=[0] * n,
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=1), max_tokens=1)
+            ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            scheduled.append(ScheduledRequest(req, n, ids))
+        self.execute(SchedulerOutput(scheduled=scheduled))
+        self.num_tokens_computed = 0
+
+    def profile_blocks(self, num_tokens: int, num_seqs: int) -> int:
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        longest = num_tokens // num_seqs + num_tokens % num_seqs
+        return num_seqs * ((longest + self.block_size - 1) // self.block_size)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -97,8 +144,8 @@ class ModelRunner:
             slots.append(item.block_ids[pos // bs] * bs + pos % bs)
         groups = []
         ctx_lens = [p + 1 for p in positions]
-        # The native kernel reads each row's own length in place: padding costs it nothing.
-        native = self.model.attn.native_decode
+        # A kernel that reads each row's own length in place pays nothing for padding.
+        native = self.model.attn.reads_lengths_in_place
         split = [(0, len(ctx_lens))] if native and ctx_lens else \
             split_by_length(ctx_lens, self.group_cost_tokens)
         for start, end in split:
@@ -137,9 +184,39 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode_groups=groups,
             prefills=chunks,
+            paged=self._paged_layout(decodes, prefills) if self.model.attn.uses_paged_layout else None,
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+
+    def _graph_logits(self, ordered: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Logits from a captured graph when the step is pure decode and a bucket fits, else None."""
+        if self.graphs is None or any(s.num_new_tokens != 1 or not s.samples for s in ordered):
+            return None
+        positions = [s.request.num_computed_tokens for s in ordered]
+        logits = self.graphs.run([s.request.all_token_ids[p] for s, p in zip(ordered, positions)], positions,
+                                 [s.block_ids for s in ordered])
+        if logits is not None:
+            self.num_tokens_computed += len(ordered)
+        return logits
+
+    def _paged_layout(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> PagedLayout:
+        """The step as one varlen batch (see PagedLayout), built on the host and copied once."""
+        items = decodes + prefills
+        lens = [s.request.num_computed_tokens + s.num_new_tokens for s in items]
+        widths = [(n + self.block_size - 1) // self.block_size for n in lens]
+        width = max(widths)
+        table = torch.zeros((len(items), width), dtype=torch.int32)
+        for i, (item, w) in enumerate(zip(items, widths)):
+            table[i, :w] = torch.tensor(item.block_ids[:w], dtype=torch.int32)
+        q_lens = [s.num_new_tokens for s in items]
+        starts = torch.zeros(len(items) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+        pin = self.device.type == "cuda"
+        return PagedLayout(query_start=starts.to(self.device, non_blocking=pin),
+                           seq_lens=torch.tensor(lens, dtype=torch.int32).to(self.device, non_blocking=pin),
+                           block_table=table.to(self.device, non_blocking=pin), num_decodes=len(decodes),
+                           max_query_len=max(q_lens), max_seq_len=max(lens))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
@@ -151,24 +228,28 @@ class ModelRunner:
         ordered = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
                          key=lambda s: s.request.num_computed_tokens) + \
             [s for s in out.scheduled if s.num_new_tokens > 1]
-        input_ids, positions, meta = self._prepare(ordered)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        self.num_tokens_computed += input_ids.numel()
-        self._collect_prompt_logprobs(ordered, hidden)
-
-        sampling = []
-        last_rows = []
-        row = 0
-        for item in ordered:
-            row += item.num_new_tokens
-            if item.samples:
-                sampling.append(item)
-                last_rows.append(row - 1)
-        if not sampling:
-            return {}
-        if len(last_rows) != hidden.shape[0]:  # some rows are prefill tokens that do not sample
-            hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden).float()
+        logits = self._graph_logits(ordered)
+        if logits is not None:
+            sampling = ordered
+        else:
+            input_ids, positions, meta = self._prepare(ordered)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            self.num_tokens_computed += input_ids.numel()
+            self._collect_prompt_logprobs(ordered, hidden)
+            sampling = []
+            last_rows = []
+            row = 0
+            for item in ordered:
+                row += item.num_new_tokens
+                if item.samples:
+                    sampling.append(item)
+                    last_rows.append(row - 1)
+            if not sampling:
+                return {}
+            if len(last_rows) != hidden.shape[0]:  # some rows are prefill tokens that do not sample
+                hidden = hidden[torch.tensor(last_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)
+        logits = logits.float()
         rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
                             output_token_ids=s.request.output_token_ids, generator=self._generator(s),
                             eos_token_ids=s.request.eos_token_ids, grammar=s.request.grammar)

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from configs import build_section, check_sections, read_profile
+from engine.attention.base import ATTENTION_BACKENDS
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -19,7 +20,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", dest="max_model_len", type=int)
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--num-threads", dest="num_threads", type=int)
-    g.add_argument("--attention-backend", dest="attention_backend", choices=["auto", "native", "torch", "flash_attn"])
+    g.add_argument("--attention-backend", dest="attention_backend", choices=ATTENTION_BACKENDS)
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, metavar="FRACTION",
+                   help="CUDA: share of GPU memory for weights, activations and the KV pool (default 0.9)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
+                   help="CUDA: run decode steps eagerly instead of replaying captured graphs")
     g.add_argument("--linear-backend", dest="linear_backend", choices=["auto", "gguf", "onednn", "aten"])
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.arch import ModelArch
-from engine.attention import AttentionMetadata, make_attention
+from engine.attention import AttentionMetadata, select_attention
 from engine.model import LlamaForCausalLM, apply_rope_signed
 from engine.parallel.comm import Group
 
@@ -123,7 +123,7 @@ def tp_logits(model: LlamaForCausalLM, group: Group, hidden: torch.Tensor, vocab
 def build_shard(arch: ModelArch, hf_config: Any, max_len: int, shard_sd: dict[str, torch.Tensor],
                 attention_backend: str, linear_backend: str, dtype: torch.dtype) -> LlamaForCausalLM:
     model = LlamaForCausalLM(arch, hf_config, max_len).to(dtype)
-    model.attn = make_attention(attention_backend, torch.device("cpu"), dtype)
+    model.attn = select_attention(attention_backend, torch.device("cpu"), dtype)
     model.load_hf_state_dict(shard_sd)
     model.eval()
     model.select_linear_backend(linear_backend)

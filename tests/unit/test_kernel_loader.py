@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.attention import make_attention
+from engine.attention import NativeAttention, TorchAttention, select_attention
 
 
 def test_broken_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
@@ -26,7 +26,7 @@ def test_disabled_by_environment(monkeypatch):
 
 
 def test_backend_choice():
-    assert make_attention("torch", torch.device("cpu"), torch.float32).native_decode is False
-    assert make_attention("auto", torch.device("cpu"), torch.bfloat16).native_decode is False
+    assert type(select_attention("torch", torch.device("cpu"), torch.float32)) is TorchAttention
+    assert type(select_attention("auto", torch.device("cpu"), torch.bfloat16)) is TorchAttention
     with pytest.raises(ValueError, match="CPU in float32"):
-        make_attention("native", torch.device("cpu"), torch.bfloat16)
+        select_attention("native", torch.device("cpu"), torch.bfloat16)

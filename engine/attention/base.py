@@ -1,0 +1,90 @@
+"""The attention backend interface and the one registry of backend names.
+
+Every backend name the engine accepts is a key of ``BACKENDS`` (plus ``auto``); the config,
+the CLI and the engine all validate against ``ATTENTION_BACKENDS`` and build through
+``select_attention``, so a name or a refusal lives in one place.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Writes a step's new K/V into the paged pool, then attends.
+
+    Contract of ``forward``: q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` (the step's new
+    tokens, in the runner's flat layout: decodes first, then prefill chunks), the pools
+    ``[num_blocks, block_size, kv_heads, d]``; returns ``[T, heads * d]`` in q's dtype.
+    """
+
+    name: ClassVar[str]
+    # Decode reads each row's own context length in place: the runner builds one decode
+    # group (no grouping by length) and no padding mask.
+    reads_lengths_in_place: ClassVar[bool] = False
+    # The backend reads ``AttentionMetadata.paged`` (the runner builds it only then).
+    uses_paged_layout: ClassVar[bool] = False
+    # The forward is free of host synchronisation and data-dependent shapes for a pure
+    # decode step, so it may be captured in a CUDA graph.
+    graph_safe_decode: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
+        """None when the backend can run with these settings, else the reason it cannot."""
+        return None
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        ...
+
+    def describe(self) -> str:
+        """One phrase for the startup log."""
+        return self.name
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {}
+# What ``auto`` tries, in order, per device type; the first available one wins.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("flash_attn", "triton", "torch"), "cpu": ("native", "torch")}
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
+
+
+def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    if cls.name not in ATTENTION_BACKENDS:
+        raise ValueError(f"backend {cls.name!r} must be listed in ATTENTION_BACKENDS")
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def check_backend_name(name: str) -> None:
+    """ValueError naming the choices unless ``name`` is a known backend (or ``auto``)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    """The concrete backend ``name`` stands for on this device; ValueError with the reason
+    when an explicitly named backend cannot run here."""
+    check_backend_name(name)
+    if name == "auto":
+        reasons = []
+        for candidate in AUTO_ORDER.get(device.type, ("torch",)):
+            why = BACKENDS[candidate].unavailable(device, dtype, block_size)
+            if why is None:
+                return candidate
+            reasons.append(f"{candidate}: {why}")
+        raise ValueError("no attention backend can run here: " + "; ".join(reasons))
+    why = BACKENDS[name].unavailable(device, dtype, block_size)
+    if why is not None:
+        raise ValueError(f"attention_backend {name!r} cannot run on {device.type} in {str(dtype).removeprefix('torch.')}"
+                         f" with block_size {block_size}: {why}")
+    return name
+
+
+def select_attention(name: str, device: torch.device, dtype: torch.dtype, block_size: int = 16) -> AttentionBackend:
+    """Build the backend for ``ModelConfig.attention_backend`` (see ``resolve_backend``)."""
+    return BACKENDS[resolve_backend(name, device, dtype, block_size)]()

@@ -1,0 +1,34 @@
+"""``native``: the compiled CPU paged decode kernel (engine/kernels) for decode, SDPA for prefill."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import register
+from engine.attention.metadata import DecodeGroup
+from engine.attention.torch_sdpa import TorchAttention
+
+
+@register
+class NativeAttention(TorchAttention):
+    """Decode rows go to ``torch.ops.kvserve.paged_decode_attention``, which reads the pool
+    in place instead of gathering a contiguous copy; prefill chunks use SDPA."""
+
+    name = "native"
+    reads_lengths_in_place = True
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
+        from engine.kernels import load_kernels
+
+        if device.type != "cpu" or dtype != torch.float32:
+            return "the native kernel runs on the CPU in float32 only"
+        if not load_kernels():
+            return "the paged attention kernel could not be built (see the warning above)"
+        return None
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+        return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, g.block_table, g.context_lens,
+                                                        q.shape[-1] ** -0.5)
+
+    def describe(self) -> str:
+        return "native paged decode kernel + SDPA prefill"

@@ -1,0 +1,58 @@
+"""``torch``: the reference backend on ``scaled_dot_product_attention``; any device, any dtype."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, register
+from engine.attention.metadata import AttentionMetadata, DecodeGroup, gather_kv, write_kv
+
+
+@register
+class TorchAttention(AttentionBackend):
+    """SDPA over contexts gathered from the pool (decode rows grouped by length by the runner).
+
+    Subclasses replace ``_decode`` (the single-token rows) and keep the prefill path, which on
+    CUDA runs PyTorch's own FlashAttention / memory-efficient kernels for fresh prompts.
+    """
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        groups = meta.decode_groups
+        if len(groups) == 1 and not meta.prefills:  # the common pure-decode step: no scatter
+            return self._decode(q, k_cache, v_cache, groups[0]).reshape(num_tokens, num_heads * head_dim)
+        out = torch.empty_like(q)
+        for g in groups:
+            out[g.start:g.end] = self._decode(q[g.start:g.end], k_cache, v_cache, g)
+        self._prefill(q, k, v, k_cache, v_cache, meta, out)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        for chunk in meta.prefills:
+            # 4-D [1, H, q_len, d]: with a batch dimension CPU SDPA takes its flash kernel; 3-D
+            # inputs with a mask fall back to the math path (bmm + softmax), 5x slower at 512 x 1000.
+            q_c = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            if chunk.block_ids is None:
+                keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q_c, keys, values, is_causal=True, enable_gqa=True)
+            else:
+                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len)
+                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len)
+                o = F.scaled_dot_product_attention(q_c, keys, values, attn_mask=chunk.mask, enable_gqa=True)
+            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+        """Single-token rows in one call: q ``[B, H, d]`` against their contexts -> ``[B, H, d]``."""
+        n = g.end - g.start
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), gather_kv(k_cache, g.block_ids, n, g.length), gather_kv(v_cache, g.block_ids, n, g.length),
+            attn_mask=g.mask, enable_gqa=True).squeeze(2)
+
+    def describe(self) -> str:
+        return "torch SDPA"
