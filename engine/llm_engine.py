@@ -15,10 +15,12 @@ from typing import Sequence
 import torch
 
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
+from cache.tiers import DiskTier
 from engine.attention import make_attention
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kernels import load_kernels
+from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
@@ -101,6 +103,7 @@ class LLMEngine:
                     else "torch SDPA")
         model.load_hf_state_dict(loaded.state_dict)
         model.to(device).eval()
+        tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         loaded.state_dict.clear()  # weights now live in the fused parameters only
         self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
 
@@ -112,12 +115,33 @@ class LLMEngine:
         self.capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
         logger.info(self.capacity.describe(max_len))
 
-        self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
+                                       tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
+        self.offloader = KVOffloader(tier, BlockCopier(self.runner.kv_caches)) if tier is not None else None
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
+
+    @staticmethod
+    def _make_tier(cache_cfg: CacheConfig, loaded: LoadedModel, dtype: str, arch) -> DiskTier | None:
+        """The disk tier when ``kv_disk_dir`` is set (and prefix caching is on)."""
+        if cache_cfg.kv_disk_dir is None or not cache_cfg.enable_prefix_caching:
+            return None
+        fingerprint = model_fingerprint(loaded.state_dict, model_dtype=dtype, kv_dtype=dtype,
+                                        block_size=cache_cfg.block_size, num_layers=arch.num_layers,
+                                        num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+        tier = DiskTier(cache_cfg.kv_disk_dir, int(cache_cfg.kv_disk_gib * 2**30), fingerprint)
+        logger.info("KV disk tier: %s, %.2f GiB, %d blocks found from earlier runs", cache_cfg.kv_disk_dir,
+                    cache_cfg.kv_disk_gib, tier.num_entries())
+        return tier
+
+    def close(self) -> None:
+        """Finish pending tier writes and stop the tier threads (idempotent)."""
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
 
     @staticmethod
     def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
@@ -205,6 +229,7 @@ class LLMEngine:
                              finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens,
                              num_cached_tokens=max(request.num_cached_tokens, 0),
+                             num_cache_write_tokens=request.num_cache_write_tokens,
                              arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time)
 
     def has_unfinished(self) -> bool:
@@ -213,8 +238,15 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, apply the sampled tokens; return per-request outputs."""
+        if self.offloader is not None:
+            self._finish_loads()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_batched_tokens
+        if self.offloader is not None:
+            # Evicted / written-through blocks still hold their contents until the forward pass.
+            self.offloader.offload(self.kv_cache.take_offloads())
+            for request, blocks in plan.loads:
+                self.offloader.submit_load(request.request_id, blocks)
         if plan.is_empty:
             return []
         sampled = self.runner.execute(plan)
@@ -241,11 +273,23 @@ class LLMEngine:
                 finished=finished, finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                 num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs,
+                num_cache_write_tokens=request.num_cache_write_tokens,
                 arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time))
             if finished:
                 self._detokenizers.pop(rid, None)
                 self.runner.release(rid)
+        if self.offloader is not None:  # write-throughs of requests that just finished
+            self.offloader.offload(self.kv_cache.take_offloads())
         return outputs
+
+    def _finish_loads(self) -> None:
+        """Apply finished tier reads; wait a little for one when nothing else could run."""
+        assert self.offloader is not None
+        idle = not self.scheduler.running and not self.scheduler.waiting and self.scheduler.loading
+        loading = self.scheduler.loading
+        for request_id, num_blocks in self.offloader.poll(timeout=0.05 if idle else 0.0,
+                                                         is_live=lambda rid: rid in loading):
+            self.scheduler.finish_loading(request_id, num_blocks)
 
     # ---- offline convenience ----------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

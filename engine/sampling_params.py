@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from cache.pins import CachePolicy
+
 # Temperatures below this are treated as 0, i.e. greedy decoding (dividing logits by a
 # near-zero temperature would overflow anyway).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -44,6 +46,8 @@ class SamplingParams:
     # None: no logprobs; k >= 0: logprob of the sampled token plus top-k alternatives (k <= 20)
     logprobs: int | None = None
     min_tokens: int = 0  # EOS/stop tokens are masked until this many tokens were generated
+    # Prompt-cache retention asked for (cache_control pins, prompt_cache_retention); None: plain caching
+    cache_policy: CachePolicy | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -76,6 +80,8 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         self.min_tokens = _int("min_tokens", self.min_tokens, minimum=0)
+        if self.cache_policy is not None and not isinstance(self.cache_policy, CachePolicy):
+            raise ValueError(f"cache_policy must be a CachePolicy, got {self.cache_policy!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
