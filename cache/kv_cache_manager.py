@@ -108,6 +108,7 @@ class KVCacheManager:
             return [], 0
         max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
         hits: list[KVBlock] = []
+        refreshed = False
         for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt):
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
@@ -117,6 +118,9 @@ class KVCacheManager:
             if pin is not None:  # a hit covering a pinned prefix refreshes its TTL
                 pin.last_refresh = self.clock()
                 pin.expires_at = max(pin.expires_at, pin.last_refresh + pin.ttl_s)
+                refreshed = True
+        if refreshed:
+            self._refresh_snapshot()
         return hits, len(hits) * self.block_size
 
     # ---- the lower tier ------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class GenerationResult:
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    num_cache_write_tokens: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -316,4 +317,5 @@ class LLMEngine:
                 if out.finished:
                     res.finish_reason = out.finish_reason
                     res.num_cached_tokens = out.num_cached_tokens
+                    res.num_cache_write_tokens = out.num_cache_write_tokens
         return [results[rid] for rid in order]
