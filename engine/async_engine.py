@@ -191,6 +191,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._apply_commands()
                 if not self.engine.has_unfinished():
+                    self.engine.housekeeping()  # pin expiry / unpins while idle
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue

@@ -283,6 +283,11 @@ class LLMEngine:
             self.offloader.offload(self.kv_cache.take_offloads())
         return outputs
 
+    def housekeeping(self) -> None:
+        """Between steps while idle: release expired or deleted pins (their blocks become evictable)."""
+        if self.kv_cache.expire_pins() and self.offloader is not None:
+            self.offloader.offload(self.kv_cache.take_offloads())
+
     def _finish_loads(self) -> None:
         """Apply finished tier reads; wait a little for one when nothing else could run."""
         assert self.offloader is not None

@@ -10,6 +10,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import SamplingParams
+from server.cache_routes import CacheControl
 from server.errors import bad_request
 
 
@@ -22,6 +23,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None  # a prompt-cache breakpoint (server/cache_routes.py)
 
 
 class ChatMessage(BaseModel):
@@ -29,6 +31,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    cache_control: CacheControl | None = None  # a prompt-cache breakpoint (server/cache_routes.py)
 
     def text(self) -> str:
         if self.content is None:
@@ -64,6 +67,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: str | None = None  # recorded in the cache policy (for cache-aware routers)
 
     @field_validator("stop")
     @classmethod
