@@ -115,3 +115,26 @@ def test_foreign_fingerprint_is_a_miss(hf_model, tmp_path):
     assert other.generate([p], PARAMS)[0].num_cached_tokens == 0
     assert_idle(other)
     other.close()
+
+
+def test_24h_retention_writes_through_and_outlives_the_disk_lru(hf_model, tmp_path):
+    from cache.pins import CachePolicy
+
+    p = prompt(4)
+    # Room for ~16 blocks on disk (2 KiB of KV + a header each): a flood would push p out.
+    engine = tiny_engine(hf_model, block_size=BS, num_blocks=24, kv_disk_dir=str(tmp_path),
+                         kv_disk_gib=36_000 / 2**30)
+    retained = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3,
+                              cache_policy=CachePolicy(retention_s=24 * 3600.0))
+    first = engine.generate([p], retained)[0]
+    assert first.num_cache_write_tokens == 40
+    engine.offloader.tier.flush(10)
+    assert engine.offloader.tier.num_entries() == 10  # written through at once, no eviction needed
+    flood(engine, 6)
+    engine.offloader.tier.flush(10)
+    assert engine.offloader.tier.stats.bytes_written > 16 * 2048  # the flood did cycle the tier
+    again = engine.generate([p], PARAMS)[0]
+    assert again.num_cached_tokens == 40
+    assert_same(again, first)
+    assert_idle(engine)
+    engine.close()
