@@ -64,6 +64,15 @@ def test_evicted_prefix_is_restored_from_disk_with_recompute_outputs(hf_model, t
     assert_same(again, reference)
     assert engine.scheduler.stats.tier_hits["disk"] == again.num_cached_tokens
     assert_idle(engine)
+    # The tier metrics see it: disk hits, bytes read and written, a read latency observation.
+    from server.cache_metrics import KVTierCollector
+    samples = {(s.name, s.labels.get("tier")): s.value for f in KVTierCollector("m", engine).collect()
+               for s in f.samples}
+    assert samples[("kvserve_kv_tier_hits_total", "disk")] == 40
+    assert samples[("kvserve_kv_tier_read_bytes_total", "disk")] == 10 * engine.offloader.copier.payload_bytes
+    assert samples[("kvserve_kv_tier_written_bytes_total", "disk")] > 0
+    assert samples[("kvserve_kv_offload_read_seconds_count", "disk")] == 10
+    assert samples[("kvserve_kv_tier_usage_bytes", "disk")] > 0
     engine.close()
 
 
