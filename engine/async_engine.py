@@ -90,6 +90,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # the loop is gone: persist the KV tier and stop its threads
 
     @property
     def is_healthy(self) -> bool:

@@ -139,8 +139,12 @@ class LLMEngine:
         return tier
 
     def close(self) -> None:
-        """Finish pending tier writes and stop the tier threads (idempotent)."""
+        """Write the device pool's cached blocks to the disk tier (so a restart finds every prefix,
+        not only the evicted ones), finish pending writes and stop the tier threads (idempotent)."""
         if self.offloader is not None:
+            self.offloader.offload(self.kv_cache.take_offloads())
+            cached = list(self.kv_cache.block_pool.cached_blocks.items())
+            self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
             self.offloader.close()
             self.offloader = None
 
