@@ -156,6 +156,7 @@ class Scheduler:
             if request is not keep and request.num_computed_tokens > 0:
                 self.kv_cache.free(request.request_id)
                 request.num_computed_tokens = 0
+                request.num_tier_loaded_tokens = 0
                 return True
         return False
 

@@ -147,3 +147,32 @@ def test_24h_retention_writes_through_and_outlives_the_disk_lru(hf_model, tmp_pa
     assert_same(again, first)
     assert_idle(engine)
     engine.close()
+
+
+def test_loads_run_beside_the_batch_and_an_aborted_load_leaks_nothing(hf_model, tmp_path):
+    p, q = prompt(5), prompt(6)
+    engine = disk_engine(hf_model, tmp_path, num_blocks=40)
+    refs = engine.generate([p, q], PARAMS)
+    flood(engine, 6)
+    engine.offloader.tier.flush(10)
+    # Two requests on p's prefix at once (each loads its own copy) and one fresh request.
+    fresh = prompt(7, 9)
+    results = engine.generate([p, p, fresh], PARAMS)
+    assert [r.num_cached_tokens for r in results] == [40, 40, 0]
+    assert_same(results[0], refs[0])
+    assert_same(results[1], refs[0])
+    assert_idle(engine)
+    # Abort q while its blocks are being loaded: the read is discarded, the blocks come back.
+    flood(engine, 6)
+    engine.offloader.tier.flush(10)
+    rid = engine.add_request(q, PARAMS)
+    engine.step()
+    assert rid in engine.scheduler.loading
+    engine.abort(rid)
+    assert not engine.scheduler.loading
+    other = engine.generate([prompt(8, 30)], PARAMS)[0]
+    assert other.finish_reason == "length"
+    engine.step()  # a stale read may complete now: it must be dropped
+    assert engine.offloader.num_pending_loads == 0 or engine.offloader.poll(timeout=5) == []
+    assert_idle(engine)
+    engine.close()
