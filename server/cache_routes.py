@@ -101,7 +101,7 @@ def _policy(body: Any, pin_tokens: int, ttl: float, has_disk_tier: bool) -> Cach
 
 def has_disk_tier(engine: Any) -> bool:
     """Whether the AsyncEngine's engine runs with a disk tier (reads immutable setup state)."""
-    return getattr(engine.engine, "offloader", None) is not None
+    return getattr(getattr(engine, "engine", None), "offloader", None) is not None
 
 
 def with_policy(params: SamplingParams, policy: CachePolicy | None) -> SamplingParams:
@@ -110,19 +110,25 @@ def with_policy(params: SamplingParams, policy: CachePolicy | None) -> SamplingP
 
 def add_cache_routes(app: FastAPI, engine: Any, authorized: Any) -> None:
     """``GET /v1/cache`` and ``DELETE /v1/cache/{hash}`` (``engine``: the AsyncEngine)."""
-    kv_cache = engine.engine.kv_cache
+    def kv_cache() -> Any:
+        kv = getattr(getattr(engine, "engine", None), "kv_cache", None)
+        if kv is None:
+            raise APIError(503, "this engine has no KV cache to list", "service_unavailable_error", None,
+                           "no_kv_cache")
+        return kv
 
     @app.get("/v1/cache", dependencies=[Depends(authorized)])
     async def list_cache() -> dict:
-        now = kv_cache.clock()
+        kv = kv_cache()
+        now = kv.clock()
         data = [{"hash": p.hash, "tokens": p.num_tokens, "blocks": p.num_blocks, "ttl_seconds": p.ttl_s,
                  "ttl_left_seconds": round(max(0.0, p.expires_at - now), 3), "salt_id": p.salt_id}
-                for p in kv_cache.list_pins()]
+                for p in kv.list_pins()]
         return {"object": "list", "data": data, "pinned_blocks": sum(p["blocks"] for p in data),
-                "max_pinned_blocks": kv_cache.max_pinned_blocks, "created": int(time.time())}
+                "max_pinned_blocks": kv.max_pinned_blocks, "created": int(time.time())}
 
     @app.delete("/v1/cache/{block_hash}", dependencies=[Depends(authorized)])
     async def unpin(block_hash: str) -> dict:
-        if not _HASH_RE.match(block_hash) or not kv_cache.request_unpin(block_hash):
+        if not _HASH_RE.match(block_hash) or not kv_cache().request_unpin(block_hash):
             raise APIError(404, "no pinned prefix has this hash", "invalid_request_error", "hash", "not_found")
         return {"hash": block_hash, "object": "cache.pin", "deleted": True}
