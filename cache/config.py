@@ -19,6 +19,8 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0  # budget used when num_blocks is None
     enable_prefix_caching: bool = True
     cache_dtype: str = "float32"
+    # "auto": the model's dtype; "int8": quantized KV blocks with per-token-per-head scales
+    kv_cache_dtype: str = "auto"
     # Disk tier (cache/tiers.py): evicted hashed blocks are written here; None disables it.
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 4.0
@@ -44,6 +46,8 @@ class CacheConfig:
         frac = self.kv_pin_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
             raise ValueError(f"kv_pin_fraction must be in [0, 1), got {frac!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.cache_dtype not in DTYPE_BYTES:
             raise ValueError(f"cache_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.cache_dtype!r}")
 

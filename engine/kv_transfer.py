@@ -32,7 +32,9 @@ class BlockCopier:
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.kv_caches = kv_caches
-        self.tensors = [t for pair in kv_caches for t in pair]
+        # int8 pools (engine/kv_quant.py) travel as their codes and their scales.
+        self.tensors = [t for pair in kv_caches for c in pair
+                        for t in (c.tensors() if hasattr(c, "tensors") else [c])]
         self.block_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.payload_bytes = sum(self.block_bytes)
 

@@ -99,7 +99,11 @@ class LLMEngine:
             raise ValueError("attention_backend 'flash_attn' is not available yet; 'torch' (SDPA over the "
                              "paged pool) runs on CUDA as well")
         model = LlamaForCausalLM(arch, loaded.hf_config, max_len).to(dtype)
-        model.attn = make_attention(config.model.attention_backend, device, dtype)
+        int8_kv = config.cache.kv_cache_dtype == "int8"
+        if int8_kv and config.model.attention_backend == "native":
+            raise ValueError("kv_cache_dtype 'int8' runs on the torch attention backend (the native decode kernel "
+                             "reads float32 pools only); use --attention-backend torch or auto")
+        model.attn = make_attention("torch" if int8_kv else config.model.attention_backend, device, dtype)
         logger.info("Attention: %s", "native paged decode kernel + SDPA prefill" if model.attn.native_decode
                     else "torch SDPA")
         model.load_hf_state_dict(loaded.state_dict)
@@ -111,6 +115,11 @@ class LLMEngine:
         cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                        torch.empty((), dtype=dtype).element_size())
+        if int8_kv:  # one byte a value plus a float32 scale per token, head, K and V
+            full = per_token
+            per_token = 2 * arch.num_layers * arch.num_kv_heads * (arch.head_dim + 4)
+            logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
+                        per_token, full, full / per_token)
         num_blocks = cache_cfg.num_blocks or num_blocks_for_memory(
             int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size, per_token)
         self.capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
@@ -119,7 +128,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
                                        tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
+        self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
         self.offloader = KVOffloader(tier, BlockCopier(self.runner.kv_caches)) if tier is not None else None
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
@@ -130,7 +139,8 @@ class LLMEngine:
         """The disk tier when ``kv_disk_dir`` is set (and prefix caching is on)."""
         if cache_cfg.kv_disk_dir is None or not cache_cfg.enable_prefix_caching:
             return None
-        fingerprint = model_fingerprint(loaded.state_dict, model_dtype=dtype, kv_dtype=dtype,
+        fingerprint = model_fingerprint(loaded.state_dict, model_dtype=dtype,
+                                        kv_dtype=cache_cfg.kv_cache_dtype if cache_cfg.kv_cache_dtype != "auto" else dtype,
                                         block_size=cache_cfg.block_size, num_layers=arch.num_layers,
                                         num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
         tier = DiskTier(cache_cfg.kv_disk_dir, int(cache_cfg.kv_disk_gib * 2**30), fingerprint)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.kv_quant import Int8KV
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -55,15 +56,20 @@ class ModelRunner:
     group_cost_tokens = 256
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_cache_dtype: str = "auto") -> None:
         arch = model.arch
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(arch.num_layers)]
+        if kv_cache_dtype == "int8":  # quantized on write, scales per token and head (engine/kv_quant.py)
+            self.kv_caches = [(Int8KV.zeros(shape, dtype, self.device), Int8KV.zeros(shape, dtype, self.device))
+                              for _ in range(arch.num_layers)]
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                               torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(arch.num_layers)]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.num_tokens_computed = 0  # tokens that went through the model, for tests and stats
