@@ -115,9 +115,9 @@ class LLMEngine:
         cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                        torch.empty((), dtype=dtype).element_size())
-        if int8_kv:  # one byte a value plus a float32 scale per token, head, K and V
+        if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
             full = per_token
-            per_token = 2 * arch.num_layers * arch.num_kv_heads * (arch.head_dim + 4)
+            per_token = 2 * arch.num_layers * arch.num_kv_heads * (arch.head_dim + 8)
             logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
                         per_token, full, full / per_token)
         num_blocks = cache_cfg.num_blocks or num_blocks_for_memory(

@@ -31,8 +31,8 @@ def test_int8_kv_agrees_with_fp32_teacher_forced(hf_model):
 def test_int8_capacity_and_disk_tier_roundtrip(hf_model, tmp_path):
     fp32 = tiny_engine(hf_model)
     int8 = tiny_engine(hf_model, kv_cache_dtype="int8", kv_disk_dir=str(tmp_path), kv_disk_gib=0.01, num_blocks=24)
-    # head_dim 16: (16 + 4) bytes instead of 64 per token, head and K/V.
-    assert fp32.capacity.bytes_per_token / int8.capacity.bytes_per_token == pytest.approx(64 / 20)
+    # head_dim 16: (16 + 8) bytes instead of 64 per token, head and K/V.
+    assert fp32.capacity.bytes_per_token / int8.capacity.bytes_per_token == pytest.approx(64 / 24)
     assert not int8.runner.model.attn.native_decode
     p = [random.Random(1).randrange(3, 128) for _ in range(41)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
