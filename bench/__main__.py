@@ -6,6 +6,7 @@
     python -m bench kv-cache     # the KV-cache experiment: with vs without a cache
     python -m bench prefix       # TTFT on a prefix-cache miss vs a hit
     python -m bench kv-memory    # slot utilization and concurrency in a fixed KV budget
+    python -m bench kv-tier      # TTFT of a 2,000-token prefix restored from the disk tier vs a miss
     python -m bench roofline     # matmul GFLOP/s and memory bandwidth vs kvserve
     python -m bench structured   # constrained vs free decoding at 16 streams; compile stalls
     python -m bench all [--quick] [--benchmarks-md BENCHMARKS.md]
@@ -32,7 +33,8 @@ from typing import Any, Callable, Sequence
 from bench.common import RESULTS_DIR, CpuMonitor, chat_prompts, machine_info, set_threads
 from bench.report import FAIL, PASS, SKIPPED, check_line, print_result, scenario_markdown, write_scenario
 
-SCENARIOS = ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "structured")
+SCENARIOS = ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "structured",
+             "kv-tier")
 
 
 def auto_threads(probe_s: float = 2.0) -> int:
@@ -271,11 +273,22 @@ def scenario_roofline(ctx: Context) -> dict[str, Any]:
                         out_dir=ctx.out)
 
 
+def scenario_kv_tier(ctx: Context) -> dict[str, Any]:
+    from bench.kv_tier import build_engine, run_kv_tier
+
+    a = ctx.args
+    prefix = _q(a, "prefix_tokens", 2000, 2000)
+    vocab, _ = ctx.vocab_and_eos()
+    return run_kv_tier(lambda folder: build_engine(folder, prefix + 16, num_threads=ctx.threads), vocab,
+                       prefix_tokens=prefix, rounds=_q(a, "rounds", 3, 1), progress=not a.no_progress)
+
+
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "serve-load": scenario_serve_load, "peers": scenario_peers, "llama-server": scenario_llama_server,
     "kv-cache": scenario_kv_cache,
     "prefix": scenario_prefix, "kv-memory": scenario_kv_memory, "roofline": scenario_roofline,
     "structured": scenario_structured,
+    "kv-tier": scenario_kv_tier,
 }
 # In ``all``: the server scenarios first (one server for the three), then the in-process ones.
 ALL_ORDER = ("serve-load", "prefix", "structured", "peers", "llama-server", "kv-cache", "kv-memory", "roofline")
@@ -553,6 +566,11 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, help="default 48; quick 24")
     p.add_argument("--prompt-range", type=int, nargs=2, metavar=("MIN", "MAX"), help="default 64 512; quick 96 384")
     p.add_argument("--output-range", type=int, nargs=2, metavar=("MIN", "MAX"), help="default 16 128; quick 8 32")
+
+    p = sub.add_parser("kv-tier", parents=[common],
+                       help="TTFT of a long prefix restored from the disk tier (evicted; after a restart) vs a miss")
+    p.add_argument("--prefix-tokens", type=int, help="default 2000")
+    p.add_argument("--rounds", type=int, help="miss/hit pairs (default 3; quick 1)")
 
     p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 16")

@@ -27,6 +27,9 @@ class BlockPool:
         self.blocks: list[KVBlock] = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        # When not None, every hashed block evicted for reuse is recorded here as (block_id, hash),
+        # so its contents can be copied to a lower tier before they are overwritten.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,6 +61,8 @@ class BlockPool:
         new_blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in new_blocks:
             if block.block_hash is not None:
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block.block_hash))
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1

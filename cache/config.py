@@ -19,6 +19,13 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0  # budget used when num_blocks is None
     enable_prefix_caching: bool = True
     cache_dtype: str = "float32"
+    # "auto": the model's dtype; "int8": quantized KV blocks with per-token-per-head scales
+    kv_cache_dtype: str = "auto"
+    # Disk tier (cache/tiers.py): evicted hashed blocks are written here; None disables it.
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 4.0
+    # Pinned prefixes (cache_control) may hold at most this fraction of the pool.
+    kv_pin_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -31,6 +38,16 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gib must be a positive number, got {gib!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        disk = self.kv_disk_gib
+        if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not math.isfinite(disk) or disk <= 0:
+            raise ValueError(f"kv_disk_gib must be a positive number, got {disk!r}")
+        if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir):
+            raise ValueError(f"kv_disk_dir must be a folder path, got {self.kv_disk_dir!r}")
+        frac = self.kv_pin_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+            raise ValueError(f"kv_pin_fraction must be in [0, 1), got {frac!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.cache_dtype not in DTYPE_BYTES:
             raise ValueError(f"cache_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.cache_dtype!r}")
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import queue
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from cache.block import KVBlock
 from cache.block_pool import BlockPool, _check
 from cache.hashing import BlockHash, iter_block_hashes
+from cache.pins import Pin, PinInfo, salt_id
+from cache.tiers import KVTier
 
 
 class CacheRequest(Protocol):
@@ -49,13 +53,31 @@ class KVCacheManager:
     reusable once the request frees them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: KVTier | None = None, pin_fraction: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= pin_fraction < 1.0:
+            raise ValueError(f"pin_fraction must be in [0, 1), got {pin_fraction}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self._requests: dict[str, _RequestBlocks] = {}
+        # ---- lower tier (see cache/tiers.py): evicted hashed blocks are recorded for offload.
+        self.tier = tier if enable_prefix_caching else None
+        if self.tier is not None:
+            self.block_pool.evicted = []
+        self._pending_writes: list[tuple[int, BlockHash, float]] = []  # write-through: (block id, hash, expires_at)
+        self._loading: dict[str, int] = {}  # request id -> blocks it held before its tier load
+        # ---- pins (see cache/pins.py); clock is monotonic for TTLs, wall_clock dates tier retention.
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.max_pinned_blocks = int(pin_fraction * num_blocks)
+        self._pins: dict[BlockHash, Pin] = {}
+        self._pin_refs: Counter[int] = Counter()  # block id -> pins holding it
+        self._unpin_requests: queue.SimpleQueue[BlockHash] = queue.SimpleQueue()
+        self._pin_snapshot: tuple[PinInfo, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -86,12 +108,205 @@ class KVCacheManager:
             return [], 0
         max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
         hits: list[KVBlock] = []
+        refreshed = False
         for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt):
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
+            pin = self._pins.get(block_hash)
+            if pin is not None:  # a hit covering a pinned prefix refreshes its TTL
+                pin.last_refresh = self.clock()
+                pin.expires_at = max(pin.expires_at, pin.last_refresh + pin.ttl_s)
+                refreshed = True
+        if refreshed:
+            self._refresh_snapshot()
         return hits, len(hits) * self.block_size
+
+    # ---- the lower tier ------------------------------------------------------------------------
+    def get_tier_hits(self, token_ids: Sequence[int], cache_salt: str | None,
+                      device_hits: Sequence[KVBlock]) -> list[BlockHash]:
+        """Continue the hash chain past ``device_hits`` into the lower tier: the hashes of the
+        following blocks the tier holds, up to its first miss (never covering the last token)."""
+        if self.tier is None or not token_ids:
+            return []
+        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        parent = device_hits[-1].block_hash if device_hits else None
+        found: list[BlockHash] = []
+        for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt,
+                                            parent, len(device_hits)):
+            if not self.tier.contains(block_hash):
+                break
+            found.append(block_hash)
+        return found
+
+    def allocate_for_load(self, request: CacheRequest, device_hits: Sequence[KVBlock],
+                          tier_hashes: Sequence[BlockHash]) -> list[KVBlock] | None:
+        """First allocation of a request whose prefix continues in the lower tier: take the device
+        hits and fresh blocks for ``tier_hashes``; return the fresh blocks (to be filled from the
+        tier), or None (nothing changes) if the pool cannot supply them.
+
+        The fresh blocks stay out of the prefix cache until ``finish_load`` says their contents
+        arrived, so no other request can hit a block that is still being loaded.
+        """
+        if request.request_id in self._requests and self._requests[request.request_id].blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        num_evictable_hits = sum(1 for block in device_hits if block.ref_cnt == 0)
+        if len(tier_hashes) + num_evictable_hits > self.block_pool.num_free_blocks:
+            return None
+        self.block_pool.touch(device_hits)
+        new_blocks = self.block_pool.get_new_blocks(len(tier_hashes))
+        hashes = [block.block_hash for block in device_hits]
+        if any(h is None for h in hashes):
+            raise ValueError("device_hits must be cached blocks")
+        self._requests[request.request_id] = _RequestBlocks(
+            blocks=list(device_hits) + new_blocks, block_hashes=hashes + list(tier_hashes))  # type: ignore[operator]
+        self._loading[request.request_id] = len(device_hits)
+        return new_blocks
+
+    def finish_load(self, request_id: str, num_loaded: int) -> None:
+        """The first ``num_loaded`` fresh blocks of ``allocate_for_load`` now hold their contents:
+        register them in the prefix cache. Blocks after a failed read stay unhashed and forget
+        their hash, so the request recomputes them (and registers them then)."""
+        num_before = self._loading.pop(request_id, None)
+        state = self._requests.get(request_id)
+        if num_before is None or state is None:
+            return
+        end = num_before + num_loaded
+        for block, block_hash in zip(state.blocks[num_before:end], state.block_hashes[num_before:end]):
+            self.block_pool.cache_block(block, block_hash)
+        del state.block_hashes[end:]
+
+    def retain_request(self, request_id: str, num_tokens: int, expires_at: float) -> int:
+        """Write the request's first ``num_tokens // block_size`` blocks through to the tier,
+        protected from its LRU until ``expires_at`` (wall clock); return the tokens not there yet."""
+        state = self._requests.get(request_id)
+        if self.tier is None or state is None:
+            return 0
+        written = 0
+        n = min(num_tokens // self.block_size, len(state.block_hashes))
+        for block, block_hash in zip(state.blocks[:n], state.block_hashes[:n]):
+            if not self.tier.contains(block_hash):
+                written += self.block_size
+            self._pending_writes.append((block.block_id, block_hash, expires_at))
+        return written
+
+    def take_offloads(self) -> list[tuple[int, BlockHash, float]]:
+        """Blocks to copy to the tier NOW, before the next forward pass overwrites them:
+        ``(block_id, hash, expires_at)`` for evicted blocks (expires_at 0) and write-throughs."""
+        if self.tier is None:
+            return []
+        evicted = self.block_pool.evicted or []
+        out = [(block_id, block_hash, 0.0) for block_id, block_hash in evicted] + self._pending_writes
+        self.block_pool.evicted = []
+        self._pending_writes = []
+        return out
+
+    # ---- pins ----------------------------------------------------------------------------------
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pin_refs)
+
+    def pin_request(self, request_id: str, num_tokens: int, ttl_s: float, cache_salt: str | None = None) -> int:
+        """Pin the request's cached blocks covering its first ``num_tokens`` tokens for ``ttl_s``.
+
+        Re-pinning the same prefix refreshes it. Returns the tokens newly pinned (0 when refreshed,
+        when nothing is cached, or when the pin alone exceeds the cap - then it is written through
+        to the tier instead). The caller passes only tokens whose KV is computed.
+        """
+        state = self._requests.get(request_id)
+        if state is None or not self.enable_prefix_caching or ttl_s <= 0:
+            return 0
+        blocks: list[KVBlock] = []
+        for block_hash in state.block_hashes[:num_tokens // self.block_size]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return 0
+        key = blocks[-1].block_hash
+        assert key is not None
+        now = self.clock()
+        pin = self._pins.get(key)
+        if pin is not None:
+            pin.ttl_s = max(pin.ttl_s, ttl_s)
+            pin.last_refresh = now
+            pin.expires_at = max(pin.expires_at, now + ttl_s)
+            self._refresh_snapshot()
+            return 0
+        if len(blocks) > self.max_pinned_blocks:
+            self._pending_writes.extend((b.block_id, b.block_hash, 0.0) for b in blocks if self.tier is not None)
+            return 0
+        self.block_pool.touch(blocks)
+        self._pin_refs.update(block.block_id for block in blocks)
+        self._pins[key] = Pin(key=key, block_ids=tuple(b.block_id for b in blocks),
+                              num_tokens=len(blocks) * self.block_size, ttl_s=ttl_s, expires_at=now + ttl_s,
+                              last_refresh=now, salt_id=salt_id(cache_salt))
+        while self.num_pinned_blocks > self.max_pinned_blocks:
+            oldest = min(self._pins.values(), key=lambda p: (p.key == key, p.last_refresh))
+            self._release_pin(oldest, write_through=True)
+        self._refresh_snapshot()
+        return len(blocks) * self.block_size if key in self._pins else 0
+
+    def expire_pins(self) -> int:
+        """Release pins past their TTL and pins whose removal was requested; return how many."""
+        released = 0
+        while True:
+            try:
+                key = self._unpin_requests.get_nowait()
+            except queue.Empty:
+                break
+            pin = self._pins.get(key)
+            if pin is not None:
+                self._release_pin(pin, write_through=False)
+                released += 1
+        now = self.clock()
+        for pin in [p for p in self._pins.values() if p.expires_at <= now]:
+            self._release_pin(pin, write_through=False)
+            released += 1
+        if released:
+            self._refresh_snapshot()
+        return released
+
+    def demote_oldest_pin(self) -> bool:
+        """Memory pressure that preemption cannot relieve: unpin the least recently refreshed pin
+        (its blocks go to the tier). False if there is no pin."""
+        if not self._pins:
+            return False
+        self._release_pin(min(self._pins.values(), key=lambda p: p.last_refresh), write_through=True)
+        self._refresh_snapshot()
+        return True
+
+    def list_pins(self) -> list[PinInfo]:
+        """Live pins (thread safe: reads an immutable snapshot), expired ones left out."""
+        now = self.clock()
+        return [info for info in self._pin_snapshot if info.expires_at > now]
+
+    def request_unpin(self, key_hex: str) -> bool:
+        """Ask for a pin's release at the next scheduling step (thread safe); False if not pinned."""
+        for info in self.list_pins():
+            if info.hash == key_hex:
+                self._pin_snapshot = tuple(i for i in self._pin_snapshot if i.hash != key_hex)
+                self._unpin_requests.put(bytes.fromhex(key_hex))
+                return True
+        return False
+
+    def _release_pin(self, pin: Pin, write_through: bool) -> None:
+        del self._pins[pin.key]
+        blocks = [self.block_pool.blocks[i] for i in pin.block_ids]
+        for block in blocks:
+            self._pin_refs[block.block_id] -= 1
+            if self._pin_refs[block.block_id] == 0:
+                del self._pin_refs[block.block_id]
+            if write_through and self.tier is not None and block.block_hash is not None:
+                self._pending_writes.append((block.block_id, block.block_hash, 0.0))
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def _refresh_snapshot(self) -> None:
+        self._pin_snapshot = tuple(
+            PinInfo(hash=p.key.hex(), num_tokens=p.num_tokens, num_blocks=len(p.block_ids), ttl_s=p.ttl_s,
+                    expires_at=p.expires_at, salt_id=p.salt_id) for p in self._pins.values())
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
@@ -157,6 +372,7 @@ class KVCacheManager:
         shared by other prompts) land earlier in the LRU order and are evicted first.
         """
         state = self._requests.pop(request_id, None)
+        self._loading.pop(request_id, None)
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
 
@@ -181,7 +397,10 @@ class KVCacheManager:
         the cache map agree both ways; each request's recorded hashes match its hashed blocks.
         """
         self.block_pool.check_invariants()
-        holders: Counter[int] = Counter()
+        holders: Counter[int] = Counter(self._pin_refs)
+        for pin in self._pins.values():
+            for block_id in pin.block_ids:
+                _check(self.block_pool.blocks[block_id].block_hash is not None, f"pinned block {block_id} lost its hash")
         for request_id, state in self._requests.items():
             ids = [block.block_id for block in state.blocks]
             _check(len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}")

@@ -90,6 +90,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # the loop is gone: persist the KV tier and stop its threads
 
     @property
     def is_healthy(self) -> bool:
@@ -191,6 +193,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._apply_commands()
                 if not self.engine.has_unfinished():
+                    self.engine.housekeeping()  # pin expiry / unpins while idle
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue

@@ -15,11 +15,13 @@ from typing import Sequence
 import torch
 
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
+from cache.tiers import DiskTier
 from engine.attention import select_attention
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gpu_memory import profile_kv_budget
 from engine.kernels import load_kernels
+from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
@@ -57,6 +59,7 @@ class GenerationResult:
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    num_cache_write_tokens: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,18 +109,26 @@ class LLMEngine:
         self.config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
 
         device = resolve_device(config.model.device)
+        int8_kv = config.cache.kv_cache_dtype == "int8"
+        attention_backend = config.model.attention_backend
+        if int8_kv:
+            if attention_backend not in ("auto", "torch"):
+                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch attention backend (the {attention_backend} "
+                                 "kernels read float pools only); use --attention-backend torch or auto")
+            attention_backend = "torch"
+        tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if config.model.tensor_parallel_size > 1:  # engine/parallel: this process is rank 0
             from engine.parallel.tensor_parallel import TensorParallelModel
 
             model = TensorParallelModel.launch(
                 arch, loaded.hf_config, loaded.state_dict, config.model.tensor_parallel_size, max_len,
-                config.model.attention_backend, config.model.linear_backend, dtype,
+                attention_backend, config.model.linear_backend, dtype,
                 config.model.num_threads or available_cores(), device)
             loaded.state_dict.clear()
         else:
             model = build_model(loaded, max_len, dtype, device)
-            model.attn = select_attention(config.model.attention_backend, device, dtype, cache_cfg.block_size)
+            model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size)
             model.load_hf_state_dict(loaded.state_dict)
             model.eval()
             loaded.state_dict.clear()  # weights now live in the fused parameters only
@@ -126,13 +137,18 @@ class LLMEngine:
 
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                        torch.empty((), dtype=dtype).element_size())
+        if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
+            full = per_token
+            per_token = 2 * arch.num_layers * arch.num_kv_heads * (arch.head_dim + 8)
+            logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
+                        per_token, full, full / per_token)
         sched = self.config.scheduler
         if cache_cfg.num_blocks:
             num_blocks = cache_cfg.num_blocks
-            self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
+            self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
         elif device.type == "cuda":
             # Profile with a pool just big enough for the largest step, then size the real one.
-            self.runner = ModelRunner(model, 1, cache_cfg.block_size, dtype, device)
+            self.runner = ModelRunner(model, 1, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
             tokens, seqs = sched.max_num_batched_tokens, sched.max_num_seqs
             self.runner.allocate_kv(self.runner.profile_blocks(tokens, seqs))
             profile = profile_kv_budget(device, config.model.gpu_memory_utilization,
@@ -147,14 +163,16 @@ class LLMEngine:
         else:
             num_blocks = num_blocks_for_memory(int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size,
                                                per_token)
-            self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
+            self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
         self.capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
         logger.info(self.capacity.describe(max_len))
         if config.model.cuda_graphs and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len):
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
-        self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
+                                       tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
+        self.offloader = KVOffloader(tier, BlockCopier(self.runner.kv_caches)) if tier is not None else None
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         # Structured output: grammars compile on the compiler's thread; requests whose grammar is
         # not resolved yet wait in _compiling (the scheduler skips them) while others step.
@@ -162,6 +180,30 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
+
+    @staticmethod
+    def _make_tier(cache_cfg: CacheConfig, loaded: LoadedModel, dtype: str, arch) -> DiskTier | None:
+        """The disk tier when ``kv_disk_dir`` is set (and prefix caching is on)."""
+        if cache_cfg.kv_disk_dir is None or not cache_cfg.enable_prefix_caching:
+            return None
+        fingerprint = model_fingerprint(loaded.state_dict, model_dtype=dtype,
+                                        kv_dtype=cache_cfg.kv_cache_dtype if cache_cfg.kv_cache_dtype != "auto" else dtype,
+                                        block_size=cache_cfg.block_size, num_layers=arch.num_layers,
+                                        num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+        tier = DiskTier(cache_cfg.kv_disk_dir, int(cache_cfg.kv_disk_gib * 2**30), fingerprint)
+        logger.info("KV disk tier: %s, %.2f GiB, %d blocks found from earlier runs", cache_cfg.kv_disk_dir,
+                    cache_cfg.kv_disk_gib, tier.num_entries())
+        return tier
+
+    def close(self) -> None:
+        """Write the device pool's cached blocks to the disk tier (so a restart finds every prefix,
+        not only the evicted ones), finish pending writes and stop the tier threads (idempotent)."""
+        if self.offloader is not None:
+            self.offloader.offload(self.kv_cache.take_offloads())
+            cached = list(self.kv_cache.block_pool.cached_blocks.items())
+            self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
+            self.offloader.close()
+            self.offloader = None
 
     @staticmethod
     def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
@@ -259,6 +301,7 @@ class LLMEngine:
                              finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens,
                              num_cached_tokens=max(request.num_cached_tokens, 0),
+                             num_cache_write_tokens=request.num_cache_write_tokens,
                              arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time)
 
     def has_unfinished(self) -> bool:
@@ -267,9 +310,16 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, apply the sampled tokens; return per-request outputs."""
+        if self.offloader is not None:
+            self._finish_loads()
         outputs = self._resolve_grammars()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_batched_tokens
+        if self.offloader is not None:
+            # Evicted / written-through blocks still hold their contents until the forward pass.
+            self.offloader.offload(self.kv_cache.take_offloads())
+            for request, blocks in plan.loads:
+                self.offloader.submit_load(request.request_id, blocks)
         if plan.is_empty:
             return outputs
         sampled = self.runner.execute(plan)
@@ -301,11 +351,13 @@ class LLMEngine:
                 num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs,
                 arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=prompt_logprobs, num_cache_write_tokens=request.num_cache_write_tokens,
                 error=request.grammar.error if request.grammar is not None and finished else None))
             if finished:
                 self._detokenizers.pop(rid, None)
                 self.runner.release(rid)
+        if self.offloader is not None:  # write-throughs of requests that just finished
+            self.offloader.offload(self.kv_cache.take_offloads())
         return outputs
 
     # ---- structured output -------------------------------------------------------------------
@@ -335,6 +387,20 @@ class LLMEngine:
         elif grammar.is_terminated and token not in request.eos_token_ids:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
+    def housekeeping(self) -> None:
+        """Between steps while idle: release expired or deleted pins (their blocks become evictable)."""
+        if self.kv_cache.expire_pins() and self.offloader is not None:
+            self.offloader.offload(self.kv_cache.take_offloads())
+
+    def _finish_loads(self) -> None:
+        """Apply finished tier reads; wait a little for one when nothing else could run."""
+        assert self.offloader is not None
+        idle = not self.scheduler.running and not self.scheduler.waiting and self.scheduler.loading
+        loading = self.scheduler.loading
+        for request_id, num_blocks in self.offloader.poll(timeout=0.05 if idle else 0.0,
+                                                         is_live=lambda rid: rid in loading):
+            self.scheduler.finish_loading(request_id, num_blocks)
+
     # ---- offline convenience ----------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
@@ -360,4 +426,5 @@ class LLMEngine:
                 if out.finished:
                     res.finish_reason = out.finish_reason
                     res.num_cached_tokens = out.num_cached_tokens
+                    res.num_cache_write_tokens = out.num_cache_write_tokens
         return [results[rid] for rid in order]

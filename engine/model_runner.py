@@ -12,6 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PagedLayout, PrefillChunk
 from engine.cuda_graphs import CudaGraphRunner
+from engine.kv_quant import Int8KV
 from engine.model import LlamaForCausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
@@ -59,11 +60,13 @@ class ModelRunner:
     group_cost_tokens = 256
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype  # "auto": the model's dtype; "int8": engine/kv_quant.py
         self.allocate_kv(num_blocks)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -77,8 +80,12 @@ class ModelRunner:
         shape = (num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []  # drop the old pool before allocating the new one
         # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(arch.num_layers)]
+        if self.kv_cache_dtype == "int8":  # quantized on write, scales per token and head (engine/kv_quant.py)
+            self.kv_caches = [(Int8KV.zeros(shape, self.dtype, self.device), Int8KV.zeros(shape, self.dtype, self.device))
+                              for _ in range(arch.num_layers)]
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(arch.num_layers)]
         self.sink_block = num_blocks
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:

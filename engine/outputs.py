@@ -28,6 +28,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0  # tokens written into retained cache (pins, 24h retention)
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     arrival_time: float | None = None  # time.monotonic() when the request arrived

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured_spec import StructuredOutputSpec
+from cache.pins import CachePolicy
 
 # Temperatures below this are treated as 0, i.e. greedy decoding (dividing logits by a
 # near-zero temperature would overflow anyway).
@@ -56,6 +57,8 @@ class SamplingParams:
     # its top-k alternatives. Such a request skips the prefix cache: every prompt position's
     # logits must be computed.
     prompt_logprobs: int | None = None
+    # Prompt-cache retention asked for (cache_control pins, prompt_cache_retention); None: plain caching
+    cache_policy: CachePolicy | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -95,6 +98,8 @@ class SamplingParams:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
             if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.cache_policy is not None and not isinstance(self.cache_policy, CachePolicy):
+            raise ValueError(f"cache_policy must be a CachePolicy, got {self.cache_policy!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "

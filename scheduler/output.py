@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cache.hashing import BlockHash
 from scheduler.request import Request
 
 
@@ -24,6 +25,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that began loading their prefix from the lower tier: (request, [(block id, hash)]).
+    loads: list[tuple[Request, list[tuple[int, BlockHash]]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # holds fresh blocks that a lower KV tier is filling; not runnable yet
     PREEMPTED = "preempted"  # lost its blocks; waits at the head of the queue to be recomputed
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -61,6 +62,8 @@ class Request:
     # Prompt logprobs collected so far (entry i: prompt token i+1 given the tokens before it),
     # filled by the runner when sampling_params.prompt_logprobs is set.
     prompt_logprobs: list[Any] = field(default_factory=list)
+    num_tier_loaded_tokens: int = 0  # of the cached tokens, those loaded from a lower tier
+    num_cache_write_tokens: int = 0  # tokens this request wrote into retained cache (pins, 24h retention)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

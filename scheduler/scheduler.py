@@ -7,7 +7,14 @@ Each ``schedule()`` call plans one engine step:
    block, the most recently admitted running request is preempted (its blocks go back to
    the pool, full ones stay in the prefix cache, so recomputing it later is mostly a hit).
 2. Then, only if nobody was preempted this step, waiting requests in queue order: a
-   prefix-cache lookup, then a prefill chunk of what is not cached.
+   prefix-cache lookup, then a prefill chunk of what is not cached. When the hash chain
+   continues in a lower KV tier (disk), the request instead takes fresh blocks for those
+   blocks and moves to ``loading`` (``SchedulerOutput.loads``); the engine fills the blocks
+   off the step and calls ``finish_loading``, which puts it back at the head of the queue.
+   Only that request waits for its blocks, never the batch.
+
+Pins (``cache_control``) and expiries are applied at the start of each plan; when memory
+pressure cannot be relieved by preemption, pins are demoted before a request would starve.
 
 ``update()`` applies the sampled tokens and finishes requests on EOS, stop token ids,
 ``max_tokens`` or the context length. Every finish path (including ``abort``) frees the
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from cache import KVCacheManager
@@ -33,6 +40,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # of which found in the cache
     num_preemptions: int = 0
+    tier_queries: dict[str, int] = field(default_factory=lambda: {"device": 0, "disk": 0})  # tokens looked up
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "disk": 0})  # tokens found
 
 
 class Scheduler:
@@ -44,6 +53,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # waiting on their lower-tier blocks
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
@@ -69,7 +79,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish live requests (abort, stop string, error); unknown or finished ids are ignored."""
@@ -80,6 +90,8 @@ class Scheduler:
                 continue
             if request in self.running:
                 self.running.remove(request)
+            elif request.request_id in self.loading:
+                del self.loading[request.request_id]
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -91,6 +103,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self._retain(request)
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
 
@@ -102,16 +116,63 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _retain(self, request: Request) -> None:
+        """Apply the request's cache policy (pins, 24h retention) while it still holds its blocks."""
+        policy = request.sampling_params.cache_policy
+        if policy is None:
+            return
+        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+        written = 0
+        if policy.pin_tokens:
+            written += self.kv_cache.pin_request(request.request_id, min(policy.pin_tokens, computed),
+                                                 policy.pin_ttl_s, request.cache_salt)
+        if policy.retention_s is not None:
+            written += self.kv_cache.retain_request(request.request_id, computed,
+                                                    self.kv_cache.wall_clock() + policy.retention_s)
+        request.num_cache_write_tokens = written
+
+    def finish_loading(self, request_id: str, num_loaded_blocks: int) -> bool:
+        """The engine filled the first ``num_loaded_blocks`` tier blocks of a loading request:
+        it becomes waiting again, at the head of the queue. False if it is no longer loading."""
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv_cache.finish_load(request_id, num_loaded_blocks)
+        loaded = num_loaded_blocks * self.kv_cache.block_size
+        request.num_computed_tokens += loaded
+        request.num_tier_loaded_tokens += loaded
+        if request.num_computed_tokens == 0:  # nothing usable arrived: start over without blocks
+            self.kv_cache.free(request_id)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return True
+
+    def _relieve_pressure(self, keep: Request) -> bool:
+        """No preemption can help: demote a pin, else take the blocks of a waiting request that
+        holds some (it recomputes, mostly from the prefix cache). False if nothing was freed."""
+        if self.kv_cache.demote_oldest_pin():
+            return True
+        for request in self.waiting:
+            if request is not keep and request.num_computed_tokens > 0:
+                self.kv_cache.free(request.request_id)
+                request.num_computed_tokens = 0
+                request.num_tier_loaded_tokens = 0
+                return True
+        return False
+
     # ---- planning -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.kv_cache.expire_pins()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
+                if self.running[-1] is request and self._relieve_pressure(request):
+                    continue
                 victim = self.running.pop()  # most recently admitted; never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -130,16 +191,33 @@ class Scheduler:
             if request.is_blocked:
                 blocked.append(self.waiting.popleft())
                 continue
-            if request.wants_prompt_logits:
+            if request.num_computed_tokens > 0:  # came back from a tier load holding its blocks
+                cached_blocks, num_cached = [], request.num_computed_tokens
+            elif request.wants_prompt_logits:  # every prompt position's logits are needed
                 cached_blocks, num_cached = [], 0
             else:
                 cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request.all_token_ids,
                                                                               request.cache_salt)
+                tier_hashes = self.kv_cache.get_tier_hits(request.all_token_ids, request.cache_salt, cached_blocks)
+                if tier_hashes:
+                    fresh = self.kv_cache.allocate_for_load(request, cached_blocks, tier_hashes)
+                    if fresh is None:
+                        if not self.running and self._relieve_pressure(request):
+                            continue
+                        break
+                    self.waiting.popleft()
+                    request.num_computed_tokens = num_cached
+                    request.status = RequestStatus.LOADING
+                    self.loading[request.request_id] = request
+                    out.loads.append((request, [(b.block_id, h) for b, h in zip(fresh, tier_hashes)]))
+                    continue
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             if self.kv_cache.allocate_slots(request, num_new, cached_blocks) is None:
+                if not self.running and not out.scheduled and self._relieve_pressure(request):
+                    continue
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:  # first admission; re-admission after preemption is not a query
@@ -147,6 +225,12 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += num_cached
+                device_hits = num_cached - request.num_tier_loaded_tokens
+                self.stats.tier_queries["device"] += request.num_tokens
+                self.stats.tier_hits["device"] += device_hits
+                if self.kv_cache.tier is not None:
+                    self.stats.tier_queries["disk"] += request.num_tokens - device_hits
+                    self.stats.tier_hits["disk"] += request.num_tier_loaded_tokens
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

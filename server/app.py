@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncEngine
 from server import __version__
+from server.cache_metrics import KVTierCollector
+from server.cache_routes import add_cache_routes
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.metrics import Metrics
@@ -94,7 +96,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
     async def version() -> dict:
         return {"version": __version__}
 
+    add_cache_routes(app, engine, authorized)
     if metrics is not None:
+        metrics.registry.register(KVTierCollector(metrics.model_name, engine.engine))
         app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False)
     return app
 

@@ -30,6 +30,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")
+    g.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "int8"],
+                   help="KV block dtype: auto (the model's) or int8 (per-token-per-head ranges, ~3.5x the tokens)")
+    g.add_argument("--kv-disk-dir", dest="kv_disk_dir", metavar="PATH",
+                   help="folder of the persistent disk tier of the prefix cache (off when unset)")
+    g.add_argument("--kv-disk-gib", dest="kv_disk_gib", type=float, metavar="GIB", help="disk tier capacity")
+    g.add_argument("--kv-pin-fraction", dest="kv_pin_fraction", type=float,
+                   help="most of the pool that cache_control pins may hold (default 0.25)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     g.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)

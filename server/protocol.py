@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import SamplingParams
 from engine.structured_spec import StructuredOutputSpec
+from server.cache_routes import CacheControl
 from server.errors import bad_request
 from server.openai_fields import check_fields
 
@@ -29,6 +30,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None  # a prompt-cache breakpoint (server/cache_routes.py)
 
 
 class FunctionCallIn(BaseModel):
@@ -53,6 +55,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    cache_control: CacheControl | None = None  # a prompt-cache breakpoint (server/cache_routes.py)
 
     def text(self) -> str:
         if self.content is None:
@@ -175,6 +178,8 @@ class SamplingFields(BaseModel):
         if self.guided_choice is not None:
             return StructuredOutputSpec("choice", json.dumps(self.guided_choice))
         return StructuredOutputSpec("grammar", self.guided_grammar or "")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: str | None = None  # recorded in the cache policy (for cache-aware routers)
 
     @field_validator("stop")
     @classmethod

@@ -23,6 +23,7 @@ from engine.llm_engine import PromptTooLongError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat, encode_prompt
+from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
 from engine.structured_output import GrammarError, validate_spec
@@ -54,6 +55,7 @@ class Choice:
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs on /v1/completions
@@ -75,9 +77,12 @@ def _usage(choices: Sequence[Choice], prompt_lengths: Sequence[int]) -> dict[str
     prompt_tokens = sum(prompt_lengths)
     completion = sum(c.num_output_tokens for c in choices)
     # Counted once per prompt (its first choice), like prompt_tokens.
-    cached = sum(c.num_cached_tokens for c in choices if c.index == c.prompt_index * (len(choices) // len(prompt_lengths)))
+    firsts = [c for c in choices if c.index == c.prompt_index * (len(choices) // len(prompt_lengths))]
+    cached = sum(c.num_cached_tokens for c in firsts)
+    written = sum(c.num_cache_write_tokens for c in choices)  # tokens written into retained cache
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written}}
 
 
 class OpenAIServing:
@@ -153,6 +158,8 @@ class OpenAIServing:
                                      else None)
         except TemplateError as exc:
             raise bad_request(str(exc), "messages") from None
+        params = with_policy(params, chat_cache_policy(body, self.tokenizer, messages, prompt_ids,
+                                                       has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")
         self.check_capacity()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -166,6 +173,7 @@ class OpenAIServing:
         body.check_unsupported()
         params = body.to_sampling_params(self.config.max_stop)
         self._check_grammar(params, "response_format")
+        params = with_policy(params, completion_cache_policy(body, has_disk_tier(self.engine)))
         self._check_n(body.n)
         prompts = []
         for prompt in body.prompts():
@@ -408,6 +416,7 @@ def _apply(choice: Choice, out: RequestOutput) -> None:
     choice.text += out.text
     choice.num_output_tokens = out.num_output_tokens
     choice.num_cached_tokens = out.num_cached_tokens
+    choice.num_cache_write_tokens = out.num_cache_write_tokens
     if out.logprobs:
         choice.logprobs.extend(out.logprobs)
     if out.finished:

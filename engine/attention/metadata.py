@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv_quant import Int8KV, gather_int8, write_int8
+
 
 @dataclass
 class PrefillChunk:
@@ -96,7 +98,12 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into the pools ``[blocks, block_size, kv_heads, head_dim]``."""
+    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into the pools ``[blocks, block_size, kv_heads, head_dim]``
+    (int8 pools: quantized on write)."""
+    if isinstance(k_cache, Int8KV):
+        write_int8(k_cache, k, slot_mapping)
+        write_int8(v_cache, v, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -105,7 +112,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, length: int) -> torch.Tensor:
     """The first ``length`` tokens of K or V of ``num_seqs`` sequences whose blocks are
     ``block_ids`` (``[num_seqs * blocks_per_row]``) -> ``[num_seqs, kv_heads, length, head_dim]``:
-    one ``index_select`` copy per call, the rest are views."""
+    one ``index_select`` copy per call, the rest are views (int8 pools: dequantized)."""
+    if isinstance(cache, Int8KV):
+        return gather_int8(cache, block_ids, num_seqs, length)
     kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
     blocks = cache.index_select(0, block_ids)
     return blocks.view(num_seqs, -1, kv_heads, head_dim)[:, :length].transpose(1, 2)

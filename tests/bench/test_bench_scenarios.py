@@ -291,6 +291,20 @@ def test_kv_memory(hf, tokenizer, tmp_path):
     assert not engine.has_unfinished()
 
 
+def test_kv_tier(hf, tmp_path):
+    from bench.kv_tier import run_kv_tier
+
+    def make(folder):
+        return tiny_engine(hf, block_size=16, num_blocks=(200 + 64) // 16, max_num_batched_tokens=256,
+                           kv_disk_dir=folder, kv_disk_gib=0.05)
+
+    data = _written(run_kv_tier(make, hf.config.vocab_size, prefix_tokens=200, rounds=1, progress=False), tmp_path)
+    # Every hit found its whole prefix (all full blocks but the last token's), mostly from the disk tier.
+    assert data["cached_tokens"]["evicted"] == [192] and data["cached_tokens"]["restart"] == [192]
+    assert 0 < data["disk_hit_tokens_evicted"] <= 192  # the first blocks may still be on the device
+    assert all(t > 0 for t in data["miss_ms"] + data["evicted_hit_ms"] + data["restart_hit_ms"])
+
+
 def test_roofline(engine, tokenizer, tmp_path):
     from bench.roofline import run_roofline
 

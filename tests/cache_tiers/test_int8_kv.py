@@ -1,0 +1,47 @@
+"""int8 KV blocks on the tiny model: teacher-forced agreement with fp32 KV, capacity, the tier."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.kv_int8 import compare, teacher_forced
+from engine.sampling_params import SamplingParams
+from tests.helpers import tiny_engine, tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return tiny_hf_model()
+
+
+def test_int8_kv_agrees_with_fp32_teacher_forced(hf_model):
+    tokens = [random.Random(0).randrange(3, 128) for _ in range(240)]
+    fp32 = teacher_forced(tiny_engine(hf_model, num_blocks=80), tokens, chunk=16)
+    engine = tiny_engine(hf_model, num_blocks=80, kv_cache_dtype="int8")
+    int8 = teacher_forced(engine, tokens, chunk=16)
+    result = compare(fp32, int8, tokens)
+    assert result["top1_agreement"] >= 0.99, result
+    assert abs(result["nll_delta"]) < 0.01, result
+    assert (fp32 - int8).abs().max() > 0  # the int8 path really ran
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.usage == 0
+
+
+def test_int8_capacity_and_disk_tier_roundtrip(hf_model, tmp_path):
+    fp32 = tiny_engine(hf_model)
+    int8 = tiny_engine(hf_model, kv_cache_dtype="int8", kv_disk_dir=str(tmp_path), kv_disk_gib=0.01, num_blocks=24)
+    # head_dim 16: (16 + 8) bytes instead of 64 per token, head and K/V.
+    assert fp32.capacity.bytes_per_token / int8.capacity.bytes_per_token == pytest.approx(64 / 24)
+    assert not int8.runner.model.attn.native_decode
+    p = [random.Random(1).randrange(3, 128) for _ in range(41)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = int8.generate([p], params)[0]
+    int8.generate([[random.Random(2 + i).randrange(3, 128) for _ in range(60)] for i in range(4)],
+                  SamplingParams(temperature=0.0, max_tokens=2))
+    int8.offloader.tier.flush(10)
+    again = int8.generate([p], params)[0]
+    assert again.num_cached_tokens == 40 and again.token_ids == first.token_ids
+    int8.kv_cache.check_invariants()
+    assert int8.kv_cache.usage == 0
+    int8.close()
