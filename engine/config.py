@@ -22,6 +22,12 @@ class ModelConfig:
     # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's Q4_1/Q8_0
     # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
     linear_backend: str = "auto"
+    # "auto" | "dense" | "blocks": whether matrices that run from GGUF blocks also keep their
+    # dense fp32 copy (prefill through oneDNN, faster) or only the blocks (prefill decodes
+    # cache-sized tiles; memory about the file size). auto: blocks once the dense copy would
+    # exceed ``dense_auto_limit_gib``, so small models keep the faster dense prefill.
+    weights_resident: str = "auto"
+    dense_auto_limit_gib: float = 1.0
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
 
@@ -36,6 +42,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.linear_backend not in ("auto", "gguf", "onednn", "aten"):
             raise ValueError(f"linear_backend must be auto, gguf, onednn or aten, got {self.linear_backend!r}")
+        if self.weights_resident not in ("auto", "dense", "blocks"):
+            raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         if self.attention_backend not in ("auto", "native", "torch", "flash_attn"):
             raise ValueError(f"attention_backend must be auto, native, torch or flash_attn, "
                              f"got {self.attention_backend!r}")

@@ -102,7 +102,7 @@ class LLMEngine:
         model.load_hf_state_dict(loaded.state_dict)
         model.to(device).eval()
         loaded.state_dict.clear()  # weights now live in the fused parameters only
-        self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
+        self._select_linear(model, loaded, config.model, device, dtype)
 
         cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
@@ -120,18 +120,33 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
 
     @staticmethod
-    def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
+    def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, cfg: ModelConfig, device: torch.device,
                        dtype: torch.dtype) -> None:
         """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
         ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
-        then bind the matmuls."""
+        bind the matmuls, then drop the dense copies if ``weights_resident`` says so."""
+        backend = cfg.linear_backend
         runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
         fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
-        if (backend == "gguf" and runnable) or (backend == "auto" and fast):
+        if cfg.weights_resident == "blocks" and not runnable:
+            raise ValueError("weights_resident 'blocks' needs a GGUF checkpoint, a CPU in float32 and the native "
+                             "kernels; use 'auto'")
+        if (backend == "gguf" and runnable) or (backend in ("auto",) and (fast or cfg.weights_resident == "blocks")):
             covered = model.attach_blocks(gguf_blocks(loaded.gguf_path, loaded.path, loaded.arch))
             logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
                         torch.ops.kvserve.gguf_kernel_isa())
         chosen = model.select_linear_backend(backend)
+        dense_bytes = model.blocked_dense_bytes()
+        drop = chosen == "gguf" and (cfg.weights_resident == "blocks" or (
+            cfg.weights_resident == "auto" and dense_bytes > cfg.dense_auto_limit_gib * 2**30))
+        if cfg.weights_resident == "blocks" and chosen != "gguf":
+            raise ValueError(f"weights_resident 'blocks' needs linear_backend auto or gguf, got {backend!r}")
+        if drop:
+            freed = model.drop_dense_weights()
+            logger.info("Weights resident: blocks only (%.0f MB of dense fp32 copies not kept)", freed / 1e6)
+        elif chosen == "gguf":
+            logger.info("Weights resident: blocks and their dense fp32 copies (%.0f MB; prefill runs dense)",
+                        dense_bytes / 1e6)
         logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
                     model.decode_weight_bytes() / 1e6)
 

@@ -123,6 +123,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
         self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
         self.blocks: dict[str, PackedMatrix] = {}  # weight name -> the same matrix as GGUF blocks
+        self.blocks_only: set[str] = set()  # weights whose dense copy was dropped (see drop_dense_weights)
         self.use_linear("aten", use_blocks=False)
 
     # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
@@ -134,12 +135,15 @@ class DecoderLayer(nn.Module):
 
     def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16) -> None:
         """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
-        wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks."""
+        wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks; a weight in
+        ``blocks_only`` runs from its blocks alone whatever ``use_blocks`` says."""
         for attr, weight_name, bias_name in self.MATMULS:
             weight = getattr(self, weight_name)
             bias = getattr(self, bias_name) if bias_name else None
-            mm = dense_linear(weight, bias, dense, batch_hint)
-            if use_blocks and weight_name in self.blocks:
+            mm: Callable[[torch.Tensor], torch.Tensor] | None = None
+            if weight_name not in self.blocks_only:
+                mm = dense_linear(weight, bias, dense, batch_hint)
+            if (use_blocks or mm is None) and weight_name in self.blocks:
                 mm = BlockLinear(self.blocks[weight_name], bias, mm)
             setattr(self, attr, mm)
 
@@ -176,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
         self.lm_head_blocks: PackedMatrix | None = None
+        self.lm_head_blocks_only = False
         self.linear_backend = "aten"
 
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
@@ -190,6 +195,9 @@ class LlamaForCausalLM(nn.Module):
         """
         if backend not in ("auto", "gguf", "onednn", "aten"):
             raise ValueError(f"linear backend must be auto, gguf, onednn or aten, got {backend!r}")
+        if self.holds_blocks_only() and backend not in ("auto", "gguf"):
+            raise ValueError(f"linear backend {backend!r} needs dense weights, and this model keeps only "
+                             "GGUF blocks (weights_resident: blocks)")
         has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
         if backend == "gguf" and not has_blocks:
             raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with Q4_1/Q8_0 weights, a CPU "
@@ -203,9 +211,12 @@ class LlamaForCausalLM(nn.Module):
         use_blocks = backend == "gguf"
         for layer in self.layers:
             layer.use_linear(dense, use_blocks, batch_hint)
-        self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
-        if use_blocks and self.lm_head_blocks is not None:
-            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
+        if self.lm_head_blocks_only:
+            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None)
+        else:
+            self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
+            if use_blocks and self.lm_head_blocks is not None:
+                self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
         self.linear_backend = backend
         return backend
 
@@ -235,6 +246,47 @@ class LlamaForCausalLM(nn.Module):
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         self.lm_head_blocks = attach(self.lm_head, [head])
         return covered + (self.lm_head_blocks is not None)
+
+    def holds_blocks_only(self) -> bool:
+        return self.lm_head_blocks_only or any(layer.blocks_only for layer in self.layers)
+
+    def blocked_dense_bytes(self) -> int:
+        """fp32 bytes of the dense weights that have blocks attached (what dropping them frees)."""
+        total = sum(getattr(layer, n).numel() * 4 for layer in self.layers for n in layer.blocks)
+        untied_head = self.lm_head_blocks is not None and not self.arch.tie_word_embeddings
+        return total + (self.lm_head.numel() * 4 if untied_head else 0)
+
+    @torch.no_grad()
+    def drop_dense_weights(self) -> int:
+        """Free the dense copy of every matrix that has blocks (``weights_resident: blocks``):
+        from now on those matmuls run from the blocks alone, prefill included (see
+        ``BlockLinear``). The tied embedding stays (lookups read it). Final: reloading weights
+        needs a new model. Returns the bytes freed; rebinds the matmuls."""
+        freed = 0
+        for layer in self.layers:
+            for name in layer.blocks:
+                if name not in layer.blocks_only:
+                    freed += getattr(layer, name).numel() * 4
+                    setattr(layer, name, nn.Parameter(torch.empty(0), requires_grad=False))
+                    layer.blocks_only.add(name)
+        if self.lm_head_blocks is not None and not self.arch.tie_word_embeddings and not self.lm_head_blocks_only:
+            freed += self.lm_head.numel() * 4
+            self.lm_head = nn.Parameter(torch.empty(0), requires_grad=False)
+            self.lm_head_blocks_only = True
+        self.select_linear_backend("gguf")
+        return freed
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident weight memory: ``dense`` (parameters and buffers, each storage once) and
+        ``blocks`` (the GGUF blocks in use)."""
+        seen, dense = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                dense += t.untyped_storage().nbytes()
+        blocks = sum(b.nbytes for layer in self.layers for b in layer.blocks.values())
+        return {"dense": dense, "blocks": blocks + (self.lm_head_blocks.nbytes if self.lm_head_blocks else 0)}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -269,6 +321,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...) into the fused layout."""
+        if self.holds_blocks_only():
+            raise ValueError("this model dropped its dense weights (weights_resident: blocks); build a new one")
         self.select_linear_backend("aten")  # packed copies would go stale; select again after loading
         self.lm_head_blocks = None
         for layer in self.layers:
