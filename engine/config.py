@@ -22,12 +22,13 @@ class ModelConfig:
     # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's Q4_1/Q8_0
     # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
     linear_backend: str = "auto"
-    # "auto" | "dense" | "blocks": whether matrices that run from GGUF blocks also keep their
-    # dense fp32 copy (prefill through oneDNN, faster) or only the blocks (prefill decodes
-    # cache-sized tiles; memory about the file size). auto: blocks once the dense copy would
-    # exceed ``dense_auto_limit_gib``, so small models keep the faster dense prefill.
+    # "auto" | "dense" | "blocks": whether a GGUF's matrices also get a dense fp32 copy
+    # (converted once; prefill through oneDNN, faster) or stay blocks only (read straight from
+    # the file, memory about the file size; prefill decodes cache-sized tiles). auto: blocks
+    # for GGUF files above ``blocks_auto_file_gib`` (their fp32 copy would take >= 4x, above
+    # 1 GiB), so small models such as the default keep the faster dense prefill.
     weights_resident: str = "auto"
-    dense_auto_limit_gib: float = 1.0
+    blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
 

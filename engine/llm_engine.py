@@ -19,7 +19,7 @@ from engine.attention import make_attention
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kernels import load_kernels
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.quant import gguf_blocks
@@ -77,7 +77,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         torch.set_num_threads(config.model.num_threads or available_cores())
         dtype = _DTYPES[config.model.dtype]
-        loaded = loaded or load_model(config.model.model, dtype)
+        loaded = loaded or load_model(config.model.model, dtype, self._blocks_only(config.model, dtype))
         arch = loaded.arch
         self.arch = arch
         self.tokenizer = loaded.tokenizer
@@ -99,10 +99,10 @@ class LLMEngine:
         model.attn = make_attention(config.model.attention_backend, device, dtype)
         logger.info("Attention: %s", "native paged decode kernel + SDPA prefill" if model.attn.native_decode
                     else "torch SDPA")
-        model.load_hf_state_dict(loaded.state_dict)
+        model.load_hf_state_dict(loaded.state_dict, loaded.blocks)
         model.to(device).eval()
         loaded.state_dict.clear()  # weights now live in the fused parameters only
-        self._select_linear(model, loaded, config.model, device, dtype)
+        self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
 
         cache_cfg = config.cache
         per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
@@ -120,33 +120,37 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
 
     @staticmethod
-    def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, cfg: ModelConfig, device: torch.device,
+    def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
+        """Whether to load the GGUF as blocks only (``weights_resident``, see ModelConfig)."""
+        if cfg.weights_resident == "dense":
+            return False
+        gguf = gguf_source(cfg.model)
+        runnable = (gguf is not None and resolve_device(cfg.device).type == "cpu" and dtype == torch.float32
+                    and cfg.linear_backend in ("auto", "gguf") and load_kernels())
+        if cfg.weights_resident == "blocks":
+            if not runnable:
+                raise ValueError("weights_resident 'blocks' needs a .gguf model, a CPU in float32, linear_backend "
+                                 "auto or gguf and the native kernels; use 'auto'")
+            return True
+        return bool(runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
+                    and gguf.stat().st_size > cfg.blocks_auto_file_gib * 2**30)
+
+    @staticmethod
+    def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
                        dtype: torch.dtype) -> None:
         """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
         ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
-        bind the matmuls, then drop the dense copies if ``weights_resident`` says so."""
-        backend = cfg.linear_backend
+        then bind the matmuls. A blocks-only model got its blocks at load."""
         runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
         fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
-        if cfg.weights_resident == "blocks" and not runnable:
-            raise ValueError("weights_resident 'blocks' needs a GGUF checkpoint, a CPU in float32 and the native "
-                             "kernels; use 'auto'")
-        if (backend == "gguf" and runnable) or (backend in ("auto",) and (fast or cfg.weights_resident == "blocks")):
+        if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
             covered = model.attach_blocks(gguf_blocks(loaded.gguf_path, loaded.path, loaded.arch))
             logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
                         torch.ops.kvserve.gguf_kernel_isa())
         chosen = model.select_linear_backend(backend)
-        dense_bytes = model.blocked_dense_bytes()
-        drop = chosen == "gguf" and (cfg.weights_resident == "blocks" or (
-            cfg.weights_resident == "auto" and dense_bytes > cfg.dense_auto_limit_gib * 2**30))
-        if cfg.weights_resident == "blocks" and chosen != "gguf":
-            raise ValueError(f"weights_resident 'blocks' needs linear_backend auto or gguf, got {backend!r}")
-        if drop:
-            freed = model.drop_dense_weights()
-            logger.info("Weights resident: blocks only (%.0f MB of dense fp32 copies not kept)", freed / 1e6)
-        elif chosen == "gguf":
-            logger.info("Weights resident: blocks and their dense fp32 copies (%.0f MB; prefill runs dense)",
-                        dense_bytes / 1e6)
+        held = model.weight_bytes()
+        logger.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
+                    " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
         logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
                     model.decode_weight_bytes() / 1e6)
 

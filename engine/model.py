@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.arch import ModelArch
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.quant import BlockLinear, GGUFMatrix, PackedMatrix
+from engine.quant import BlockLinear, BlockMatrix, GGUFMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         self.o_bias: nn.Parameter | None = None
         self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
         self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
-        self.blocks: dict[str, PackedMatrix] = {}  # weight name -> the same matrix as GGUF blocks
+        self.blocks: dict[str, BlockMatrix] = {}  # weight name -> the same matrix as GGUF blocks
         self.blocks_only: set[str] = set()  # weights whose dense copy was dropped (see drop_dense_weights)
         self.use_linear("aten", use_blocks=False)
 
@@ -179,8 +179,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.attn = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
-        self.lm_head_blocks: PackedMatrix | None = None
+        self.lm_head_blocks: BlockMatrix | None = None
         self.lm_head_blocks_only = False
+        self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
         self.linear_backend = "aten"
 
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
@@ -226,9 +227,8 @@ class LlamaForCausalLM(nn.Module):
         matrices they cover exactly: a fused matrix gets blocks only when every part has them
         in one format and they decode to the loaded dense weight bit for bit. Needs the
         native kernels loaded. Returns the number of matrices covered."""
-        def attach(dense: torch.Tensor, parts: list[str]) -> PackedMatrix | None:
-            stacked = GGUFMatrix.stack([blocks.get(p) for p in parts])
-            packed = stacked.pack() if stacked is not None else None
+        def attach(dense: torch.Tensor, parts: list[str]) -> BlockMatrix | None:
+            packed = BlockMatrix.stack([blocks.get(p) for p in parts])
             if packed is not None and packed.dequantize().equal(dense):
                 return packed
             if packed is not None:
@@ -257,24 +257,46 @@ class LlamaForCausalLM(nn.Module):
         return total + (self.lm_head.numel() * 4 if untied_head else 0)
 
     @torch.no_grad()
-    def drop_dense_weights(self) -> int:
-        """Free the dense copy of every matrix that has blocks (``weights_resident: blocks``):
-        from now on those matmuls run from the blocks alone, prefill included (see
-        ``BlockLinear``). The tied embedding stays (lookups read it). Final: reloading weights
-        needs a new model. Returns the bytes freed; rebinds the matmuls."""
-        freed = 0
-        for layer in self.layers:
-            for name in layer.blocks:
-                if name not in layer.blocks_only:
-                    freed += getattr(layer, name).numel() * 4
-                    setattr(layer, name, nn.Parameter(torch.empty(0), requires_grad=False))
-                    layer.blocks_only.add(name)
-        if self.lm_head_blocks is not None and not self.arch.tie_word_embeddings and not self.lm_head_blocks_only:
-            freed += self.lm_head.numel() * 4
-            self.lm_head = nn.Parameter(torch.empty(0), requires_grad=False)
+    def _take_blocks(self, blocks: dict[str, GGUFMatrix], sd: dict[str, torch.Tensor]) -> None:
+        """``weights_resident: blocks``: every fused matrix whose parts all have blocks runs
+        from them alone and its dense parameter is released (never filled). A matrix some of
+        whose parts have no blocks runs dense: the parts that have blocks are decoded into ``sd``."""
+        def take(parts: list[str]) -> BlockMatrix | None:
+            found = BlockMatrix.stack([blocks.get(p) for p in parts])
+            if found is None:
+                for p in parts:
+                    if p in blocks:
+                        sd[p] = blocks[p].pack().dequantize()
+            return found
+
+        empty = lambda: nn.Parameter(torch.empty(0), requires_grad=False)  # noqa: E731
+        for i, layer in enumerate(self.layers):
+            for weight_name, modules in DecoderLayer.FUSED.items():
+                found = take([f"model.layers.{i}.{m}.weight" for m in modules])
+                if found is not None:
+                    layer.blocks[weight_name] = found
+                    layer.blocks_only.add(weight_name)
+                    setattr(layer, weight_name, empty())
+        self.embed_blocks = take(["model.embed_tokens.weight"])
+        if self.arch.tie_word_embeddings:
+            self.lm_head_blocks = self.embed_blocks
+        else:
+            self.lm_head_blocks = take(["lm_head.weight"])
+        if self.lm_head_blocks is not None:
             self.lm_head_blocks_only = True
-        self.select_linear_backend("gguf")
-        return freed
+            if not self.arch.tie_word_embeddings:
+                self.lm_head = empty()
+        if self.embed_blocks is not None:
+            self.embed = empty()
+            if self.arch.tie_word_embeddings:
+                self.lm_head = self.embed
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b = self.embed_blocks
+        if b is None:
+            return F.embedding(input_ids, self.embed)
+        part = b.parts[0]
+        return torch.ops.kvserve.gguf_rows(part.data, part.out_features, part.in_features, int(part.format), input_ids)
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident weight memory: ``dense`` (parameters and buffers, each storage once) and
@@ -286,13 +308,14 @@ class LlamaForCausalLM(nn.Module):
                 seen.add(key)
                 dense += t.untyped_storage().nbytes()
         blocks = sum(b.nbytes for layer in self.layers for b in layer.blocks.values())
-        return {"dense": dense, "blocks": blocks + (self.lm_head_blocks.nbytes if self.lm_head_blocks else 0)}
+        heads = {id(b): b.nbytes for b in (self.lm_head_blocks, self.embed_blocks) if b is not None}
+        return {"dense": dense, "blocks": blocks + sum(heads.values())}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin_signed[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -319,28 +342,35 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head_mm(hidden)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...) into the fused layout."""
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], blocks: dict[str, GGUFMatrix] | None = None) -> None:
+        """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...) into the fused layout.
+
+        With ``blocks`` (``weights_resident: blocks``, see ``_take_blocks``) the matrices they
+        cover are not in ``sd`` and get no dense copy; such a model cannot be reloaded."""
         if self.holds_blocks_only():
-            raise ValueError("this model dropped its dense weights (weights_resident: blocks); build a new one")
+            raise ValueError("this model holds GGUF blocks only (weights_resident: blocks); build a new one")
         self.select_linear_backend("aten")  # packed copies would go stale; select again after loading
         self.lm_head_blocks = None
         for layer in self.layers:
             layer.blocks = {}
         sd = dict(sd)
         take = sd.pop
-        self.embed.copy_(take("model.embed_tokens.weight"))
+        if blocks:
+            self._take_blocks(blocks, sd)
+        if self.embed_blocks is None:
+            self.embed.copy_(take("model.embed_tokens.weight"))
         self.norm.copy_(take("model.norm.weight"))
         if self.arch.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        else:
+        elif not self.lm_head_blocks_only:
             self.lm_head.copy_(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_norm.copy_(take(p + "input_layernorm.weight"))
             layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
             for weight_name, modules in DecoderLayer.FUSED.items():
-                getattr(layer, weight_name).copy_(torch.cat([take(f"{p}{m}.weight") for m in modules]))
+                if weight_name not in layer.blocks_only:
+                    getattr(layer, weight_name).copy_(torch.cat([take(f"{p}{m}.weight") for m in modules]))
             a = p + "self_attn."
             if a + "q_proj.bias" in sd:
                 layer.qkv_bias = nn.Parameter(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))

@@ -134,6 +134,53 @@ class PackedMatrix:
         return torch.ops.kvserve.gguf_unpack(self.data, self.out_features, self.in_features, int(self.format))
 
 
+@dataclass
+class BlockMatrix:
+    """A (possibly fused) matrix as row groups of packed blocks, one format per group: a
+    Q4_K_M file stores q and k as Q4_K but v as Q6_K in some layers, so their fused qkv is
+    two groups, each run by the kernel of its format."""
+
+    parts: list[PackedMatrix]
+
+    @staticmethod
+    def stack(parts: list[GGUFMatrix | None]) -> BlockMatrix | None:
+        """The parts' rows one after another, consecutive parts of one format stacked into one
+        group; None when a part is missing or the widths differ."""
+        if not parts or any(p is None for p in parts) or len({p.in_features for p in parts}) > 1:
+            return None
+        groups: list[list[GGUFMatrix]] = []
+        for p in parts:
+            if groups and groups[-1][0].format == p.format:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        return BlockMatrix([GGUFMatrix.stack(g).pack() for g in groups])
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def format(self) -> BlockFormat | None:
+        """The format when all groups share one (a single group), else None."""
+        return self.parts[0].format if len(self.parts) == 1 else None
+
+    @property
+    def formats(self) -> set[BlockFormat]:
+        return {p.format for p in self.parts}
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
 class BlockLinear:
     """``F.linear(x, W, bias)`` with W held as GGUF blocks (a ``PackedMatrix``).
 
@@ -153,23 +200,24 @@ class BlockLinear:
                 BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8}
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
-    def __init__(self, blocks: PackedMatrix, bias: torch.Tensor | None,
+    def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
                  dense: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        self.blocks = blocks
+        self.blocks = blocks if isinstance(blocks, BlockMatrix) else BlockMatrix([blocks])
         self.bias = bias
         self.dense = dense
-        self.max_rows = self.MAX_ROWS[blocks.format]
-        self._format = int(blocks.format)  # the kernel's code, converted once rather than per call
-        self.tile_rows = max(8, self.PANEL_BYTES // (4 * blocks.in_features) // 8 * 8)
+        self.max_rows = min(self.MAX_ROWS[p.format] for p in self.blocks.parts)
+        self.tile_rows = max(8, self.PANEL_BYTES // (4 * self.blocks.in_features) // 8 * 8)
+        # (data, out_features, kernel format code) per group, converted once rather than per call
+        self._parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             if self.dense is not None:
                 return self.dense(x)
-            y = torch.ops.kvserve.gguf_linear_panels(x, self.blocks.data, self.blocks.out_features, self._format,
-                                                     self.tile_rows)
+            ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self._parts]
         else:
-            y = torch.ops.kvserve.gguf_linear(x, self.blocks.data, self.blocks.out_features, self._format)
+            ys = [torch.ops.kvserve.gguf_linear(x, d, n, f) for d, n, f in self._parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)
 
 

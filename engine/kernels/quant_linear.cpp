@@ -607,6 +607,37 @@ at::Tensor gguf_unpack(const at::Tensor& packed, int64_t N, int64_t K, int64_t f
   return out;
 }
 
+// Rows ids[t] of the matrix as fp32 [T, K]: an embedding lookup straight from the blocks.
+at::Tensor gguf_rows(const at::Tensor& packed, int64_t N, int64_t K, int64_t format, const at::Tensor& ids) {
+  check_packed(packed, N, K, format);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-D int64 tensor");
+  const auto idc = ids.contiguous();
+  const int64_t T = idc.size(0);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "row id ", id[t], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({T, K}, packed.options().dtype(at::kFloat));
+  with_format(format, [&](auto f) {
+    using Format = decltype(f);
+    const uint8_t* src = packed.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> strip;
+      for (int64_t t = t0; t < t1; ++t) {
+        if constexpr (is_strip<Format>::value) {  // decode the row's strip of 8, keep its one row
+          const int64_t n0 = id[t] / kStrip * kStrip, n1 = std::min(N, n0 + kStrip);
+          strip.resize((n1 - n0) * K);
+          decode_rows<Format>(src, N, K, n0, n1, strip.data());
+          std::copy(strip.begin() + (id[t] - n0) * K, strip.begin() + (id[t] - n0 + 1) * K, o + t * K);
+        } else {
+          decode_rows<Format>(src, N, K, id[t], id[t] + 1, o + t * K);
+        }
+      }
+    });
+    return 0;
+  });
+  return out;
+}
+
 // x [M, K] fp32, packed [N, K] matrix -> [M, N] fp32, streaming the blocks once.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
@@ -674,6 +705,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_pack(Tensor gguf, int in_features, int format) -> Tensor");
   m.def("gguf_unpack(Tensor packed, int out_features, int in_features, int format) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("gguf_rows(Tensor packed, int out_features, int in_features, int format, Tensor ids) -> Tensor");
   m.def("gguf_linear_panels(Tensor x, Tensor packed, int out_features, int format, int tile_rows) -> Tensor");
 }
 
@@ -682,4 +714,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("gguf_unpack", &gguf_unpack);
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_panels", &gguf_linear_panels);
+  m.impl("gguf_rows", &gguf_rows);
 }

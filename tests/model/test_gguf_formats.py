@@ -73,6 +73,17 @@ def test_block_linear_without_a_dense_copy(fmt):
         close(linear(x), F.linear(x, dense, bias))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_lookup_equals_the_dequantized_rows(fmt):
+    """The embedding lookup of block-only models decodes just the rows asked for."""
+    blocks, dense = blocks_and_reference(fmt, 37, 256, seed=5)
+    packed = blocks.pack()
+    ids = torch.tensor([0, 36, 9, 9, 17, 8])
+    assert torch.equal(torch.ops.kvserve.gguf_rows(packed.data, 37, 256, int(fmt), ids), dense[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.kvserve.gguf_rows(packed.data, 37, 256, int(fmt), torch.tensor([37]))
+
+
 def test_bad_format_and_shape_are_clear_errors():
     blocks, _ = blocks_and_reference(BlockFormat.Q4_K, 4, 256)
     with pytest.raises(RuntimeError, match="format must be 0-5"):
@@ -191,22 +202,24 @@ def test_mixed_q4_k_m_file_dense_and_blocks_agree(cache_dir, tmp_path):
         model = engine.runner.model
         assert model.holds_blocks_only() == (resident == "blocks")
         assert {layer.blocks["down"].format for layer in model.layers} == {BlockFormat.Q4_K, BlockFormat.Q6_K}
+        # q, k Q4_K and v Q6_K: one fused matrix in two groups, each on its own kernel
+        assert {BlockFormat.Q4_K, BlockFormat.Q6_K} in [layer.blocks["qkv"].formats for layer in model.layers]
         rec = LogitRecorder(engine)
         engine.generate([list(range(3, 23))], GREEDY)
         assert check_against_hf(hf, rec) == 6
 
 
 def test_block_only_mode_holds_no_dense_copy(cache_dir, tmp_path):
-    """With weights_resident blocks, every matrix's dense tensor is gone: what stays is the
-    blocks (no more than the file's bytes) plus the fp32 embedding table, norms and RoPE tables."""
+    """With weights_resident blocks no matrix has a dense tensor (the embedding included:
+    lookups decode rows): what stays is the blocks (no more than the file's bytes), the norms
+    and the RoPE tables."""
     path = write_gguf(tmp_path / "tiny-q4k.gguf", TINY, uniform(BlockFormat.Q4_K))
     model = gguf_engine(path, "blocks").runner.model
     held = model.weight_bytes()
     assert all(getattr(layer, n).numel() == 0 for layer in model.layers for n in layer.blocks)
-    assert model.lm_head.numel() == 0
+    assert model.lm_head.numel() == 0 and model.embed.numel() == 0
     assert held["blocks"] <= path.stat().st_size
-    small = (model.embed.numel() + model.rope_cos.numel() * 3
-             + TINY.hidden * (2 * TINY.layers + 1)) * 4
+    small = (model.rope_cos.numel() * 3 + TINY.hidden * (2 * TINY.layers + 1)) * 4
     assert held["dense"] <= small
     dense = gguf_engine(path, "dense").runner.model.weight_bytes()
     assert dense["dense"] > held["dense"] + 6 * held["blocks"]  # the fp32 copies the blocks replace
