@@ -56,6 +56,9 @@ def read_gguf_tensors(path: Path, arch: ModelArch) -> tuple[dict[str, GGUFMatrix
     gguf_arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
     blocks: dict[str, GGUFMatrix] = {}
     dense: dict[str, torch.Tensor] = {}
+    # Block bytes are read with plain file reads, not through the reader's memory map: mapped
+    # pages count in this process's RSS until unmapped, and the copies are what stays.
+    raw = open(path, "rb")  # noqa: SIM115 (closed below)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
@@ -67,8 +70,12 @@ def read_gguf_tensors(path: Path, arch: ModelArch) -> tuple[dict[str, GGUFMatrix
             order = unpermute_rows(int(tensor.shape[-1]), heads)
         fmt = BlockFormat.from_ggml(tensor.tensor_type) if hf_name(tensor.name) is not None else None
         if fmt is not None:
-            data = np.asarray(tensor.data)
-            data = data[order] if order is not None else np.array(data)  # a copy: the file is mapped
+            data = np.empty(int(tensor.n_bytes), dtype=np.uint8)
+            raw.seek(int(tensor.data_offset))
+            raw.readinto(data)
+            data = data.reshape(np.asarray(tensor.data).shape)  # (rows, row bytes); the shape touches no page
+            if order is not None:
+                data = data[order]
             blocks[name] = GGUFMatrix(torch.from_numpy(data), fmt, int(tensor.shape[0]))
             continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -76,6 +83,7 @@ def read_gguf_tensors(path: Path, arch: ModelArch) -> tuple[dict[str, GGUFMatrix
         if order is not None:
             values = values[order]
         dense[name] = torch.from_numpy(np.array(values))
+    raw.close()
     return blocks, dense
 
 

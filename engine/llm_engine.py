@@ -102,6 +102,8 @@ class LLMEngine:
         model.load_hf_state_dict(loaded.state_dict, loaded.blocks)
         model.to(device).eval()
         loaded.state_dict.clear()  # weights now live in the fused parameters only
+        if loaded.blocks is not None:
+            loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
         self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
 
         cache_cfg = config.cache

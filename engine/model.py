@@ -260,13 +260,17 @@ class LlamaForCausalLM(nn.Module):
     def _take_blocks(self, blocks: dict[str, GGUFMatrix], sd: dict[str, torch.Tensor]) -> None:
         """``weights_resident: blocks``: every fused matrix whose parts all have blocks runs
         from them alone and its dense parameter is released (never filled). A matrix some of
-        whose parts have no blocks runs dense: the parts that have blocks are decoded into ``sd``."""
+        whose parts have no blocks runs dense: the parts that have blocks are decoded into ``sd``.
+        Parts taken are removed from ``blocks`` (the caller's dict), so load peaks near one copy."""
         def take(parts: list[str]) -> BlockMatrix | None:
             found = BlockMatrix.stack([blocks.get(p) for p in parts])
             if found is None:
                 for p in parts:
                     if p in blocks:
                         sd[p] = blocks[p].pack().dequantize()
+            if found is not None:
+                for p in parts:  # the stacked copy replaces them: free each as soon as it is used
+                    blocks.pop(p, None)
             return found
 
         empty = lambda: nn.Parameter(torch.empty(0), requires_grad=False)  # noqa: E731
