@@ -29,10 +29,11 @@ from engine.quant import BlockFormat
 
 # byte offsets of each format's fp16 scales inside a block (d, then dmin/m where present)
 SCALE_OFFSETS = {BlockFormat.Q4_0: (0,), BlockFormat.Q4_1: (0, 2), BlockFormat.Q8_0: (0,),
-                 BlockFormat.Q4_K: (0, 2), BlockFormat.Q5_K: (0, 2), BlockFormat.Q6_K: (208,)}
+                 BlockFormat.Q4_K: (0, 2), BlockFormat.Q5_K: (0, 2), BlockFormat.Q6_K: (208,),
+                 BlockFormat.Q5_0: (0,), BlockFormat.Q5_1: (0, 2)}
 # scale of d for weights with a standard deviation of roughly 0.02 (codes and sub-scales uniform)
 _D_SCALE = {BlockFormat.Q4_0: 4e-3, BlockFormat.Q4_1: 4e-3, BlockFormat.Q8_0: 3e-4, BlockFormat.Q4_K: 1.4e-4,
-            BlockFormat.Q5_K: 7e-5, BlockFormat.Q6_K: 1.5e-5}
+            BlockFormat.Q5_K: 7e-5, BlockFormat.Q6_K: 1.5e-5, BlockFormat.Q5_0: 2e-3, BlockFormat.Q5_1: 2e-3}
 
 
 def random_blocks(fmt: BlockFormat, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,8 +44,8 @@ def random_blocks(fmt: BlockFormat, rows: int, cols: int, rng: np.random.Generat
     d = np.abs(rng.standard_normal((rows, nb, 1))).astype(np.float32) * _D_SCALE[fmt] + _D_SCALE[fmt] / 4
     offs = SCALE_OFFSETS[fmt]
     raw[:, :, offs[0]:offs[0] + 2] = d.astype(np.float16).view(np.uint8)
-    if len(offs) > 1:  # Q4_1: m (added), K formats: dmin (subtracted)
-        m = -7.5 * d if fmt is BlockFormat.Q4_1 else (7.5 if fmt is BlockFormat.Q4_K else 15.5) * d
+    if len(offs) > 1:  # Q4_1/Q5_1: m (added), K formats: dmin (subtracted)
+        m = {BlockFormat.Q4_1: -7.5, BlockFormat.Q5_1: -15.5, BlockFormat.Q4_K: 7.5}.get(fmt, 15.5) * d
         raw[:, :, offs[1]:offs[1] + 2] = m.astype(np.float16).view(np.uint8)
     return raw.reshape(rows, nb * fmt.block_bytes)
 

@@ -43,6 +43,8 @@ class BlockFormat(IntEnum):
     Q4_K = 3
     Q5_K = 4
     Q6_K = 5
+    Q5_0 = 6
+    Q5_1 = 7
 
     @property
     def block_bytes(self) -> int:
@@ -73,7 +75,8 @@ class BlockFormat(IntEnum):
 
 # weights per block, bytes per block (GGUF's own block sizes)
 _LAYOUT = {BlockFormat.Q4_1: (32, 20), BlockFormat.Q8_0: (32, 34), BlockFormat.Q4_0: (32, 18),
-           BlockFormat.Q4_K: (256, 144), BlockFormat.Q5_K: (256, 176), BlockFormat.Q6_K: (256, 210)}
+           BlockFormat.Q4_K: (256, 144), BlockFormat.Q5_K: (256, 176), BlockFormat.Q6_K: (256, 210),
+           BlockFormat.Q5_0: (32, 22), BlockFormat.Q5_1: (32, 24)}
 
 
 @dataclass
@@ -197,7 +200,7 @@ class BlockLinear:
     """
 
     MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4, BlockFormat.Q4_0: 16, BlockFormat.Q4_K: 16,
-                BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8}
+                BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8, BlockFormat.Q5_0: 16, BlockFormat.Q5_1: 16}
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
@@ -250,9 +253,9 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 
 
 def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
-    """The linear weights of a GGUF file stored in a ``BlockFormat`` (Q4_0, Q4_1, Q8_0, Q4_K,
-    Q5_K, Q6_K) under transformers' names; matrices in other formats (F32, F16, Q5_0, Q2_K,
-    Q3_K, ...) are left out and run dense."""
+    """The linear weights of a GGUF file stored in a ``BlockFormat`` (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, Q4_K, Q5_K, Q6_K) under transformers' names; matrices in other formats (F32, F16,
+    Q2_K, Q3_K, IQ*, ...) are left out and run dense."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))

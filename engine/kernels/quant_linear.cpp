@@ -239,6 +239,38 @@ struct Q4_0 {
   }
 };
 
+// Q5_0 / Q5_1: 32 fifth bits in a little-endian uint32 before the nibbles; d * (q - 16) and d * q + m.
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+struct Q5_0 {
+  static constexpr int64_t kWeights = 32, kBytes = 22;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    const uint32_t qh = u32_at(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      // int, not uint32_t: q - 16 is negative for half the codes
+      y[j] = d * static_cast<float>(static_cast<int>((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      y[j + 16] = d * static_cast<float>(static_cast<int>((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  }
+};
+
+struct Q5_1 {
+  static constexpr int64_t kWeights = 32, kBytes = 24;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), m = half_at(b + 2);
+    const uint32_t qh = u32_at(b + 4);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((b[8 + j] & 15) | (((qh >> j) & 1) << 4)) + m;
+      y[j + 16] = d * static_cast<float>((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+  }
+};
+
 struct Q4_K {
   static constexpr int64_t kWeights = 256, kBytes = 144;  // d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
   static void decode(const uint8_t* b, float* y) {
@@ -349,6 +381,34 @@ struct Avx2Rows<Q4_0> {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(15);
     store16(y, _mm_and_si128(q, mask), D, off);
     store16(y + 16, _mm_and_si128(_mm_srli_epi16(q, 4), mask), D, off);
+  }
+};
+
+// 32 five-bit codes of a Q5_0/Q5_1 block: nibbles of qs (low then high) | bit j of qh << 4.
+inline __m256i q5_codes(const uint8_t* qh_bytes, const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
+  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+  // byte j of `spread` = byte j / 8 of qh; then test bit j % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(u32_at(qh_bytes))),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+template <>
+struct Avx2Rows<Q5_0> {
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    store32(y, q5_codes(b + 2, b + 6), _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d));  // d * (q - 16), exact
+  }
+};
+
+template <>
+struct Avx2Rows<Q5_1> {
+  static void decode(const uint8_t* b, float* y) {
+    store32(y, q5_codes(b + 4, b + 8), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2)));
   }
 };
 
@@ -483,7 +543,7 @@ void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N);
 }
 
-// Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-5.
+// Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-7.
 template <typename Fn>
 auto with_format(int64_t format, Fn&& fn) {
   switch (format) {
@@ -493,7 +553,9 @@ auto with_format(int64_t format, Fn&& fn) {
     case 3: return fn(Q4_K{});
     case 4: return fn(Q5_K{});
     case 5: return fn(Q6_K{});
-    default: TORCH_CHECK(false, "format must be 0-5 (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), got ", format);
+    case 6: return fn(Q5_0{});
+    case 7: return fn(Q5_1{});
+    default: TORCH_CHECK(false, "format must be 0-7 (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), got ", format);
   }
 }
 

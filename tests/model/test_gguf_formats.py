@@ -86,7 +86,7 @@ def test_rows_lookup_equals_the_dequantized_rows(fmt):
 
 def test_bad_format_and_shape_are_clear_errors():
     blocks, _ = blocks_and_reference(BlockFormat.Q4_K, 4, 256)
-    with pytest.raises(RuntimeError, match="format must be 0-5"):
+    with pytest.raises(RuntimeError, match="format must be 0-7"):
         torch.ops.kvserve.gguf_linear(torch.randn(1, 256), blocks.data, 4, 9)
     with pytest.raises(RuntimeError, match="do not hold 4 x 512"):
         torch.ops.kvserve.gguf_linear(torch.randn(1, 512), blocks.data, 4, int(BlockFormat.Q4_K))
