@@ -19,8 +19,8 @@ class ModelConfig:
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     attention_backend: str = "auto"  # "auto" | "native" | "torch" | "flash_attn"
-    # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's Q4_1/Q8_0
-    # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
+    # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's blocks
+    # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, engine/quant.py); auto picks it for such a GGUF
     linear_backend: str = "auto"
     # "auto" | "dense" | "blocks": whether a GGUF's matrices also get a dense fp32 copy
     # (converted once; prefill through oneDNN, faster) or stay blocks only (read straight from

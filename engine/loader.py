@@ -115,7 +115,7 @@ def _file_sha256(path: Path) -> str:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize ``gguf`` to a dense fp32 safetensors directory, once; return that directory.
 
-    The directory also keeps the file's Q4_1/Q8_0 matrices as they are (``BLOCKS_FILE``, see
+    The directory also keeps the file's block-format matrices as they are (``BLOCKS_FILE``, see
     engine/quant.py), so later starts need not parse the GGUF again."""
     target = conversion_cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
     if (target / "config.json").is_file():

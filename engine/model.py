@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
                              "GGUF blocks (weights_resident: blocks)")
         has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
         if backend == "gguf" and not has_blocks:
-            raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with Q4_1/Q8_0 weights, a CPU "
+            raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with block-format weights, a CPU "
                              "in float32 and the native kernels; use 'auto'")
         if backend == "auto":
             backend = "gguf" if has_blocks else "onednn"

@@ -1,7 +1,8 @@
 """Linear layers computed straight from a GGUF checkpoint's quantized blocks.
 
-A GGUF file stores most matrices as blocks of 32 weights: Q4_1 (fp16 scale and offset, 4-bit
-codes; 0.625 bytes a weight) or Q8_0 (fp16 scale, 8-bit codes; 1.06 bytes a weight). The
+A GGUF file stores most matrices as blocks of 32 or 256 weights: Q4_1 (fp16 scale and offset,
+4-bit codes; 0.625 bytes a weight), Q8_0 (fp16 scale, 8-bit codes; 1.06 bytes a weight), the K
+formats of Q4_K_M / Q5_K_M files (0.56-0.82 bytes a weight), Q4_0, Q5_0, Q5_1. The
 loader converts the file once to a dense fp32 checkpoint holding exactly the values those
 blocks decode to, and that dense copy is what prefill runs on. Decode, though, streams every
 weight once per step for a handful of rows, so its speed is weight bytes over memory

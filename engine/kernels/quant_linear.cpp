@@ -1,5 +1,7 @@
-// Linear layers computed from GGUF-quantized weights (Q4_1, Q8_0) without a dense copy:
-// y[M, N] = x[M, K] @ W^T in fp32. See engine/quant.py for when kvserve uses them.
+// Linear layers computed from GGUF-quantized weights without a dense copy: y[M, N] = x[M, K] @ W^T
+// in fp32. Q4_1 and Q8_0 run on strips (below); Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on GGUF's own
+// rows ("Row formats"). Calls of many rows can run gguf_linear_panels (decoded tiles + GEMM), and
+// gguf_rows is an embedding lookup from blocks. See engine/quant.py for when kvserve uses them.
 //
 // Decode streams every weight once per step, so its speed is set by weight bytes: Q4_1 is
 // 0.625 bytes a weight against fp32's 4. Weights are expanded to fp32 in registers exactly as
