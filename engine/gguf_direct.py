@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.arch import ModelArch, UnsupportedModelError
+from engine.arch import ModelArch
 from engine.quant import BlockFormat, GGUFMatrix, hf_name, unpermute_rows
 
 logger = logging.getLogger(__name__)
@@ -116,11 +116,3 @@ def gguf_config_dir(gguf_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
-
-def check_arch(config) -> ModelArch:
-    from engine.loader import ModelLoadError
-
-    try:
-        return ModelArch.from_hf_config(config)
-    except UnsupportedModelError as exc:
-        raise ModelLoadError(str(exc)) from None
