@@ -7,13 +7,15 @@ tied LM head: Q8_0) and each row count, one call's time through
 * ``onednn``: kvserve's dense path (``PackedLinear``: oneDNN on packed fp32 weights from 4
   rows, MKL below),
 * ``mkl``: ``F.linear`` on the fp32 weights (what transformers runs),
+* ``panels``: ``gguf_linear_panels``, what ``weights_resident: blocks`` runs for calls above
+  ``MAX_ROWS`` (prefill): 4 MB fp32 tiles decoded from the blocks, one MKL GEMM per tile,
 
 cycling over all 30 layers' copies so that, as in a real step, each call reads its weights
 from memory rather than from cache. The ratios say where ``BlockLinear.MAX_ROWS`` belongs:
 the block kernel wins while a call is bound by weight bytes and loses once it is compute
 bound.
 
-    python -m bench.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N]
+    python -m bench.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N] [--gguf FILE.gguf]
 """
 from __future__ import annotations
 
@@ -59,9 +61,38 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
     return matrices
 
 
+def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix]]:
+    """Each matrix kind of any Llama-family GGUF (up to ``max_layers`` copies, layers whose fused
+    parts share one format), the LM head once; row order as stored (timing only)."""
+    import gguf
+    import numpy as np
+
+    from engine.model import DecoderLayer
+    from engine.quant import BlockFormat, hf_name
+
+    reader = gguf.GGUFReader(path)
+    blocks = {}
+    for t in reader.tensors:
+        fmt, name = BlockFormat.from_ggml(t.tensor_type), hf_name(t.name)
+        if fmt is not None and name is not None:
+            blocks[name] = GGUFMatrix(torch.from_numpy(np.array(t.data)), fmt, int(t.shape[0]))
+    layers = 1 + max(int(n.split(".")[2]) for n in blocks if n.startswith("model.layers."))
+    matrices: dict[str, list[PackedMatrix]] = {}
+    for kind, names in DecoderLayer.FUSED.items():
+        for i in range(layers):
+            stacked = GGUFMatrix.stack([blocks.get(f"model.layers.{i}.{n}.weight") for n in names])
+            if stacked is not None and len(matrices.get(kind, [])) < max_layers:
+                matrices.setdefault(kind, []).append(stacked.pack())
+    head = blocks.get("lm_head.weight") or blocks.get("model.embed_tokens.weight")
+    if head is not None:
+        matrices["lm_head"] = [head.pack()]
+    return matrices
+
+
 def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int],
                      min_s: float = 0.3) -> dict[str, Any]:
     from engine.model import PackedLinear
+    from engine.quant import BlockLinear
 
     results = []
     for kind, copies in matrices.items():
@@ -74,10 +105,13 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
                                          for c in copies], min_s) / len(copies)
             onednn_s = time_call(lambda: [p(x) for p in packed], min_s) / len(copies)
             mkl_s = time_call(lambda: [F.linear(x, w) for w in dense], min_s) / len(copies)
+            tile = BlockLinear(first, None, None).tile_rows
+            panels_s = time_call(lambda: [torch.ops.kvserve.gguf_linear_panels(x, c.data, c.out_features, int(c.format),
+                                                                               tile) for c in copies], min_s) / len(copies)
             results.append({
                 "matrix": kind, "format": first.format.name, "shape": [first.out_features, first.in_features],
                 "rows": m, "block_us": round(block_s * 1e6, 1), "onednn_us": round(onednn_s * 1e6, 1),
-                "mkl_us": round(mkl_s * 1e6, 1), "block_gflops": round(2 * m * first.out_features
+                "mkl_us": round(mkl_s * 1e6, 1), "panels_us": round(panels_s * 1e6, 1), "block_gflops": round(2 * m * first.out_features
                                                                        * first.in_features / block_s / 1e9, 1),
                 "onednn_over_block": ratio(onednn_s, block_s), "mkl_over_block": ratio(mkl_s, block_s),
             })
@@ -86,9 +120,9 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
 
 def print_report(result: dict[str, Any]) -> None:
     rows = [[r["matrix"], r["format"], "x".join(map(str, r["shape"])), r["rows"], r["block_us"], r["onednn_us"],
-             r["mkl_us"], r["block_gflops"], r["onednn_over_block"], r["mkl_over_block"]] for r in result["results"]]
+             r["mkl_us"], r["panels_us"], r["block_gflops"], r["onednn_over_block"], r["mkl_over_block"]] for r in result["results"]]
     print_table("one call, microseconds (ratios > 1: the block kernel is faster)", rows,
-                ["matrix", "format", "N x K", "rows", "block", "onednn", "mkl", "block GFLOP/s", "onednn/block",
+                ["matrix", "format", "N x K", "rows", "block", "onednn", "mkl", "panels", "block GFLOP/s", "onednn/block",
                  "mkl/block"])
 
 
@@ -96,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     parser.add_argument("--num-threads", type=int, help="torch threads (default: available cores)")
+    parser.add_argument("--gguf", help="time the matrices of this GGUF instead of the default model's")
     parser.add_argument("--output", help="JSON path (default bench/results/quant_linear-<time>.json)")
     args = parser.parse_args(argv)
     set_threads(args.num_threads)
@@ -103,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if not load_kernels():
         raise SystemExit("the native kernels could not be built (see the warning above)")
-    result = run_quant_linear(default_model_matrices(), args.rows)
+    result = run_quant_linear(gguf_matrices(args.gguf) if args.gguf else default_model_matrices(), args.rows)
     print_report(result)
     print(f"  results: {write_results('quant_linear', result, args.output)}")
     return result

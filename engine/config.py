@@ -19,9 +19,16 @@ class ModelConfig:
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     attention_backend: str = "auto"  # a name of engine.attention.ATTENTION_BACKENDS
-    # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's Q4_1/Q8_0
-    # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
+    # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's blocks
+    # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, engine/quant.py); auto picks it for such a GGUF
     linear_backend: str = "auto"
+    # "auto" | "dense" | "blocks": whether a GGUF's matrices also get a dense fp32 copy
+    # (converted once; prefill through oneDNN, faster) or stay blocks only (read straight from
+    # the file, memory about the file size; prefill decodes cache-sized tiles). auto: blocks
+    # for GGUF files above ``blocks_auto_file_gib`` (their fp32 copy would take >= 4x, above
+    # 1 GiB), so small models such as the default keep the faster dense prefill.
+    weights_resident: str = "auto"
+    blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
     # profiling forward pass, CUDA graphs, then the KV pool takes the rest); ignored on CPU
@@ -45,6 +52,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.linear_backend not in ("auto", "gguf", "onednn", "aten"):
             raise ValueError(f"linear_backend must be auto, gguf, onednn or aten, got {self.linear_backend!r}")
+        if self.weights_resident not in ("auto", "dense", "blocks"):
+            raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         from engine.attention.base import check_backend_name
 
         check_backend_name(self.attention_backend)

@@ -22,7 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.gpu_memory import profile_kv_budget
 from engine.kernels import load_kernels
 from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.quant import gguf_blocks
@@ -95,7 +95,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         torch.set_num_threads(config.model.num_threads or available_cores())
         dtype = _DTYPES[config.model.dtype]
-        loaded = loaded or load_model(config.model.model, dtype)
+        loaded = loaded or load_model(config.model.model, dtype, self._blocks_only(config.model, dtype))
         arch = loaded.arch
         self.arch = arch
         self.tokenizer = loaded.tokenizer
@@ -129,9 +129,11 @@ class LLMEngine:
         else:
             model = build_model(loaded, max_len, dtype, device)
             model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size)
-            model.load_hf_state_dict(loaded.state_dict)
+            model.load_hf_state_dict(loaded.state_dict, loaded.blocks)
             model.eval()
             loaded.state_dict.clear()  # weights now live in the fused parameters only
+            if loaded.blocks is not None:
+                loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
         logger.info("Attention: %s on %s (%s)", model.attn.describe(), device, config.model.dtype)
 
@@ -206,18 +208,37 @@ class LLMEngine:
             self.offloader = None
 
     @staticmethod
+    def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
+        """Whether to load the GGUF as blocks only (``weights_resident``, see ModelConfig)."""
+        if cfg.weights_resident == "dense":
+            return False
+        gguf = gguf_source(cfg.model)
+        runnable = (gguf is not None and resolve_device(cfg.device).type == "cpu" and dtype == torch.float32
+                    and cfg.linear_backend in ("auto", "gguf") and load_kernels())
+        if cfg.weights_resident == "blocks":
+            if not runnable:
+                raise ValueError("weights_resident 'blocks' needs a .gguf model, a CPU in float32, linear_backend "
+                                 "auto or gguf and the native kernels; use 'auto'")
+            return True
+        return bool(runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
+                    and gguf.stat().st_size > cfg.blocks_auto_file_gib * 2**30)
+
+    @staticmethod
     def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
                        dtype: torch.dtype) -> None:
         """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
         ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
-        then bind the matmuls."""
+        then bind the matmuls. A blocks-only model got its blocks at load."""
         runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
         fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
-        if (backend == "gguf" and runnable) or (backend == "auto" and fast):
+        if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
             covered = model.attach_blocks(gguf_blocks(loaded.gguf_path, loaded.path, loaded.arch))
             logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
                         torch.ops.kvserve.gguf_kernel_isa())
         chosen = model.select_linear_backend(backend)
+        held = model.weight_bytes()
+        logger.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
+                    " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
         logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
                     model.decode_weight_bytes() / 1e6)
 

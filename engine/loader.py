@@ -51,6 +51,8 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Any
     gguf_path: Path | None = None  # the GGUF the dense checkpoint was converted from, if any
+    # weights_resident blocks: the GGUF's matrices as blocks, which ``state_dict`` then lacks
+    blocks: dict[str, Any] | None = None
 
 
 def conversion_cache_dir() -> Path:
@@ -113,7 +115,7 @@ def _file_sha256(path: Path) -> str:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize ``gguf`` to a dense fp32 safetensors directory, once; return that directory.
 
-    The directory also keeps the file's Q4_1/Q8_0 matrices as they are (``BLOCKS_FILE``, see
+    The directory also keeps the file's block-format matrices as they are (``BLOCKS_FILE``, see
     engine/quant.py), so later starts need not parse the GGUF again."""
     target = conversion_cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
     if (target / "config.json").is_file():
@@ -154,12 +156,23 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load config, tokenizer and weights; raise ModelLoadError with a one-line reason."""
+def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_only: bool = False) -> LoadedModel:
+    """Load config, tokenizer and weights; raise ModelLoadError with a one-line reason.
+
+    ``blocks_only`` (a GGUF only): no dense conversion; the matrices come back as GGUF blocks
+    in ``LoadedModel.blocks`` and the state dict holds the rest (engine/gguf_direct.py)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    path, name = resolve_model_dir(model)
+    gguf = gguf_source(model) if blocks_only else None
+    if blocks_only and gguf is None:
+        raise ModelLoadError("weights_resident 'blocks' needs a .gguf model")
+    if gguf is not None:
+        from engine.gguf_direct import gguf_config_dir
+
+        path, name = gguf_config_dir(gguf), DEFAULT_MODEL_NAME if model is None else gguf.stem
+    else:
+        path, name = resolve_model_dir(model)
     try:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
@@ -173,10 +186,15 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedM
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
     state_dict: dict[str, torch.Tensor] = {}
+    blocks = None
+    if gguf is not None:
+        from engine.gguf_direct import read_gguf_tensors
+
+        blocks, state_dict = read_gguf_tensors(gguf, arch)
     for file in sorted(path.glob("*.safetensors")):
         state_dict.update(load_file(str(file)))
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if not arch.eos_token_ids and tokenizer.eos_token_id is not None:
         arch = ModelArch(**{**arch.__dict__, "eos_token_ids": frozenset([tokenizer.eos_token_id])})
     return LoadedModel(path=path, name=name, hf_config=hf_config, arch=arch,
-                       state_dict=state_dict, tokenizer=tokenizer, gguf_path=gguf_source(model))
+                       state_dict=state_dict, tokenizer=tokenizer, gguf_path=gguf_source(model), blocks=blocks)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.arch import ModelArch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.quant import BlockLinear, GGUFMatrix, PackedMatrix
+from engine.quant import BlockLinear, BlockMatrix, GGUFMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ class DecoderLayer(nn.Module):
         self.o_bias: nn.Parameter | None = None
         self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
         self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
-        self.blocks: dict[str, PackedMatrix] = {}  # weight name -> the same matrix as GGUF blocks
+        self.blocks: dict[str, BlockMatrix] = {}  # weight name -> the same matrix as GGUF blocks
+        self.blocks_only: set[str] = set()  # weights whose dense copy was dropped (see drop_dense_weights)
         self.use_linear("aten", use_blocks=False)
 
     # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
@@ -135,12 +136,15 @@ class DecoderLayer(nn.Module):
 
     def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16) -> None:
         """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
-        wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks."""
+        wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks; a weight in
+        ``blocks_only`` runs from its blocks alone whatever ``use_blocks`` says."""
         for attr, weight_name, bias_name in self.MATMULS:
             weight = getattr(self, weight_name)
             bias = getattr(self, bias_name) if bias_name else None
-            mm = dense_linear(weight, bias, dense, batch_hint)
-            if use_blocks and weight_name in self.blocks:
+            mm: Callable[[torch.Tensor], torch.Tensor] | None = None
+            if weight_name not in self.blocks_only:
+                mm = dense_linear(weight, bias, dense, batch_hint)
+            if (use_blocks or mm is None) and weight_name in self.blocks:
                 mm = BlockLinear(self.blocks[weight_name], bias, mm)
             setattr(self, attr, mm)
 
@@ -176,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.attn: AttentionBackend = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
-        self.lm_head_blocks: PackedMatrix | None = None
+        self.lm_head_blocks: BlockMatrix | None = None
+        self.lm_head_blocks_only = False
+        self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
         self.linear_backend = "aten"
 
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
@@ -191,9 +197,12 @@ class LlamaForCausalLM(nn.Module):
         """
         if backend not in ("auto", "gguf", "onednn", "aten"):
             raise ValueError(f"linear backend must be auto, gguf, onednn or aten, got {backend!r}")
+        if self.holds_blocks_only() and backend not in ("auto", "gguf"):
+            raise ValueError(f"linear backend {backend!r} needs dense weights, and this model keeps only "
+                             "GGUF blocks (weights_resident: blocks)")
         has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
         if backend == "gguf" and not has_blocks:
-            raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with Q4_1/Q8_0 weights, a CPU "
+            raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with block-format weights, a CPU "
                              "in float32 and the native kernels; use 'auto'")
         if backend == "auto":
             backend = "gguf" if has_blocks else "onednn"
@@ -204,9 +213,12 @@ class LlamaForCausalLM(nn.Module):
         use_blocks = backend == "gguf"
         for layer in self.layers:
             layer.use_linear(dense, use_blocks, batch_hint)
-        self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
-        if use_blocks and self.lm_head_blocks is not None:
-            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
+        if self.lm_head_blocks_only:
+            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None)
+        else:
+            self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
+            if use_blocks and self.lm_head_blocks is not None:
+                self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
         self.linear_backend = backend
         return backend
 
@@ -216,9 +228,8 @@ class LlamaForCausalLM(nn.Module):
         matrices they cover exactly: a fused matrix gets blocks only when every part has them
         in one format and they decode to the loaded dense weight bit for bit. Needs the
         native kernels loaded. Returns the number of matrices covered."""
-        def attach(dense: torch.Tensor, parts: list[str]) -> PackedMatrix | None:
-            stacked = GGUFMatrix.stack([blocks.get(p) for p in parts])
-            packed = stacked.pack() if stacked is not None else None
+        def attach(dense: torch.Tensor, parts: list[str]) -> BlockMatrix | None:
+            packed = BlockMatrix.stack([blocks.get(p) for p in parts])
             if packed is not None and packed.dequantize().equal(dense):
                 return packed
             if packed is not None:
@@ -237,11 +248,79 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_blocks = attach(self.lm_head, [head])
         return covered + (self.lm_head_blocks is not None)
 
+    def holds_blocks_only(self) -> bool:
+        return self.lm_head_blocks_only or any(layer.blocks_only for layer in self.layers)
+
+    def blocked_dense_bytes(self) -> int:
+        """fp32 bytes of the dense weights that have blocks attached (what dropping them frees)."""
+        total = sum(getattr(layer, n).numel() * 4 for layer in self.layers for n in layer.blocks)
+        untied_head = self.lm_head_blocks is not None and not self.arch.tie_word_embeddings
+        return total + (self.lm_head.numel() * 4 if untied_head else 0)
+
+    @torch.no_grad()
+    def _take_blocks(self, blocks: dict[str, GGUFMatrix], sd: dict[str, torch.Tensor]) -> None:
+        """``weights_resident: blocks``: every fused matrix whose parts all have blocks runs
+        from them alone and its dense parameter is released (never filled). A matrix some of
+        whose parts have no blocks runs dense: the parts that have blocks are decoded into ``sd``.
+        Parts taken are removed from ``blocks`` (the caller's dict), so load peaks near one copy."""
+        def take(parts: list[str]) -> BlockMatrix | None:
+            found = BlockMatrix.stack([blocks.get(p) for p in parts])
+            if found is None:
+                for p in parts:
+                    if p in blocks:
+                        sd[p] = blocks[p].pack().dequantize()
+            if found is not None:
+                for p in parts:  # the stacked copy replaces them: free each as soon as it is used
+                    blocks.pop(p, None)
+            return found
+
+        empty = lambda: nn.Parameter(torch.empty(0), requires_grad=False)  # noqa: E731
+        for i, layer in enumerate(self.layers):
+            for weight_name, modules in DecoderLayer.FUSED.items():
+                found = take([f"model.layers.{i}.{m}.weight" for m in modules])
+                if found is not None:
+                    layer.blocks[weight_name] = found
+                    layer.blocks_only.add(weight_name)
+                    setattr(layer, weight_name, empty())
+        self.embed_blocks = take(["model.embed_tokens.weight"])
+        if self.arch.tie_word_embeddings:
+            self.lm_head_blocks = self.embed_blocks
+        else:
+            self.lm_head_blocks = take(["lm_head.weight"])
+        if self.lm_head_blocks is not None:
+            self.lm_head_blocks_only = True
+            if not self.arch.tie_word_embeddings:
+                self.lm_head = empty()
+        if self.embed_blocks is not None:
+            self.embed = empty()
+            if self.arch.tie_word_embeddings:
+                self.lm_head = self.embed
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b = self.embed_blocks
+        if b is None:
+            return F.embedding(input_ids, self.embed)
+        part = b.parts[0]
+        return torch.ops.kvserve.gguf_rows(part.data, part.out_features, part.in_features, int(part.format), input_ids)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident weight memory: ``dense`` (parameters and buffers, each storage once) and
+        ``blocks`` (the GGUF blocks in use)."""
+        seen, dense = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                dense += t.untyped_storage().nbytes()
+        blocks = sum(b.nbytes for layer in self.layers for b in layer.blocks.values())
+        heads = {id(b): b.nbytes for b in (self.lm_head_blocks, self.embed_blocks) if b is not None}
+        return {"dense": dense, "blocks": blocks + sum(heads.values())}
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin_signed[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -268,26 +347,35 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head_mm(hidden)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...) into the fused layout."""
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], blocks: dict[str, GGUFMatrix] | None = None) -> None:
+        """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ...) into the fused layout.
+
+        With ``blocks`` (``weights_resident: blocks``, see ``_take_blocks``) the matrices they
+        cover are not in ``sd`` and get no dense copy; such a model cannot be reloaded."""
+        if self.holds_blocks_only():
+            raise ValueError("this model holds GGUF blocks only (weights_resident: blocks); build a new one")
         self.select_linear_backend("aten")  # packed copies would go stale; select again after loading
         self.lm_head_blocks = None
         for layer in self.layers:
             layer.blocks = {}
         sd = dict(sd)
         take = sd.pop
-        self.embed.copy_(take("model.embed_tokens.weight"))
+        if blocks:
+            self._take_blocks(blocks, sd)
+        if self.embed_blocks is None:
+            self.embed.copy_(take("model.embed_tokens.weight"))
         self.norm.copy_(take("model.norm.weight"))
         if self.arch.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        else:
+        elif not self.lm_head_blocks_only:
             self.lm_head.copy_(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_norm.copy_(take(p + "input_layernorm.weight"))
             layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
             for weight_name, modules in DecoderLayer.FUSED.items():
-                getattr(layer, weight_name).copy_(torch.cat([take(f"{p}{m}.weight") for m in modules]))
+                if weight_name not in layer.blocks_only:
+                    getattr(layer, weight_name).copy_(torch.cat([take(f"{p}{m}.weight") for m in modules]))
             a = p + "self_attn."
             if a + "q_proj.bias" in sd:
                 bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])

@@ -1,7 +1,8 @@
 """Linear layers computed straight from a GGUF checkpoint's quantized blocks.
 
-A GGUF file stores most matrices as blocks of 32 weights: Q4_1 (fp16 scale and offset, 4-bit
-codes; 0.625 bytes a weight) or Q8_0 (fp16 scale, 8-bit codes; 1.06 bytes a weight). The
+A GGUF file stores most matrices as blocks of 32 or 256 weights: Q4_1 (fp16 scale and offset,
+4-bit codes; 0.625 bytes a weight), Q8_0 (fp16 scale, 8-bit codes; 1.06 bytes a weight), the K
+formats of Q4_K_M / Q5_K_M files (0.56-0.82 bytes a weight), Q4_0, Q5_0, Q5_1. The
 loader converts the file once to a dense fp32 checkpoint holding exactly the values those
 blocks decode to, and that dense copy is what prefill runs on. Decode, though, streams every
 weight once per step for a handful of rows, so its speed is weight bytes over memory
@@ -31,32 +32,67 @@ from engine.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
-BLOCK_WEIGHTS = 32
-
-
 class BlockFormat(IntEnum):
-    """GGUF block formats the kernel reads; the values are the kernel's format codes."""
+    """GGUF block formats the kernel reads; the values are the kernel's format codes.
+
+    Q4_1 and Q8_0 are regrouped at load into strips of 8 output columns (``PackedMatrix``);
+    the others run on GGUF's rows of blocks exactly as the file stores them."""
 
     Q4_1 = 0
     Q8_0 = 1
+    Q4_0 = 2
+    Q4_K = 3
+    Q5_K = 4
+    Q6_K = 5
+    Q5_0 = 6
+    Q5_1 = 7
 
     @property
     def block_bytes(self) -> int:
-        return 20 if self is BlockFormat.Q4_1 else 34
+        return _LAYOUT[self][1]
+
+    @property
+    def block_weights(self) -> int:
+        return _LAYOUT[self][0]
+
+    @property
+    def strips(self) -> bool:
+        """Whether the kernel reads this format regrouped into strips (see gguf_pack)."""
+        return self in (BlockFormat.Q4_1, BlockFormat.Q8_0)
+
+    @property
+    def ggml_type(self) -> "gguf.GGMLQuantizationType":  # noqa: F821
+        import gguf
+
+        return gguf.GGMLQuantizationType[self.name]
+
+    @classmethod
+    def from_ggml(cls, ggml_type: int) -> "BlockFormat | None":
+        import gguf
+
+        name = gguf.GGMLQuantizationType(ggml_type).name
+        return cls[name] if name in cls.__members__ else None
+
+
+# weights per block, bytes per block (GGUF's own block sizes)
+_LAYOUT = {BlockFormat.Q4_1: (32, 20), BlockFormat.Q8_0: (32, 34), BlockFormat.Q4_0: (32, 18),
+           BlockFormat.Q4_K: (256, 144), BlockFormat.Q5_K: (256, 176), BlockFormat.Q6_K: (256, 210),
+           BlockFormat.Q5_0: (32, 22), BlockFormat.Q5_1: (32, 24)}
 
 
 @dataclass
 class GGUFMatrix:
     """A ``[out_features, in_features]`` matrix as a GGUF file stores it: ``data`` is uint8
-    ``[out_features, in_features / 32 * block_bytes]``, one row of blocks per output feature."""
+    ``[out_features, in_features / block_weights * block_bytes]``, one row of blocks per output feature."""
 
     data: torch.Tensor
     format: BlockFormat
     in_features: int
 
     def __post_init__(self) -> None:
-        want = self.in_features // BLOCK_WEIGHTS * self.format.block_bytes
-        if (self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % BLOCK_WEIGHTS
+        per = self.format.block_weights
+        want = self.in_features // per * self.format.block_bytes
+        if (self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % per
                 or self.data.shape[1] != want):
             raise ValueError(f"not {self.format.name} rows of {self.in_features} weights: "
                              f"{tuple(self.data.shape)} {self.data.dtype}")
@@ -72,17 +108,20 @@ class GGUFMatrix:
         first = present[0]
         if any(p.format != first.format or p.in_features != first.in_features for p in present):
             return None
-        return GGUFMatrix(torch.cat([p.data for p in present]), first.format, first.in_features)
+        data = first.data if len(present) == 1 else torch.cat([p.data for p in present])
+        return GGUFMatrix(data, first.format, first.in_features)
 
     def pack(self) -> PackedMatrix:
-        """The kernel's layout (strips of 8 output columns, see quant_linear.cpp); same bytes."""
-        data = torch.ops.kvserve.gguf_pack(self.data, self.in_features, int(self.format))
+        """The kernel's layout: strips of 8 output columns for Q4_1/Q8_0 (same bytes, see
+        quant_linear.cpp); the GGUF rows themselves (no copy) for the other formats."""
+        data = (torch.ops.kvserve.gguf_pack(self.data, self.in_features, int(self.format))
+                if self.format.strips else self.data)
         return PackedMatrix(data, self.format, self.data.shape[0], self.in_features)
 
 
 @dataclass
 class PackedMatrix:
-    """GGUF blocks regrouped for the kernel (``torch.ops.kvserve.gguf_pack``)."""
+    """GGUF blocks in the kernel's layout (see ``GGUFMatrix.pack``)."""
 
     data: torch.Tensor
     format: BlockFormat
@@ -99,31 +138,90 @@ class PackedMatrix:
         return torch.ops.kvserve.gguf_unpack(self.data, self.out_features, self.in_features, int(self.format))
 
 
+@dataclass
+class BlockMatrix:
+    """A (possibly fused) matrix as row groups of packed blocks, one format per group: a
+    Q4_K_M file stores q and k as Q4_K but v as Q6_K in some layers, so their fused qkv is
+    two groups, each run by the kernel of its format."""
+
+    parts: list[PackedMatrix]
+
+    @staticmethod
+    def stack(parts: list[GGUFMatrix | None]) -> BlockMatrix | None:
+        """The parts' rows one after another, consecutive parts of one format stacked into one
+        group; None when a part is missing or the widths differ."""
+        if not parts or any(p is None for p in parts) or len({p.in_features for p in parts}) > 1:
+            return None
+        groups: list[list[GGUFMatrix]] = []
+        for p in parts:
+            if groups and groups[-1][0].format == p.format:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        return BlockMatrix([GGUFMatrix.stack(g).pack() for g in groups])
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def format(self) -> BlockFormat | None:
+        """The format when all groups share one (a single group), else None."""
+        return self.parts[0].format if len(self.parts) == 1 else None
+
+    @property
+    def formats(self) -> set[BlockFormat]:
+        return {p.format for p in self.parts}
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
 class BlockLinear:
-    """``F.linear(x, W, bias)`` with W held as packed GGUF blocks: calls of at most
-    ``max_rows`` rows run the block kernel, larger ones (prefill) run ``dense`` (the same op
-    on the dense fp32 weight).
+    """``F.linear(x, W, bias)`` with W held as GGUF blocks (a ``PackedMatrix``).
+
+    Calls of at most ``max_rows`` rows (decode) run the block kernel, which streams the blocks
+    once. Larger calls (prefill, big batches) run ``dense`` (the same op on a dense fp32 copy
+    of W, through oneDNN or MKL) when there is one; without one (``weights_resident:
+    blocks``) they run ``gguf_linear_panels``: the blocks decoded tile by tile into a
+    cache-sized fp32 panel, one MKL GEMM per tile, so no dense copy is ever resident.
 
     ``MAX_ROWS``, measured per format on this project's 2-core CPU against oneDNN on packed
-    fp32 weights (``bench/quant_linear.py``): the kernel reads 6.4x (Q4_1) or 3.8x (Q8_0)
-    fewer bytes, which wins while a call is bandwidth bound; with more rows the matmul turns
-    compute bound, and expanding each weight to fp32 costs more than oneDNN's blocking saves.
+    fp32 weights (``bench/quant_linear.py``): the kernel reads 3.8-7x fewer bytes, which wins
+    while a call is bandwidth bound; with more rows the matmul turns compute bound, and
+    expanding each weight to fp32 costs more than oneDNN's blocking saves.
     """
 
-    MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4}
+    MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4, BlockFormat.Q4_0: 16, BlockFormat.Q4_K: 16,
+                BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8, BlockFormat.Q5_0: 16, BlockFormat.Q5_1: 16}
+    PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
-    def __init__(self, blocks: PackedMatrix, bias: torch.Tensor | None,
-                 dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
+                 dense: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.blocks = blocks if isinstance(blocks, BlockMatrix) else BlockMatrix([blocks])
         self.bias = bias
         self.dense = dense
-        self.max_rows = self.MAX_ROWS[blocks.format]
-        self._format = int(blocks.format)  # the kernel's code, converted once rather than per call
+        self.max_rows = min(self.MAX_ROWS[p.format] for p in self.blocks.parts)
+        self.tile_rows = max(8, self.PANEL_BYTES // (4 * self.blocks.in_features) // 8 * 8)
+        # (data, out_features, kernel format code) per group, converted once rather than per call
+        self._parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
-            return self.dense(x)
-        y = torch.ops.kvserve.gguf_linear(x, self.blocks.data, self.blocks.out_features, self._format)
+            if self.dense is not None:
+                return self.dense(x)
+            ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self._parts]
+        else:
+            ys = [torch.ops.kvserve.gguf_linear(x, d, n, f) for d, n, f in self._parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -156,18 +254,18 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 
 
 def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
-    """The Q4_1/Q8_0 linear weights of a GGUF file under transformers' names; matrices in other
-    formats (F32, F16, K-quants, ...) are left out and run dense."""
+    """The linear weights of a GGUF file stored in a ``BlockFormat`` (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, Q4_K, Q5_K, Q6_K) under transformers' names; matrices in other formats (F32, F16,
+    Q2_K, Q3_K, IQ*, ...) are left out and run dense."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     field = reader.fields.get("general.architecture")
     gguf_arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-    formats = {gguf.GGMLQuantizationType.Q4_1: BlockFormat.Q4_1, gguf.GGMLQuantizationType.Q8_0: BlockFormat.Q8_0}
     blocks: dict[str, GGUFMatrix] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        fmt = formats.get(tensor.tensor_type)
+        fmt = BlockFormat.from_ggml(tensor.tensor_type)
         if name is None or fmt is None:
             continue
         data = np.asarray(tensor.data)

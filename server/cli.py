@@ -27,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                    help="CUDA: run decode steps eagerly instead of replaying captured graphs")
     g.add_argument("--linear-backend", dest="linear_backend", choices=["auto", "gguf", "onednn", "aten"])
+    g.add_argument("--weights-resident", dest="weights_resident", choices=["auto", "dense", "blocks"],
+                   help="keep a dense fp32 copy of GGUF matrices (dense), only their blocks (blocks), or "
+                        "decide by size (auto: blocks above 1 GiB of dense weights)")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")

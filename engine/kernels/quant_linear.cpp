@@ -1,5 +1,7 @@
-// Linear layers computed from GGUF-quantized weights (Q4_1, Q8_0) without a dense copy:
-// y[M, N] = x[M, K] @ W^T in fp32. See engine/quant.py for when kvserve uses them.
+// Linear layers computed from GGUF-quantized weights without a dense copy: y[M, N] = x[M, K] @ W^T
+// in fp32. Q4_1 and Q8_0 run on strips (below); Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on GGUF's own
+// rows ("Row formats"). Calls of many rows can run gguf_linear_panels (decoded tiles + GEMM), and
+// gguf_rows is an embedding lookup from blocks. See engine/quant.py for when kvserve uses them.
 //
 // Decode streams every weight once per step, so its speed is set by weight bytes: Q4_1 is
 // 0.625 bytes a weight against fp32's 4. Weights are expanded to fp32 in registers exactly as
@@ -28,6 +30,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSERVE_X86 1
@@ -209,6 +214,318 @@ void linear_strips_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, 
 #pragma GCC pop_options
 #endif
 
+
+// ---- Row formats: GGUF's own layout, one row of blocks per output feature, used as stored
+// (no repacking). decode(block, y) writes the block's weights exactly as gguf's dequantize
+// computes them: Q4_0 d * (q - 8); Q4_K / Q5_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32).
+// Every product there is exact in fp32 (an fp16 d has 11 significant bits, sc at most 7, q at
+// most 6), so only the final subtraction rounds, the same once whatever the evaluation order
+// (an FMA included): the AVX2 decoders below equal the portable ones bit for bit.
+
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+struct Q4_0 {
+  static constexpr int64_t kWeights = 32, kBytes = 18;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((b[2 + j] & 15) - 8);
+      y[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+    }
+  }
+};
+
+// Q5_0 / Q5_1: 32 fifth bits in a little-endian uint32 before the nibbles; d * (q - 16) and d * q + m.
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+struct Q5_0 {
+  static constexpr int64_t kWeights = 32, kBytes = 22;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    const uint32_t qh = u32_at(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      // int, not uint32_t: q - 16 is negative for half the codes
+      y[j] = d * static_cast<float>(static_cast<int>((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      y[j + 16] = d * static_cast<float>(static_cast<int>((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  }
+};
+
+struct Q5_1 {
+  static constexpr int64_t kWeights = 32, kBytes = 24;
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), m = half_at(b + 2);
+    const uint32_t qh = u32_at(b + 4);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((b[8 + j] & 15) | (((qh >> j) & 1) << 4)) + m;
+      y[j + 16] = d * static_cast<float>((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+  }
+};
+
+struct Q4_K {
+  static constexpr int64_t kWeights = 256, kBytes = 144;  // d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* q = b + 16;
+    for (int c = 0; c < 4; ++c, q += 32, y += 64) {
+      int sc0, m0, sc1, m1;
+      k_scale_min(b + 4, 2 * c, sc0, m0);
+      k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
+      for (int l = 0; l < 32; ++l) {
+        y[l] = d0 * static_cast<float>(q[l] & 15) - o0;
+        y[l + 32] = d1 * static_cast<float>(q[l] >> 4) - o1;
+      }
+    }
+  }
+};
+
+struct Q5_K {
+  static constexpr int64_t kWeights = 256, kBytes = 176;  // as Q4_K plus 32 bytes of fifth bits before the nibbles
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* qh = b + 16;
+    const uint8_t* q = b + 48;
+    for (int c = 0; c < 4; ++c, q += 32, y += 64) {
+      int sc0, m0, sc1, m1;
+      k_scale_min(b + 4, 2 * c, sc0, m0);
+      k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
+      for (int l = 0; l < 32; ++l) {
+        y[l] = d0 * static_cast<float>((q[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) - o0;
+        y[l + 32] = d1 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - o1;
+      }
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int64_t kWeights = 256, kBytes = 210;  // 128 bytes low nibbles, 64 of high pairs, 16 int8 scales, d
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b + 208);
+    for (int h = 0; h < 2; ++h, y += 128) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h);
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        y[l] = d * sc[is] * static_cast<float>(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+        y[l + 32] = d * sc[is + 2] * static_cast<float>(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        y[l + 64] = d * sc[is + 4] * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        y[l + 96] = d * sc[is + 6] * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+};
+
+// Blocks decoded per chunk: the 32-weight formats decode up to 8 blocks at a time so the
+// accumulators are reloaded once per 256 weights, like the K formats.
+template <typename Format>
+constexpr int64_t chunk_blocks() { return Format::kWeights == 32 ? 8 : 1; }
+
+// Portable path: decode a chunk into y, then plain dot products.
+template <typename Format>
+void linear_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                          float* out, int64_t N) {
+  const int64_t nb = K / Format::kWeights;
+  float y[256];
+  std::vector<float> acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < nb; b += chunk_blocks<Format>()) {
+      const int64_t cnt = std::min(chunk_blocks<Format>(), nb - b), len = cnt * Format::kWeights;
+      for (int64_t i = 0; i < cnt; ++i) Format::decode(w + (n * nb + b + i) * Format::kBytes, y + i * Format::kWeights);
+      for (int64_t r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * Format::kWeights;
+        float s = 0.f;
+        for (int64_t k = 0; k < len; ++k) s += y[k] * xr[k];
+        acc[r] += s;
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) out[r * N + n] = acc[r];
+  }
+}
+
+#ifdef KVSERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// y[0..16) = D * codes + off for 16 uint8 codes.
+inline void store16(float* y, __m128i codes, __m256 D, __m256 off) {
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), off));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), off));
+}
+
+inline void store32(float* y, __m256i codes, __m256 D, __m256 off) {
+  store16(y, _mm256_castsi256_si128(codes), D, off);
+  store16(y + 16, _mm256_extracti128_si256(codes, 1), D, off);
+}
+
+template <typename Format>
+struct Avx2Rows;
+
+template <>
+struct Avx2Rows<Q4_0> {
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    const __m256 D = _mm256_set1_ps(d), off = _mm256_set1_ps(-8.f * d);  // d * q - 8 d = d * (q - 8) exactly
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(15);
+    store16(y, _mm_and_si128(q, mask), D, off);
+    store16(y + 16, _mm_and_si128(_mm_srli_epi16(q, 4), mask), D, off);
+  }
+};
+
+// 32 five-bit codes of a Q5_0/Q5_1 block: nibbles of qs (low then high) | bit j of qh << 4.
+inline __m256i q5_codes(const uint8_t* qh_bytes, const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
+  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+  // byte j of `spread` = byte j / 8 of qh; then test bit j % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(u32_at(qh_bytes))),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+template <>
+struct Avx2Rows<Q5_0> {
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    store32(y, q5_codes(b + 2, b + 6), _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d));  // d * (q - 16), exact
+  }
+};
+
+template <>
+struct Avx2Rows<Q5_1> {
+  static void decode(const uint8_t* b, float* y) {
+    store32(y, q5_codes(b + 4, b + 8), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2)));
+  }
+};
+
+template <>
+struct Avx2Rows<Q4_K> {
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; ++c, y += 64) {
+      int sc0, m0, sc1, m1;
+      k_scale_min(b + 4, 2 * c, sc0, m0);
+      k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      store32(y, _mm256_and_si256(q, mask), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
+      store32(y + 32, _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), _mm256_set1_ps(d * sc1),
+              _mm256_set1_ps(-(dmin * m1)));
+    }
+  }
+};
+
+template <>
+struct Avx2Rows<Q5_K> {
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int c = 0; c < 4; ++c, y += 64) {
+      int sc0, m0, sc1, m1;
+      k_scale_min(b + 4, 2 * c, sc0, m0);
+      k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
+      const __m128i s0 = _mm_cvtsi32_si128(2 * c), s1 = _mm_cvtsi32_si128(2 * c + 1);
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4);
+      store32(y, _mm256_or_si256(_mm256_and_si256(q, mask), h0), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
+      store32(y + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), h1), _mm256_set1_ps(d * sc1),
+              _mm256_set1_ps(-(dmin * m1)));
+    }
+  }
+};
+
+template <>
+struct Avx2Rows<Q6_K> {
+  // 32 codes whose first and last 16 have scales sc[0] and sc[1]: (d * sc) * q - 32 (d * sc), exact.
+  static void store32s(float* y, __m256i codes, float d, const int8_t* sc) {
+    const float a = d * sc[0], b = d * sc[1];
+    store16(y, _mm256_castsi256_si128(codes), _mm256_set1_ps(a), _mm256_set1_ps(-32.f * a));
+    store16(y + 16, _mm256_extracti128_si256(codes, 1), _mm256_set1_ps(b), _mm256_set1_ps(-32.f * b));
+  }
+  static void decode(const uint8_t* b, float* y) {
+    const float d = half_at(b + 208);
+    const __m256i mask = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h, y += 128) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h);
+      auto hi = [&](int shift) {
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
+      };
+      store32s(y, _mm256_or_si256(_mm256_and_si256(l0, mask), hi(0)), d, sc);
+      store32s(y + 32, _mm256_or_si256(_mm256_and_si256(l1, mask), hi(2)), d, sc + 2);
+      store32s(y + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), hi(4)), d, sc + 4);
+      store32s(y + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask), hi(6)), d, sc + 6);
+    }
+  }
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Output features [n0, n1): each chunk of a row is decoded once into y (L1) and dotted with
+// every row of x, four accumulators per row so the FMA chains overlap.
+template <typename Format>
+void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
+                      float* out, int64_t N) {
+  const int64_t nb = K / Format::kWeights;
+  alignas(32) float y[256];
+  std::vector<__m256> acc(4 * M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    for (int64_t b = 0; b < nb; b += chunk_blocks<Format>()) {
+      const int64_t cnt = std::min(chunk_blocks<Format>(), nb - b), len = cnt * Format::kWeights;
+      for (int64_t i = 0; i < cnt; ++i)
+        Avx2Rows<Format>::decode(w + (n * nb + b + i) * Format::kBytes, y + i * Format::kWeights);
+      for (int64_t r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * Format::kWeights;
+        __m256 a0 = acc[4 * r], a1 = acc[4 * r + 1], a2 = acc[4 * r + 2], a3 = acc[4 * r + 3];
+        for (int64_t k = 0; k < len; k += 32) {
+          a0 = _mm256_fmadd_ps(_mm256_load_ps(y + k), _mm256_loadu_ps(xr + k), a0);
+          a1 = _mm256_fmadd_ps(_mm256_load_ps(y + k + 8), _mm256_loadu_ps(xr + k + 8), a1);
+          a2 = _mm256_fmadd_ps(_mm256_load_ps(y + k + 16), _mm256_loadu_ps(xr + k + 16), a2);
+          a3 = _mm256_fmadd_ps(_mm256_load_ps(y + k + 24), _mm256_loadu_ps(xr + k + 24), a3);
+        }
+        acc[4 * r] = a0, acc[4 * r + 1] = a1, acc[4 * r + 2] = a2, acc[4 * r + 3] = a3;
+      }
+    }
+    for (int64_t r = 0; r < M; ++r)
+      out[r * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
+                                          _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3])));
+  }
+}
+
+template <typename Format>
+void decode_row_avx2(const uint8_t* row, int64_t nb, float* y) {
+  for (int64_t b = 0; b < nb; ++b) Avx2Rows<Format>::decode(row + b * Format::kBytes, y + b * Format::kWeights);
+}
+
+#pragma GCC pop_options
+#endif
+
 bool has_avx2() {
 #ifdef KVSERVE_X86
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -228,70 +545,164 @@ void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N);
 }
 
+// Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-7.
 template <typename Fn>
 auto with_format(int64_t format, Fn&& fn) {
-  TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
-  return format == 0 ? fn(Q4_1{}) : fn(Q8_0{});
+  switch (format) {
+    case 0: return fn(Q4_1{});
+    case 1: return fn(Q8_0{});
+    case 2: return fn(Q4_0{});
+    case 3: return fn(Q4_K{});
+    case 4: return fn(Q5_K{});
+    case 5: return fn(Q6_K{});
+    case 6: return fn(Q5_0{});
+    case 7: return fn(Q5_1{});
+    default: TORCH_CHECK(false, "format must be 0-7 (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), got ", format);
+  }
 }
 
-int64_t strip_row_bytes(int64_t K, int64_t format) {
-  return with_format(format, [&](auto f) { return K / kBlock * decltype(f)::kStripBytes; });
+template <typename Format, typename = void>
+struct is_strip : std::false_type {};
+template <typename Format>
+struct is_strip<Format, std::void_t<decltype(Format::kStripBytes)>> : std::true_type {};
+
+template <typename Format>
+constexpr int64_t weights_per_block() {
+  if constexpr (is_strip<Format>::value) return kBlock; else return Format::kWeights;
+}
+
+// Shape of the packed tensor for an [N, K] matrix: strips [ceil(N / 8), K / 32 * strip bytes]
+// or GGUF rows [N, K / weights per block * block bytes].
+std::pair<int64_t, int64_t> packed_shape(int64_t N, int64_t K, int64_t format) {
+  return with_format(format, [&](auto f) -> std::pair<int64_t, int64_t> {
+    using Format = decltype(f);
+    if constexpr (is_strip<Format>::value) return {(N + kStrip - 1) / kStrip, K / kBlock * Format::kStripBytes};
+    else return {N, K / Format::kWeights * Format::kBytes};
+  });
 }
 
 void check_packed(const at::Tensor& packed, int64_t N, int64_t K, int64_t format) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "packed weights must be a contiguous 2-D uint8 tensor from gguf_pack");
-  TORCH_CHECK(N >= 1 && K >= kBlock && K % kBlock == 0 && packed.size(0) == (N + kStrip - 1) / kStrip &&
-                  packed.size(1) == strip_row_bytes(K, format),
+  const int64_t per_block = with_format(format, [&](auto f) { return weights_per_block<decltype(f)>(); });
+  TORCH_CHECK(N >= 1 && K >= per_block && K % per_block == 0, "packed weights do not hold ", N, " x ", K,
+              " weights of this format");
+  const auto shape = packed_shape(N, K, format);
+  TORCH_CHECK(packed.size(0) == shape.first && packed.size(1) == shape.second,
               "packed weights do not hold ", N, " x ", K, " weights of this format");
 }
 
 // GGUF rows [N, K / 32 * gguf_block_bytes] uint8 -> packed strips [ceil(N / 8), K / 32 * strip_block_bytes].
+// Only the strip formats (0, 1) are regrouped; the row formats run on the GGUF rows as they are.
 at::Tensor gguf_pack(const at::Tensor& gguf, int64_t K, int64_t format) {
-  return with_format(format, [&](auto f) {
+  return with_format(format, [&](auto f) -> at::Tensor {
     using Format = decltype(f);
-    TORCH_CHECK(gguf.dim() == 2 && gguf.scalar_type() == at::kByte && gguf.is_contiguous(),
-                "GGUF weights must be a contiguous 2-D uint8 tensor");
-    TORCH_CHECK(K >= kBlock && K % kBlock == 0 && gguf.size(1) == K / kBlock * Format::kGgufBytes,
-                "GGUF rows do not hold K / 32 blocks of this format");
-    const int64_t N = gguf.size(0), blocks = K / kBlock, strips = (N + kStrip - 1) / kStrip;
-    at::Tensor packed = at::empty({strips, blocks * Format::kStripBytes}, gguf.options());
-    const uint8_t* src = gguf.data_ptr<uint8_t>();
-    uint8_t* dst = packed.data_ptr<uint8_t>();
-    for (int64_t s = 0; s < strips; ++s)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* cols[kStrip];
-        for (int64_t c = 0; c < kStrip; ++c) {
-          const int64_t n = s * kStrip + c;
-          cols[c] = n < N ? src + (n * blocks + b) * Format::kGgufBytes : nullptr;
+    if constexpr (!is_strip<Format>::value) {
+      TORCH_CHECK(false, "format ", format, " runs on GGUF rows as stored: nothing to pack");
+    } else {
+      TORCH_CHECK(gguf.dim() == 2 && gguf.scalar_type() == at::kByte && gguf.is_contiguous(),
+                  "GGUF weights must be a contiguous 2-D uint8 tensor");
+      TORCH_CHECK(K >= kBlock && K % kBlock == 0 && gguf.size(1) == K / kBlock * Format::kGgufBytes,
+                  "GGUF rows do not hold K / 32 blocks of this format");
+      const int64_t N = gguf.size(0), blocks = K / kBlock, strips = (N + kStrip - 1) / kStrip;
+      at::Tensor packed = at::empty({strips, blocks * Format::kStripBytes}, gguf.options());
+      const uint8_t* src = gguf.data_ptr<uint8_t>();
+      uint8_t* dst = packed.data_ptr<uint8_t>();
+      for (int64_t s = 0; s < strips; ++s)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* cols[kStrip];
+          for (int64_t c = 0; c < kStrip; ++c) {
+            const int64_t n = s * kStrip + c;
+            cols[c] = n < N ? src + (n * blocks + b) * Format::kGgufBytes : nullptr;
+          }
+          Format::pack(cols, dst + (s * blocks + b) * Format::kStripBytes);
         }
-        Format::pack(cols, dst + (s * blocks + b) * Format::kStripBytes);
-      }
-    return packed;
+      return packed;
+    }
   });
 }
 
-// packed strips -> [N, K] fp32: the values the kernel multiplies by.
-at::Tensor gguf_unpack(const at::Tensor& packed, int64_t N, int64_t K, int64_t format) {
-  check_packed(packed, N, K, format);
-  return with_format(format, [&](auto f) {
-    using Format = decltype(f);
-    at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
-    const uint8_t* src = packed.data_ptr<uint8_t>();
-    float* o = out.data_ptr<float>();
+// Rows [n0, n1) of the matrix as fp32 into o ([n1 - n0, K], row stride K). For the strip
+// formats n0 must be a multiple of 8.
+template <typename Format>
+void decode_rows(const uint8_t* src, int64_t N, int64_t K, int64_t n0, int64_t n1, float* o) {
+  if constexpr (is_strip<Format>::value) {
     const int64_t blocks = K / kBlock;
     float wb[kBlock][kStrip];
-    for (int64_t s = 0; s < packed.size(0); ++s)
+    for (int64_t s = n0 / kStrip; s * kStrip < n1; ++s)
       for (int64_t b = 0; b < blocks; ++b) {
         Format::expand(src + (s * blocks + b) * Format::kStripBytes, wb);
-        for (int64_t c = 0; c < std::min(kStrip, N - s * kStrip); ++c)
-          for (int k = 0; k < kBlock; ++k) o[(s * kStrip + c) * K + b * kBlock + k] = wb[k][c];
+        for (int64_t c = 0; c < std::min(kStrip, n1 - s * kStrip); ++c)
+          for (int k = 0; k < kBlock; ++k) o[(s * kStrip + c - n0) * K + b * kBlock + k] = wb[k][c];
       }
-    return out;
+  } else {
+    const int64_t nb = K / Format::kWeights;
+    for (int64_t n = n0; n < n1; ++n) {
+#ifdef KVSERVE_X86
+      if (has_avx2()) {
+        decode_row_avx2<Format>(src + n * nb * Format::kBytes, nb, o + (n - n0) * K);
+        continue;
+      }
+#endif
+      for (int64_t b = 0; b < nb; ++b)
+        Format::decode(src + (n * nb + b) * Format::kBytes, o + (n - n0) * K + b * Format::kWeights);
+    }
+  }
+}
+
+// Fill panel[0 : n1 - n0] with rows [n0, n1), in parallel over groups of 8 rows.
+template <typename Format>
+void decode_rows_parallel(const uint8_t* src, int64_t N, int64_t K, int64_t n0, int64_t n1, float* panel) {
+  const int64_t groups = (n1 - n0 + kStrip - 1) / kStrip;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t a = n0 + g0 * kStrip, b = std::min(n1, n0 + g1 * kStrip);
+    decode_rows<Format>(src, N, K, a, b, panel + (a - n0) * K);
   });
 }
 
-// x [M, K] fp32, packed strips of an [N, K] matrix -> [M, N] fp32.
+// packed -> [N, K] fp32: the values the kernel multiplies by.
+at::Tensor gguf_unpack(const at::Tensor& packed, int64_t N, int64_t K, int64_t format) {
+  check_packed(packed, N, K, format);
+  at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
+  with_format(format, [&](auto f) {
+    decode_rows_parallel<decltype(f)>(packed.data_ptr<uint8_t>(), N, K, 0, N, out.data_ptr<float>());
+    return 0;
+  });
+  return out;
+}
+
+// Rows ids[t] of the matrix as fp32 [T, K]: an embedding lookup straight from the blocks.
+at::Tensor gguf_rows(const at::Tensor& packed, int64_t N, int64_t K, int64_t format, const at::Tensor& ids) {
+  check_packed(packed, N, K, format);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-D int64 tensor");
+  const auto idc = ids.contiguous();
+  const int64_t T = idc.size(0);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "row id ", id[t], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({T, K}, packed.options().dtype(at::kFloat));
+  with_format(format, [&](auto f) {
+    using Format = decltype(f);
+    const uint8_t* src = packed.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> strip;
+      for (int64_t t = t0; t < t1; ++t) {
+        if constexpr (is_strip<Format>::value) {  // decode the row's strip of 8, keep its one row
+          const int64_t n0 = id[t] / kStrip * kStrip, n1 = std::min(N, n0 + kStrip);
+          strip.resize((n1 - n0) * K);
+          decode_rows<Format>(src, N, K, n0, n1, strip.data());
+          std::copy(strip.begin() + (id[t] - n0) * K, strip.begin() + (id[t] - n0 + 1) * K, o + t * K);
+        } else {
+          decode_rows<Format>(src, N, K, id[t], id[t] + 1, o + t * K);
+        }
+      }
+    });
+    return 0;
+  });
+  return out;
+}
+
+// x [M, K] fp32, packed [N, K] matrix -> [M, N] fp32, streaming the blocks once.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
@@ -304,9 +715,44 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   float* op = out.data_ptr<float>();
   with_format(format, [&](auto f) {
     using Format = decltype(f);
-    at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
-      linear_strips<Format>(xp, M, K, wp, s0, s1, op, N);
-    });
+    if constexpr (is_strip<Format>::value) {
+      at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
+        linear_strips<Format>(xp, M, K, wp, s0, s1, op, N);
+      });
+    } else {
+      at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+#ifdef KVSERVE_X86
+        if (has_avx2()) return linear_rows_avx2<Format>(xp, M, K, wp, n0, n1, op, N);
+#endif
+        linear_rows_portable<Format>(xp, M, K, wp, n0, n1, op, N);
+      });
+    }
+    return 0;
+  });
+  return out;
+}
+
+// The same product for many rows (prefill) without a resident dense copy: the matrix is
+// decoded tile by tile (tile_rows output features, a multiple of 8) into one fp32 panel that
+// stays cache-sized, and each tile is one GEMM (MKL) against all of x.
+at::Tensor gguf_linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format,
+                              int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(tile_rows >= kStrip && tile_rows % kStrip == 0, "tile_rows must be a positive multiple of 8");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed(packed, N, K, format);
+  const auto xc = x.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const int64_t tile = std::min(tile_rows, (N + kStrip - 1) / kStrip * kStrip);
+  at::Tensor panel = at::empty({tile, K}, x.options());
+  with_format(format, [&](auto f) {
+    using Format = decltype(f);
+    for (int64_t n0 = 0; n0 < N; n0 += tile) {
+      const int64_t n1 = std::min(N, n0 + tile);
+      decode_rows_parallel<Format>(packed.data_ptr<uint8_t>(), N, K, n0, n1, panel.data_ptr<float>());
+      out.narrow(1, n0, n1 - n0).copy_(at::mm(xc, panel.narrow(0, 0, n1 - n0).t()));
+    }
     return 0;
   });
   return out;
@@ -323,10 +769,14 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_pack(Tensor gguf, int in_features, int format) -> Tensor");
   m.def("gguf_unpack(Tensor packed, int out_features, int in_features, int format) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("gguf_rows(Tensor packed, int out_features, int in_features, int format, Tensor ids) -> Tensor");
+  m.def("gguf_linear_panels(Tensor x, Tensor packed, int out_features, int format, int tile_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("gguf_pack", &gguf_pack);
   m.impl("gguf_unpack", &gguf_unpack);
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_linear_panels", &gguf_linear_panels);
+  m.impl("gguf_rows", &gguf_rows);
 }

@@ -35,7 +35,7 @@ def reference(raw: np.ndarray, fmt: BlockFormat, rows: int, cols: int) -> torch.
     return torch.from_numpy(gguf.quants.dequantize(raw, GGML[fmt]).reshape(rows, cols))
 
 
-@pytest.mark.parametrize("fmt", list(BlockFormat))
+@pytest.mark.parametrize("fmt", list(GGML))  # the formats gguf-py quantizes; all formats: test_gguf_formats.py
 @pytest.mark.parametrize("rows", [37, 64])  # 37: the last strip of 8 columns is partial
 def test_packed_weights_are_ggufs_values_bit_for_bit(fmt, rows):
     blocks, raw = random_blocks(fmt, rows, 96)
@@ -44,7 +44,7 @@ def test_packed_weights_are_ggufs_values_bit_for_bit(fmt, rows):
     assert torch.equal(packed.dequantize(), reference(raw, fmt, rows, 96))
 
 
-@pytest.mark.parametrize("fmt", list(BlockFormat))
+@pytest.mark.parametrize("fmt", list(GGML))  # the formats gguf-py quantizes; all formats: test_gguf_formats.py
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33])  # every row-group size, and remainders
 @pytest.mark.parametrize("out_features", [37, 64])
 def test_kernel_equals_f_linear_on_the_dequantized_matrix(fmt, rows, out_features):
@@ -74,7 +74,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="do not hold 9 x 64 weights"):
         torch.ops.kvserve.gguf_linear(torch.randn(2, 64), packed.data, 9, 1)
     with pytest.raises(RuntimeError, match="format must be"):
-        torch.ops.kvserve.gguf_linear(torch.randn(2, 64), packed.data, 4, 7)
+        torch.ops.kvserve.gguf_linear(torch.randn(2, 64), packed.data, 4, 9)  # 7 is Q5_1 now
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.kvserve.gguf_linear(torch.randn(2, 64, dtype=torch.float64), packed.data, 4, 1)
     with pytest.raises(RuntimeError, match="K / 32 blocks"):
@@ -83,7 +83,7 @@ def test_bad_input_is_a_clear_error():
         GGUFMatrix(blocks.data, BlockFormat.Q4_1, 64)
 
 
-@pytest.mark.parametrize("fmt", list(BlockFormat))
+@pytest.mark.parametrize("fmt", list(GGML))  # the formats gguf-py quantizes; all formats: test_gguf_formats.py
 def test_block_linear_sends_large_calls_to_the_dense_path(fmt):
     blocks, raw = random_blocks(fmt, 16, 64)
     weight, bias = reference(raw, fmt, 16, 64), torch.randn(16)
