@@ -31,7 +31,7 @@ import torch
 
 from bench.common import (CpuMonitor, load_default_pair, machine_info, print_table, ratio, verdict, wait_for_quiet,
                           write_results)
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 STATIC_TARGET = 2.0  # kvserve / HF static batched generate
 CB_TARGET = 1.5  # kvserve / HF continuous batching

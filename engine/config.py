@@ -23,7 +23,6 @@ class ModelConfig:
     # blocks (engine/quant.py); auto picks it when the checkpoint is such a GGUF
     linear_backend: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -39,3 +38,32 @@ class ModelConfig:
         if self.attention_backend not in ("auto", "native", "torch", "flash_attn"):
             raise ValueError(f"attention_backend must be auto, native, torch or flash_attn, "
                              f"got {self.attention_backend!r}")
+
+
+ENGINE_MODES = ("process", "thread")
+
+
+@dataclass
+class EngineCoreConfig:
+    """Where the engine core runs and how its client supervises it (``engine/core_client.py``).
+
+    ``mode``: ``process`` (the served default) runs the core in its own process, restarted when
+    it dies; ``thread`` runs it in a thread of the server (tests, benches; no restart).
+    After ``max_failures`` core deaths within ``failure_window_s`` the client gives up and the
+    server exits non-zero, so that the orchestrator restarts the whole container.
+    """
+
+    mode: str = "process"
+    max_failures: int = 3
+    failure_window_s: float = 300.0
+    startup_timeout_s: float = 600.0  # model load of a (re)started core
+
+    def __post_init__(self) -> None:
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"engine mode must be one of {', '.join(ENGINE_MODES)}, got {self.mode!r}")
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
+        if not self.failure_window_s > 0:
+            raise ValueError(f"failure_window_s must be > 0, got {self.failure_window_s}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")

@@ -1,32 +1,39 @@
 """The synchronous engine: requests in, one scheduled forward pass per ``step()``, outputs out.
 
-It is driven by one thread only (the CLI directly, or the engine loop of ``AsyncEngine``).
+It is driven by one thread only: the engine core's loop (``engine/core.py``, in its own
+process or, in-process mode, in a thread), or the CLI's offline ``generate``. ``step()``
+returns token ids only; text (detokenization, stop strings) is the output processor's job.
+
+Fault contract of ``step()``: if the forward pass raises, the step's requests are retried one
+by one; those that raise again finish with ``error`` (blocks freed, detail logged), the others
+go on as if nothing happened. Any other exception propagates (the engine state may be broken).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
+from cache import CacheConfig, KVCacheManager
 from engine.attention import make_attention
-from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.config import EngineCoreConfig, ModelConfig
+from engine.core_protocol import EngineCoreOutput, EngineInfo, PromptTooLongError, StepStats  # noqa: F401 (re-export)
 from engine.kernels import load_kernels
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, SampledToken
+from engine.output_processor import OutputProcessor
 from engine.quant import gguf_blocks
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt
+from kvtypes.outputs import TokenLogprob
+from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
@@ -35,8 +42,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class PromptTooLongError(ValueError):
-    """Prompt (plus requested output) does not fit the context or the KV pool."""
+# Test-only fault hook: when set, a step that runs a request whose prompt starts with this
+# token id raises (see tests/server/test_core_faults.py). Unset in production: one None check.
+FAULT_TOKEN_ENV = "KVSERVE_TEST_FAULT_TOKEN"
 
 
 @dataclass
@@ -44,6 +52,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    core: EngineCoreConfig = field(default_factory=EngineCoreConfig)
 
 
 @dataclass
@@ -105,19 +114,25 @@ class LLMEngine:
         self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
 
         cache_cfg = config.cache
-        per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                       torch.empty((), dtype=dtype).element_size())
-        num_blocks = cache_cfg.num_blocks or num_blocks_for_memory(
-            int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size, per_token)
-        self.capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
+        if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
+            raise ValueError(f"cache_dtype {cache_cfg.cache_dtype} differs from the model dtype {config.model.dtype}: "
+                             "a KV dtype of its own is not implemented (leave cache_dtype unset)")
+        self.capacity = cache_cfg.capacity(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.model.dtype)
+        num_blocks = self.capacity.num_blocks
         logger.info(self.capacity.describe(max_len))
 
         self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device)
-        self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
+        self.info = EngineInfo(model_name=self.model_name, max_model_len=max_len, vocab_size=arch.vocab_size,
+                               block_size=cache_cfg.block_size, num_blocks=num_blocks,
+                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                               dtype=config.model.dtype, enable_prefix_caching=cache_cfg.enable_prefix_caching)
+        fault = os.environ.get(FAULT_TOKEN_ENV)
+        self.fault_token_id: int | None = int(fault) if fault else None
+        self._reported = (0, 0, 0)  # scheduler counters at the previous stats snapshot
 
     @staticmethod
     def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
@@ -156,94 +171,101 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-                                          if self.tokenizer is not None else None)
         return request_id
 
     def validate_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range [0, {self.arch.vocab_size})")
-        if n >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {n} tokens but the context length is {self.max_model_len} "
-                                     "tokens (at least one must be left to generate)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
-                f"were requested ({n} in the prompt, {params.max_tokens} to generate)")
-        need = n + (params.max_tokens or self.max_model_len - n)
-        if math.ceil(need / self.capacity.block_size) > self.capacity.num_blocks:
-            raise PromptTooLongError(
-                f"the request needs up to {need} tokens of KV cache but the pool holds only "
-                f"{self.capacity.num_tokens} ({self.capacity.num_blocks} blocks); raise --num-blocks or "
-                "--kv-cache-memory, or ask for fewer tokens")
+        self.info.validate(prompt_ids, params)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> EngineCoreOutput | None:
         """Free a live request's blocks now; returns its final output, or None if it was not live."""
         request = self.scheduler.requests.get(request_id)
         if request is None or not self.scheduler.abort(request_id):
             return None
         return self._final(request)
 
-    def abort_all(self, status: RequestStatus = RequestStatus.FINISHED_ABORTED, error: str | None = None) -> list[RequestOutput]:
+    def abort_all(self, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[EngineCoreOutput]:
         live = list(self.scheduler.requests)
-        outputs = []
-        for request in self.scheduler.finish_requests(live, status):
-            out = self._final(request)
-            out.error = error
-            outputs.append(out)
-        return outputs
+        return [self._final(request) for request in self.scheduler.finish_requests(live, status)]
 
-    def _final(self, request: Request) -> RequestOutput:
+    def _final(self, request: Request) -> EngineCoreOutput:
         self.runner.release(request.request_id)
-        detok = self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(request_id=request.request_id, new_token_ids=[],
-                             text=detok.take_delta(finished=True) if detok else "", finished=True,
-                             finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0),
-                             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time)
+        return self._output(request, [])
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int],
+                logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=new_token_ids,
+                                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                                logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
+                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                first_scheduled_time=request.first_scheduled_time)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self, step_time_s: float = 0.0, num_batched_tokens: int = 0) -> StepStats:
+        """The snapshot sent with each message: gauges now, counters as deltas since the last call;
+        ``num_batched_tokens`` and ``step_time_s`` describe the step it follows (0: no step)."""
+        sched, pool = self.scheduler, self.kv_cache.block_pool
+        counters = (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits, sched.stats.num_preemptions)
+        delta = [now - before for now, before in zip(counters, self._reported)]
+        self._reported = counters
+        return StepStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                         kv_used_blocks=self.capacity.num_blocks - self.kv_cache.num_free_blocks,
+                         kv_cached_blocks=sum(1 for b in pool.cached_blocks.values() if b.ref_cnt == 0),
+                         kv_num_blocks=self.capacity.num_blocks, kv_block_size=self.capacity.block_size,
+                         prefix_cache_queries=delta[0], prefix_cache_hits=delta[1], num_preemptions=delta[2],
+                         num_batched_tokens=num_batched_tokens, step_time_s=step_time_s)
+
     # ---- the step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def _execute(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+        if self.fault_token_id is not None and any(
+                s.request.prompt_token_ids[0] == self.fault_token_id for s in plan.scheduled):
+            raise RuntimeError(f"injected test fault ({FAULT_TOKEN_ENV})")
+        return self.runner.execute(plan)
+
+    def _execute_isolated(self, plan: SchedulerOutput) -> tuple[dict[str, SampledToken], list[Request]]:
+        """Rerun a failed step's requests one at a time; return the samples and the requests that fail alone.
+
+        Rerunning is exact: the failed pass wrote K/V only into the same slots the reruns write."""
+        sampled: dict[str, SampledToken] = {}
+        failed: list[Request] = []
+        for item in plan.scheduled:
+            try:
+                sampled.update(self._execute(SchedulerOutput(scheduled=[item])))
+            except Exception:  # noqa: BLE001 - the fault belongs to this request only
+                logger.exception("engine step failed for request %s", item.request.request_id)
+                failed.append(item.request)
+        return sampled, failed
+
+    def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, apply the sampled tokens; return per-request outputs."""
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_batched_tokens
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan)
-        touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+        failed: list[Request] = []
+        try:
+            sampled = self._execute(plan)
+        except Exception:  # noqa: BLE001 - isolate the requests that cause it
+            logger.exception("engine step of %d requests failed; retrying them one by one", len(plan.scheduled))
+            sampled, failed = self._execute_isolated(plan)
         outputs = []
+        if failed:
+            failed_ids = {r.request_id for r in failed}
+            plan.scheduled = [s for s in plan.scheduled if s.request.request_id not in failed_ids]
+            for request in self.scheduler.finish_requests(list(failed_ids), RequestStatus.FINISHED_ERROR):
+                outputs.append(self._final(request))
+        touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
         for request in touched:
             rid = request.request_id
             token = request.output_token_ids[-1]
-            detok = self._detokenizers.get(rid)
-            if detok is not None and detok.add_token(token) is not None:
-                request.stop_reason = detok.stopped_on
-                if not request.status.is_finished:
-                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-                else:
-                    request.status = RequestStatus.FINISHED_STOPPED
-            finished = request.status.is_finished
             sample = sampled[rid]
             logprobs = None
             if sample.logprob is not None:
                 logprobs = [TokenLogprob(token, sample.logprob, sample.top_logprobs or [])]
-            outputs.append(RequestOutput(
-                request_id=rid, new_token_ids=[token],
-                text=detok.take_delta(finished) if detok is not None else "",
-                finished=finished, finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs,
-                arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time))
-            if finished:
-                self._detokenizers.pop(rid, None)
+            outputs.append(self._output(request, [token], logprobs))
+            if request.status.is_finished:
                 self.runner.release(rid)
         return outputs
 
@@ -252,19 +274,22 @@ class LLMEngine:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
         """Run ``prompts`` together to completion; results in prompt order."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        processor = OutputProcessor(self.tokenizer)
         results: dict[str, GenerationResult] = {}
         order = []
         for prompt, p in zip(prompts, params_list):
             rid = self.add_request(prompt, p)
             req = self.scheduler.requests[rid]
+            processor.add_request(rid, req.prompt_token_ids, req.sampling_params, req.arrival_time)
             results[rid] = GenerationResult(rid, list(req.prompt_token_ids), [], "", None, 0,
                                             [] if (p and p.logprobs is not None) else None)
             order.append(rid)
         while self.has_unfinished():
-            for out in self.step():
-                res = results.get(out.request_id)
-                if res is None:
-                    continue
+            outs, stopped = processor.process(self.step())
+            for rid in stopped:  # a stop string ended it: free its blocks now
+                self.abort(rid)
+            for out in outs:
+                res = results[out.request_id]
                 res.token_ids.extend(out.new_token_ids)
                 res.text += out.text
                 if out.logprobs and res.logprobs is not None:

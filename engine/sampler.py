@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 # Top-p looks for the nucleus among the top-256 tokens, then the top-4096, and only
 # then sorts the whole vocabulary: on CPU a full sort of a 49k vocabulary costs ~20x a

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_engine import AsyncEngine
+from engine.core_client import EngineClient
 from server import __version__
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -26,8 +26,9 @@ from server.serving import OpenAIServing
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
-    """An app serving ``engine``. The engine loop starts with the app and stops with it.
+def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
+    """An app serving ``engine`` (built by ``kvserve.compose``). The engine starts with the app
+    (a no-op if it already runs) and stops with it.
 
     ``metrics`` should be the engine's observer; it adds ``/metrics`` and the periodic stats line.
     """
@@ -52,6 +53,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
                 stats_task.cancel()
             # Off the event loop: joining the engine thread may take a step's time.
             await asyncio.to_thread(engine.shutdown)
+            serving.close()
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
@@ -77,9 +79,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
 
     @app.get("/health")
     async def health() -> Response:
+        # The reason of a failure is in the log, not here: /health is public.
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": str(engine.error or "engine stopped")}, status_code=503)
+        return JSONResponse({"status": "unavailable"}, status_code=503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -100,7 +103,7 @@ class DrainingServer(uvicorn.Server):
     the signal once shut down, so the process dies of SIGTERM.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace_s: float) -> None:
         super().__init__(config)
         self.engine, self.grace_s = engine, grace_s
 
@@ -131,12 +134,16 @@ class DrainingServer(uvicorn.Server):
             expiry.cancel()
 
 
-def serve(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> bool:
-    """Run ``app`` until SIGTERM/SIGINT and a drain; False if the server could not start."""
+def serve(app: FastAPI, engine: EngineClient, config: ServerConfig) -> bool:
+    """Run ``app`` until SIGTERM/SIGINT and a drain, or until the engine client gives up
+    (``engine.fatal``: the caller exits non-zero); False if the server could not start."""
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False,
                                            # a backstop only: the engine abort ends every response first
                                            timeout_graceful_shutdown=config.shutdown_grace_s + 10),
                             engine, config.shutdown_grace_s)
+    if hasattr(engine, "on_fatal"):
+        # uvicorn's main loop polls should_exit; setting it from the supervisor thread is safe.
+        engine.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
     return server.started

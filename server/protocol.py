@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from server.errors import bad_request
 
 
