@@ -158,9 +158,11 @@ class _ClientBase:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-                self._processor.remove(request_id)
+                aborted = self._processor.finish(request_id, "abort")
             if not finished:
                 self._send(AbortRequests([request_id]), epoch)
+            if aborted is not None:  # the caller left: metrics count it here (the core's answer is dropped)
+                self._observe(None, [aborted])
 
     def abort(self, request_id: str) -> None:
         self._send(AbortRequests([request_id]), self._epoch)

@@ -78,14 +78,17 @@ class OutputProcessor:
                 del self._states[out.request_id]
         return results, stopped
 
+    def finish(self, request_id: str, finish_reason: str, message: str | None = None) -> RequestOutput | None:
+        """End a request here (its caller left: ``abort``); its final output, or None if it was not live."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        return RequestOutput(request_id=request_id, new_token_ids=[],
+                             text=state.detokenizer.take_delta(True) if state.detokenizer is not None else "",
+                             finished=True, finish_reason=finish_reason, num_prompt_tokens=state.num_prompt_tokens,
+                             num_output_tokens=state.num_output_tokens, error=message,
+                             arrival_time=state.arrival_time)
+
     def finish_all(self, finish_reason: str, message: str | None) -> list[RequestOutput]:
         """Final outputs for every request still known (the core is gone or stopping)."""
-        results = []
-        for request_id, state in self._states.items():
-            results.append(RequestOutput(
-                request_id=request_id, new_token_ids=[],
-                text=state.detokenizer.take_delta(True) if state.detokenizer is not None else "",
-                finished=True, finish_reason=finish_reason, num_prompt_tokens=state.num_prompt_tokens,
-                num_output_tokens=state.num_output_tokens, error=message, arrival_time=state.arrival_time))
-        self._states.clear()
-        return results
+        return [out for rid in list(self._states) if (out := self.finish(rid, finish_reason, message)) is not None]
