@@ -103,6 +103,10 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class StepStats:
