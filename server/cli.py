@@ -1,7 +1,15 @@
-"""Compatibility entry point: ``python -m server.cli`` runs ``kvserve.cli`` (the CLI sits above server/)."""
+"""Compatibility entry point: ``python -m server.cli`` and an old ``kvserve = server.cli:main``
+console script run ``kvserve.cli`` (the CLI sits above server/; nothing in server imports it)."""
+from __future__ import annotations
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.cli import main as kvserve_main
+
+    return kvserve_main(argv)
+
+
 if __name__ == "__main__":
     import sys
-    from runpy import run_module
 
-    sys.argv[0] = "kvserve"
-    run_module("kvserve.cli", run_name="__main__", alter_sys=True)
+    sys.exit(main())
