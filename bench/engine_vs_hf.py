@@ -29,7 +29,7 @@ from bench.common import (CpuMonitor, chat_prompts, load_default_pair, machine_i
                           hf_weight_bytes_per_decode_token, print_table, ratio, verdict, wait_for_quiet,
                           weight_bytes_per_decode_token,
                           write_results)
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 SINGLE_TARGET = 1.5  # kvserve / HF, single-stream decode tokens/s
 BATCH_TARGET = 2.0  # kvserve / HF, batched output tokens/s

@@ -23,7 +23,7 @@ import torch
 from bench.common import machine_info
 from bench.engine_vs_hf import _pad_id, _TimingStreamer, kvserve_single
 from bench.report import finish_axes, info, new_figure, save_figure, table
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 DEFAULT_CONTEXTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 

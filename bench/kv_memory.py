@@ -26,7 +26,7 @@ from bench.common import machine_info
 from bench.report import check, finish_axes, info, new_figure, save_figure, table
 from bench.serving import Progress
 from bench.serving_vs_hf import BenchRequest
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 UTIL_TARGET = 0.96
 CONCURRENCY_TARGET = 4.0

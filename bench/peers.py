@@ -87,7 +87,7 @@ def _engine_single(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, A
 
 
 def _engine_batch(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    out = run_kvserve(engine, requests)  # AsyncEngine, every request submitted at once
+    out = run_kvserve(engine, requests)  # the in-process engine client, every request submitted at once
     engine.kv_cache.reset_prefix_cache()
     return {"tps": round(out["output_tokens"] / out["elapsed_s"], 3), "elapsed_s": round(out["elapsed_s"], 3),
             "output_tokens": out["output_tokens"]}

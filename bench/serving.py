@@ -2,10 +2,10 @@
 
 Three ways to get a server (``Server``, all closed with ``.close()``):
 
-* ``start_subprocess``: ``python -m server.cli serve --port P ...`` (what ``kvserve serve``
+* ``start_subprocess``: ``python -m kvserve.cli serve --port P ...`` (what ``kvserve serve``
   runs), its log in a file, ready when ``/health`` answers 200; closed with SIGTERM;
-* ``start_inprocess``: the FastAPI app around a given ``LLMEngine`` under uvicorn in a thread
-  (tests use it with a tiny engine);
+* ``start_inprocess``: an app someone composed (``kvserve.compose.build_service``; bench never
+  imports server/) under uvicorn in a thread (tests use it with a tiny engine);
 * ``connect``: a server someone else runs (``--url``).
 
 ``run_load`` sends requests through ``/v1/completions`` or ``/v1/chat/completions`` with
@@ -102,7 +102,7 @@ def start_subprocess(serve_args: Sequence[str] = (), port: int | None = None, lo
                      timeout_s: float = 300.0) -> Server:
     """``kvserve serve --host 127.0.0.1 --port P *serve_args`` in a child process."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--shutdown-grace", "2", *serve_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
@@ -130,20 +130,12 @@ def start_subprocess(serve_args: Sequence[str] = (), port: int | None = None, lo
     return Server(url, model, "subprocess", None, str(log_path) if log_path else None, close, proc.pid)
 
 
-def start_inprocess(engine: Any, port: int | None = None, log_stats_interval_s: float = 0.0) -> Server:
-    """The app around ``engine`` (an ``LLMEngine``) under uvicorn in a daemon thread."""
+def start_inprocess(app: Any, model_name: str, port: int | None = None) -> Server:
+    """``app`` (an ASGI app, e.g. ``kvserve.compose.build_service(...).app``) under uvicorn in a daemon
+    thread; the app's lifespan stops its engine when the server is closed."""
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
-    from server.app import build_app
-    from server.config import ServerConfig
-    from server.metrics import Metrics
-
     port = port or free_port()
-    metrics = Metrics(engine.model_name, engine)
-    async_engine = AsyncEngine(engine, observer=metrics)
-    config = ServerConfig(host="127.0.0.1", port=port, log_stats_interval_s=log_stats_interval_s)
-    app = build_app(async_engine, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, name="bench-uvicorn", daemon=True)
     thread.start()
@@ -158,7 +150,7 @@ def start_inprocess(engine: Any, port: int | None = None, log_stats_interval_s: 
     except BaseException:
         close()
         raise
-    return Server(url, engine.model_name, "inprocess", None, None, close)
+    return Server(url, model_name, "inprocess", None, None, close)
 
 
 # ---- the client ----------------------------------------------------------------------------------

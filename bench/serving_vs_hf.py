@@ -31,7 +31,7 @@ import torch
 
 from bench.common import (CpuMonitor, load_default_pair, machine_info, print_table, ratio, verdict, wait_for_quiet,
                           write_results)
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 STATIC_TARGET = 2.0  # kvserve / HF static batched generate
 CB_TARGET = 1.5  # kvserve / HF continuous batching
@@ -66,10 +66,10 @@ def make_requests(num_requests: int = 64, prompt_len: tuple[int, int] = (50, 100
 
 # ---- kvserve ---------------------------------------------------------------------------------
 def run_kvserve(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    """All requests through ``AsyncEngine`` at once; returns elapsed time, tokens and TTFTs."""
-    from engine.async_engine import AsyncEngine
+    """All requests through the in-process engine client at once; returns elapsed time, tokens and TTFTs."""
+    from engine.core_client import InprocEngineClient
 
-    async_engine = AsyncEngine(engine)
+    async_engine = InprocEngineClient(engine)
     async_engine.start()
     try:
         return asyncio.run(_kvserve_requests(async_engine, requests))

@@ -113,7 +113,7 @@ class PromptLookupDecoder:
 def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int = 128, k: int = 4,
                     ngram_max: int = 3, quiet_wait_s: float = 0.0, ngram_min: int = 1) -> dict[str, Any]:
     """Plain kvserve decode vs prompt-lookup decode on the same prompts (greedy, EOS ignored)."""
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     def plain(prompt: Sequence[int]) -> dict[str, Any]:
         # ignore_eos: the prototype does not stop at EOS either (nor masks it), so both sides

@@ -18,7 +18,7 @@ class CacheConfig:
     num_blocks: int | None = None  # explicit pool size; overrides the memory budget
     kv_cache_memory_gib: float = 1.0  # budget used when num_blocks is None
     enable_prefix_caching: bool = True
-    cache_dtype: str = "float32"
+    cache_dtype: str | None = None  # KV element type; None: the model's dtype (the engine allows no other)
     # "auto": the model's dtype; "int8": quantized KV blocks with per-token-per-head scales
     kv_cache_dtype: str = "auto"
     # Disk tier (cache/tiers.py): evicted hashed blocks are written here; None disables it.
@@ -48,19 +48,20 @@ class CacheConfig:
             raise ValueError(f"kv_pin_fraction must be in [0, 1), got {frac!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
-        if self.cache_dtype not in DTYPE_BYTES:
+        if self.cache_dtype is not None and self.cache_dtype not in DTYPE_BYTES:
             raise ValueError(f"cache_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.cache_dtype!r}")
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.cache_dtype]
+        """Bytes per KV element (fp32 when ``cache_dtype`` is unset and no model says otherwise)."""
+        return DTYPE_BYTES[self.cache_dtype or "float32"]
 
-    def capacity(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCapacity:
+    def capacity(self, num_layers: int, num_kv_heads: int, head_dim: int, model_dtype: str = "float32") -> KVCapacity:
         """Pool size for a model: ``num_blocks`` if set, else what fits in the memory budget.
 
-        ValueError if the budget does not fit a single block.
+        The engine's one source of its pool size. ValueError if the budget does not fit a single block.
         """
-        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype_bytes)
+        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[self.cache_dtype or model_dtype])
         num_blocks = self.num_blocks
         if num_blocks is None:
             budget = int(self.kv_cache_memory_gib * 2**30)

@@ -64,8 +64,15 @@ class TierStats:
     write_seconds_sum: float = 0.0
     read_seconds: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     read_seconds_sum: float = 0.0
+    # Raw observations not yet taken by ``drain_recent`` (the engine core ships them to the
+    # frontend's histograms with each stats snapshot).
+    recent_write_seconds: list[float] = field(default_factory=list)
+    recent_read_seconds: list[float] = field(default_factory=list)
 
     def observe(self, kind: str, seconds: float) -> None:
+        recent = self.recent_write_seconds if kind == "write" else self.recent_read_seconds
+        if len(recent) < 65536:  # nobody drains an offline engine's: keep it bounded
+            recent.append(seconds)
         buckets = self.write_seconds if kind == "write" else self.read_seconds
         index = next((i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound), len(LATENCY_BUCKETS))
         buckets[index] += 1
@@ -73,6 +80,15 @@ class TierStats:
             self.write_seconds_sum += seconds
         else:
             self.read_seconds_sum += seconds
+
+    def drain_recent(self, kind: str) -> list[float]:
+        """The observations of ``kind`` since the previous drain (safe against a concurrent
+        ``observe``: a slice delete is atomic, and later appends stay for the next drain)."""
+        recent = self.recent_write_seconds if kind == "write" else self.recent_read_seconds
+        n = len(recent)
+        taken = recent[:n]
+        del recent[:n]
+        return taken
 
 
 class KVTier(Protocol):

@@ -36,7 +36,6 @@ class ModelConfig:
     # CUDA: capture decode steps in CUDA graphs (batch-size buckets up to max_num_seqs);
     # False runs every step eagerly
     cuda_graphs: bool = True
-    seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over (engine/parallel)
 
     def __post_init__(self) -> None:
@@ -59,3 +58,32 @@ class ModelConfig:
         check_backend_name(self.attention_backend)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+ENGINE_MODES = ("process", "thread")
+
+
+@dataclass
+class EngineCoreConfig:
+    """Where the engine core runs and how its client supervises it (``engine/core_client.py``).
+
+    ``mode``: ``process`` (the served default) runs the core in its own process, restarted when
+    it dies; ``thread`` runs it in a thread of the server (tests, benches; no restart).
+    After ``max_failures`` core deaths within ``failure_window_s`` the client gives up and the
+    server exits non-zero, so that the orchestrator restarts the whole container.
+    """
+
+    mode: str = "process"
+    max_failures: int = 3
+    failure_window_s: float = 300.0
+    startup_timeout_s: float = 600.0  # model load of a (re)started core
+
+    def __post_init__(self) -> None:
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"engine mode must be one of {', '.join(ENGINE_MODES)}, got {self.mode!r}")
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
+        if not self.failure_window_s > 0:
+            raise ValueError(f"failure_window_s must be > 0, got {self.failure_window_s}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")

@@ -1,13 +1,18 @@
 """The synchronous engine: requests in, one scheduled forward pass per ``step()``, outputs out.
 
-It is driven by one thread only (the CLI directly, or the engine loop of ``AsyncEngine``).
+It is driven by one thread only: the engine core's loop (``engine/core.py``, in its own
+process or, in-process mode, in a thread), or the CLI's offline ``generate``. ``step()``
+returns token ids only; text (detokenization, stop strings) is the output processor's job.
+
+Fault contract of ``step()``: if the forward pass raises, the step's requests are retried one
+by one; those that raise again finish with ``error`` (blocks freed, detail logged), the others
+go on as if nothing happened. Any other exception propagates (the engine state may be broken).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -17,20 +22,22 @@ import torch
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
 from cache.tiers import DiskTier
 from engine.attention import select_attention
-from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.config import EngineCoreConfig, ModelConfig
+from engine.core_protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
 from engine.gpu_memory import profile_kv_budget
 from engine.kernels import load_kernels
 from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, SampledToken
+from engine.output_processor import OutputProcessor
 from engine.quant import gguf_blocks
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, RequestGrammar
 from engine.tokenizer import encode_prompt
+from kvtypes.outputs import TokenLogprob
+from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
@@ -39,8 +46,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class PromptTooLongError(ValueError):
-    """Prompt (plus requested output) does not fit the context or the KV pool."""
+# Test-only fault hook: when set, a step that runs a request whose prompt starts with this
+# token id raises (see tests/server/test_core_faults.py). Unset in production: one None check.
+FAULT_TOKEN_ENV = "KVSERVE_TEST_FAULT_TOKEN"
 
 
 @dataclass
@@ -48,6 +56,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    core: EngineCoreConfig = field(default_factory=EngineCoreConfig)
 
 
 @dataclass
@@ -118,6 +127,10 @@ class LLMEngine:
             attention_backend = "torch"
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
+        if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
+            raise ValueError(f"cache_dtype {cache_cfg.cache_dtype} differs from the model dtype {config.model.dtype}: "
+                             "a KV dtype of its own is not implemented (leave cache_dtype unset; kv_cache_dtype "
+                             "int8 quantizes the pool)")
         if config.model.tensor_parallel_size > 1:  # engine/parallel: this process is rank 0
             from engine.parallel.tensor_parallel import TensorParallelModel
 
@@ -175,13 +188,24 @@ class LLMEngine:
                                        tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         self.offloader = KVOffloader(tier, BlockCopier(self.runner.kv_caches)) if tier is not None else None
-        self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
         # Structured output: grammars compile on the compiler's thread; requests whose grammar is
         # not resolved yet wait in _compiling (the scheduler skips them) while others step.
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size) if self.tokenizer is not None else None
         self._compiling: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_tokens = 0  # tokens run by the latest step (for the iteration_tokens metric)
+        self.info = EngineInfo(model_name=self.model_name, max_model_len=max_len, vocab_size=arch.vocab_size,
+                               block_size=cache_cfg.block_size, num_blocks=num_blocks,
+                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                               dtype=config.model.dtype, enable_prefix_caching=cache_cfg.enable_prefix_caching,
+                               has_tokenizer=self.tokenizer is not None, has_disk_tier=self.offloader is not None,
+                               kv_bytes_per_token=self.capacity.bytes_per_token,
+                               kv_cache_dtype=cache_cfg.kv_cache_dtype,
+                               max_pinned_blocks=self.kv_cache.max_pinned_blocks)
+        fault = os.environ.get(FAULT_TOKEN_ENV)
+        self.fault_token_id: int | None = int(fault) if fault else None
+        self._reported: tuple = ()  # counters at the previous stats snapshot (deltas are sent)
+        self._reported_pins: tuple = ()  # the pin list of the previous snapshot
 
     @staticmethod
     def _make_tier(cache_cfg: CacheConfig, loaded: LoadedModel, dtype: str, arch) -> DiskTier | None:
@@ -267,69 +291,118 @@ class LLMEngine:
         self.scheduler.add_request(request)
         if request.grammar is not None:
             self._compiling[request_id] = request
-        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-                                          if self.tokenizer is not None else None)
         return request_id
 
     def validate_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range [0, {self.arch.vocab_size})")
-        bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < self.arch.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.arch.vocab_size})")
-        if params.structured_output is not None and self.tokenizer is None:
-            raise ValueError("structured output needs a tokenizer; this engine has none")
-        if n >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {n} tokens but the context length is {self.max_model_len} "
-                                     "tokens (at least one must be left to generate)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
-                f"were requested ({n} in the prompt, {params.max_tokens} to generate)")
-        need = n + (params.max_tokens or self.max_model_len - n)
-        if math.ceil(need / self.capacity.block_size) > self.capacity.num_blocks:
-            raise PromptTooLongError(
-                f"the request needs up to {need} tokens of KV cache but the pool holds only "
-                f"{self.capacity.num_tokens} ({self.capacity.num_blocks} blocks); raise --num-blocks or "
-                "--kv-cache-memory, or ask for fewer tokens")
+        self.info.validate(prompt_ids, params)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> EngineCoreOutput | None:
         """Free a live request's blocks now; returns its final output, or None if it was not live."""
         request = self.scheduler.requests.get(request_id)
         if request is None or not self.scheduler.abort(request_id):
             return None
         return self._final(request)
 
-    def abort_all(self, status: RequestStatus = RequestStatus.FINISHED_ABORTED, error: str | None = None) -> list[RequestOutput]:
+    def abort_all(self, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[EngineCoreOutput]:
         live = list(self.scheduler.requests)
-        outputs = []
-        for request in self.scheduler.finish_requests(live, status):
-            out = self._final(request)
-            out.error = error
-            outputs.append(out)
-        return outputs
+        return [self._final(request) for request in self.scheduler.finish_requests(live, status)]
 
-    def _final(self, request: Request) -> RequestOutput:
+    def _final(self, request: Request) -> EngineCoreOutput:
         self.runner.release(request.request_id)
         self._compiling.pop(request.request_id, None)
-        detok = self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(request_id=request.request_id, new_token_ids=[],
-                             text=detok.take_delta(finished=True) if detok else "", finished=True,
-                             finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0),
-                             num_cache_write_tokens=request.num_cache_write_tokens,
-                             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time)
+        return self._output(request, [])
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int], logprobs: list[TokenLogprob] | None = None,
+                prompt_logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=new_token_ids,
+                                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                                logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
+                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                num_cache_write_tokens=request.num_cache_write_tokens,
+                                first_scheduled_time=request.first_scheduled_time,
+                                prompt_logprobs=prompt_logprobs, error=error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _counters(self) -> tuple:
+        sched = self.scheduler.stats
+        disk = self.offloader.tier.stats if self.offloader is not None else None
+        return (sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions,
+                tuple(sorted(sched.tier_queries.items())), tuple(sorted(sched.tier_hits.items())),
+                disk.bytes_read if disk else 0, disk.bytes_written if disk else 0)
+
+    def _pin_snapshots(self) -> tuple[PinSnapshot, ...]:
+        now = self.kv_cache.clock()
+        return tuple(PinSnapshot(hash=p.hash, num_tokens=p.num_tokens, num_blocks=p.num_blocks, ttl_s=p.ttl_s,
+                                 ttl_left_s=round(max(0.0, p.expires_at - now), 3), salt_id=p.salt_id)
+                     for p in self.kv_cache.list_pins())
+
+    def stats_changed(self) -> bool:
+        """Whether a snapshot now would differ from the previous one in pins or counters
+        (the idle core sends one then; pin expiry times alone do not count)."""
+        keys = tuple(p.hash for p in self.kv_cache.list_pins())
+        disk = self.offloader.tier.stats if self.offloader is not None else None
+        return (keys != tuple(p.hash for p in self._reported_pins) or self._counters() != self._reported
+                or bool(disk and (disk.recent_write_seconds or disk.recent_read_seconds)))
+
+    def stats(self, step_time_s: float = 0.0, num_batched_tokens: int = 0) -> StepStats:
+        """The snapshot sent with each message: gauges now, counters as deltas since the last call
+        (latency observations: those since the last call); ``num_batched_tokens`` and
+        ``step_time_s`` describe the step it follows (0: no step)."""
+        sched, pool = self.scheduler, self.kv_cache.block_pool
+        counters = self._counters()
+        before = self._reported or (0, 0, 0, (), (), 0, 0)
+        self._reported = counters
+        delta = [now - prev for now, prev in zip((*counters[:3], *counters[5:]), (*before[:3], *before[5:]))]
+        tier_delta = []
+        for now, prev in ((counters[3], before[3]), (counters[4], before[4])):
+            prev_d = dict(prev)
+            tier_delta.append({name: value - prev_d.get(name, 0) for name, value in now})
+        tier = self.offloader.tier if self.offloader is not None else None
+        pins = self._pin_snapshots()
+        self._reported_pins = pins
+        return StepStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                         kv_used_blocks=self.capacity.num_blocks - self.kv_cache.num_free_blocks,
+                         kv_cached_blocks=sum(1 for b in pool.cached_blocks.values() if b.ref_cnt == 0),
+                         kv_num_blocks=self.capacity.num_blocks, kv_block_size=self.capacity.block_size,
+                         prefix_cache_queries=delta[0], prefix_cache_hits=delta[1], num_preemptions=delta[2],
+                         num_batched_tokens=num_batched_tokens, step_time_s=step_time_s,
+                         tier_queries=tier_delta[0], tier_hits=tier_delta[1],
+                         disk_bytes_read=delta[3], disk_bytes_written=delta[4],
+                         disk_usage_bytes=tier.usage_bytes() if tier is not None else 0,
+                         disk_capacity_bytes=tier.capacity_bytes() if tier is not None else 0,
+                         offload_write_seconds=tier.stats.drain_recent("write") if tier is not None else [],
+                         offload_read_seconds=tier.stats.drain_recent("read") if tier is not None else [],
+                         kv_pinned_blocks=self.kv_cache.num_pinned_blocks, pins=pins)
+
+    def unpin(self, block_hash: str) -> bool:
+        """Ask for a pin's release (applied by ``housekeeping`` / the next schedule); False if unknown."""
+        return self.kv_cache.request_unpin(block_hash)
+
     # ---- the step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def _execute(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+        if self.fault_token_id is not None and any(
+                s.request.prompt_token_ids[0] == self.fault_token_id for s in plan.scheduled):
+            raise RuntimeError(f"injected test fault ({FAULT_TOKEN_ENV})")
+        return self.runner.execute(plan)
+
+    def _execute_isolated(self, plan: SchedulerOutput) -> tuple[dict[str, SampledToken], list[Request]]:
+        """Rerun a failed step's requests one at a time; return the samples and the requests that fail alone.
+
+        Rerunning is exact: the failed pass wrote K/V only into the same slots the reruns write."""
+        sampled: dict[str, SampledToken] = {}
+        failed: list[Request] = []
+        for item in plan.scheduled:
+            try:
+                sampled.update(self._execute(SchedulerOutput(scheduled=[item])))
+            except Exception:  # noqa: BLE001 - the fault belongs to this request only
+                logger.exception("engine step failed for request %s", item.request.request_id)
+                failed.append(item.request)
+        return sampled, failed
+
+    def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, apply the sampled tokens; return per-request outputs."""
         if self.offloader is not None:
             self._finish_loads()
@@ -343,20 +416,23 @@ class LLMEngine:
                 self.offloader.submit_load(request.request_id, blocks)
         if plan.is_empty:
             return outputs
-        sampled = self.runner.execute(plan)
+        failed: list[Request] = []
+        try:
+            sampled = self._execute(plan)
+        except Exception:  # noqa: BLE001 - isolate the requests that cause it
+            logger.exception("engine step of %d requests failed; retrying them one by one", len(plan.scheduled))
+            sampled, failed = self._execute_isolated(plan)
+        if failed:
+            failed_ids = {r.request_id for r in failed}
+            plan.scheduled = [s for s in plan.scheduled if s.request.request_id not in failed_ids]
+            for request in self.scheduler.finish_requests(list(failed_ids), RequestStatus.FINISHED_ERROR):
+                outputs.append(self._final(request))
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
         for request in touched:
             rid = request.request_id
             token = request.output_token_ids[-1]
             if request.grammar is not None and not request.status.is_finished:
                 self._advance_grammar(request, token)
-            detok = self._detokenizers.get(rid)
-            if detok is not None and detok.add_token(token) is not None:
-                request.stop_reason = detok.stopped_on
-                if not request.status.is_finished:
-                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-                else:
-                    request.status = RequestStatus.FINISHED_STOPPED
             finished = request.status.is_finished
             sample = sampled[rid]
             logprobs = None
@@ -365,24 +441,16 @@ class LLMEngine:
             prompt_logprobs = None
             if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
                 prompt_logprobs = list(request.prompt_logprobs)
-            outputs.append(RequestOutput(
-                request_id=rid, new_token_ids=[token],
-                text=detok.take_delta(finished) if detok is not None else "",
-                finished=finished, finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0), logprobs=logprobs,
-                arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-                prompt_logprobs=prompt_logprobs, num_cache_write_tokens=request.num_cache_write_tokens,
-                error=request.grammar.error if request.grammar is not None and finished else None))
+            error = request.grammar.error if request.grammar is not None and finished else None
+            outputs.append(self._output(request, [token], logprobs, prompt_logprobs, error))
             if finished:
-                self._detokenizers.pop(rid, None)
                 self.runner.release(rid)
         if self.offloader is not None:  # write-throughs of requests that just finished
             self.offloader.offload(self.kv_cache.take_offloads())
         return outputs
 
     # ---- structured output -------------------------------------------------------------------
-    def _resolve_grammars(self) -> list[RequestOutput]:
+    def _resolve_grammars(self) -> list[EngineCoreOutput]:
         """Build the matcher of every request whose grammar finished compiling; a request whose
         grammar failed finishes here with an error (the engine goes on)."""
         outputs = []
@@ -427,19 +495,22 @@ class LLMEngine:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
         """Run ``prompts`` together to completion; results in prompt order."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        processor = OutputProcessor(self.tokenizer)
         results: dict[str, GenerationResult] = {}
         order = []
         for prompt, p in zip(prompts, params_list):
             rid = self.add_request(prompt, p)
             req = self.scheduler.requests[rid]
+            processor.add_request(rid, req.prompt_token_ids, req.sampling_params, req.arrival_time)
             results[rid] = GenerationResult(rid, list(req.prompt_token_ids), [], "", None, 0,
                                             [] if (p and p.logprobs is not None) else None)
             order.append(rid)
         while self.has_unfinished():
-            for out in self.step():
-                res = results.get(out.request_id)
-                if res is None:
-                    continue
+            outs, stopped = processor.process(self.step())
+            for rid in stopped:  # a stop string ended it: free its blocks now
+                self.abort(rid)
+            for out in outs:
+                res = results[out.request_id]
                 res.token_ids.extend(out.new_token_ids)
                 res.text += out.text
                 if out.logprobs and res.logprobs is not None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from engine.structured_output import apply_bitmask, bitmask_words
 
 if TYPE_CHECKING:

@@ -11,7 +11,6 @@ class SchedulerConfig:
     max_model_len: int | None = None  # context length (prompt + output); None: resolved from the model
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
-    max_waiting: int | None = None  # None: unbounded waiting queue
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

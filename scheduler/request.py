@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

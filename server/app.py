@@ -14,9 +14,8 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_engine import AsyncEngine
+from engine.core_client import EngineClient
 from server import __version__
-from server.cache_metrics import KVTierCollector
 from server.cache_routes import add_cache_routes
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -29,8 +28,9 @@ from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, toke
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
-    """An app serving ``engine``. The engine loop starts with the app and stops with it.
+def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
+    """An app serving ``engine`` (built by ``kvserve.compose``). The engine starts with the app
+    (a no-op if it already runs) and stops with it.
 
     ``metrics`` should be the engine's observer; it adds ``/metrics`` and the periodic stats line.
     """
@@ -55,6 +55,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
                 stats_task.cancel()
             # Off the event loop: joining the engine thread may take a step's time.
             await asyncio.to_thread(engine.shutdown)
+            serving.close()
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
@@ -88,9 +89,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
 
     @app.get("/health")
     async def health() -> Response:
+        # The reason of a failure is in the log, not here: /health is public.
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": str(engine.error or "engine stopped")}, status_code=503)
+        return JSONResponse({"status": "unavailable"}, status_code=503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -98,7 +100,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None
 
     add_cache_routes(app, engine, authorized)
     if metrics is not None:
-        metrics.registry.register(KVTierCollector(metrics.model_name, engine.engine))
         app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False)
     return app
 
@@ -113,7 +114,7 @@ class DrainingServer(uvicorn.Server):
     the signal once shut down, so the process dies of SIGTERM.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace_s: float) -> None:
         super().__init__(config)
         self.engine, self.grace_s = engine, grace_s
 
@@ -144,12 +145,16 @@ class DrainingServer(uvicorn.Server):
             expiry.cancel()
 
 
-def serve(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> bool:
-    """Run ``app`` until SIGTERM/SIGINT and a drain; False if the server could not start."""
+def serve(app: FastAPI, engine: EngineClient, config: ServerConfig) -> bool:
+    """Run ``app`` until SIGTERM/SIGINT and a drain, or until the engine client gives up
+    (``engine.fatal``: the caller exits non-zero); False if the server could not start."""
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False,
                                            # a backstop only: the engine abort ends every response first
                                            timeout_graceful_shutdown=config.shutdown_grace_s + 10),
                             engine, config.shutdown_grace_s)
+    if hasattr(engine, "on_fatal"):
+        # uvicorn's main loop polls should_exit; setting it from the supervisor thread is safe.
+        engine.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
     return server.started

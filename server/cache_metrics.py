@@ -1,8 +1,9 @@
-"""Prometheus families of the KV cache tiers and pins, read at scrape time.
+"""Prometheus families of the KV cache tiers and pins, fed by the core's ``StepStats`` snapshots.
 
-Kept apart from server/metrics.py (one collector registered next to it). Every family carries
-``model_name`` and, where it applies, ``tier`` = ``device`` | ``disk``; the disk series exist
-(as zeros) even when the server runs without a disk tier, so dashboards never go blank.
+Kept apart from server/metrics.py (``Metrics`` owns one collector, registers it next to its own
+families and hands it every snapshot). Every family carries ``model_name`` and, where it
+applies, ``tier`` = ``device`` | ``disk``; the disk series exist (as zeros) even when the server
+runs without a disk tier, so dashboards never go blank.
 
 - ``kv_tier_queries_total`` / ``kv_tier_hits_total``: prompt tokens looked up in / found in the
   tier at a request's first admission (disk: the tokens after the device chain ended);
@@ -10,33 +11,62 @@ Kept apart from server/metrics.py (one collector registered next to it). Every f
   read) and ``kv_tier_written_bytes_total`` (disk: payload bytes written);
 - gauges ``kv_tier_usage_bytes`` / ``kv_tier_capacity_bytes`` and ``kv_pinned_blocks``;
 - histograms ``kv_offload_write_seconds`` / ``kv_offload_read_seconds`` (one block each).
+
+Snapshot contract (engine/core_protocol.StepStats): counters arrive as deltas and are summed
+here (a restarted core never makes them go backwards), gauges are absolute, and latencies come
+as the observations made since the previous snapshot. Nothing here reads engine state.
 """
 from __future__ import annotations
 
-from typing import Any
+import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from cache.tiers import LATENCY_BUCKETS, TierStats
+from cache.tiers import LATENCY_BUCKETS
+from engine.core_protocol import EngineInfo, StepStats
 
 NAMESPACE = "kvserve"
 TIERS = ("device", "disk")
 
 
 class KVTierCollector:
-    """Reads ints the engine thread updates (racy single reads are fine for metrics)."""
+    """Totals and the latest gauges from the snapshots ``update`` receives (one receiving thread);
+    ``collect`` (the scrape) reads them under a lock."""
 
-    def __init__(self, model_name: str, engine: Any) -> None:
+    def __init__(self, model_name: str, info: EngineInfo) -> None:
         self.model_name = model_name
-        self.engine = engine
+        self.info = info
+        self._lock = threading.Lock()
+        self.queries = {t: 0 for t in TIERS}
+        self.hits = {t: 0 for t in TIERS}
+        self.disk_bytes_read = 0
+        self.disk_bytes_written = 0
+        self.state = StepStats(kv_num_blocks=info.num_blocks, kv_block_size=info.block_size)
+        self.latency = {kind: ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]) for kind in ("write", "read")}
+
+    def update(self, stats: StepStats) -> None:
+        with self._lock:
+            for tier, n in stats.tier_queries.items():
+                self.queries[tier] = self.queries.get(tier, 0) + n
+            for tier, n in stats.tier_hits.items():
+                self.hits[tier] = self.hits.get(tier, 0) + n
+            self.disk_bytes_read += stats.disk_bytes_read
+            self.disk_bytes_written += stats.disk_bytes_written
+            for kind, observed in (("write", stats.offload_write_seconds), ("read", stats.offload_read_seconds)):
+                counts, total = self.latency[kind]
+                for seconds in observed:
+                    index = next((i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound),
+                                 len(LATENCY_BUCKETS))
+                    counts[index] += 1
+                    total[0] += seconds
+            self.state = stats
 
     def collect(self):
-        engine, name = self.engine, self.model_name
-        stats = engine.scheduler.stats
-        kv, cap = engine.kv_cache, engine.capacity
-        offloader = getattr(engine, "offloader", None)
-        tier = offloader.tier if offloader is not None else None
-        disk: TierStats = tier.stats if tier is not None else TierStats()
+        name, info = self.model_name, self.info
+        with self._lock:
+            queries, hits = dict(self.queries), dict(self.hits)
+            read, written, state = self.disk_bytes_read, self.disk_bytes_written, self.state
+            latency = {kind: (list(counts), total[0]) for kind, (counts, total) in self.latency.items()}
 
         def family(kind: type, metric: str, doc: str, values: dict[str, float]):
             f = kind(f"{NAMESPACE}_{metric}", doc, labels=["model_name", "tier"])
@@ -44,30 +74,31 @@ class KVTierCollector:
                 f.add_metric([name, tier_name], value)
             return f
 
+        per_token = info.kv_bytes_per_token
         yield family(CounterMetricFamily, "kv_tier_queries", "Prompt tokens looked up in each KV tier.",
-                     {t: stats.tier_queries.get(t, 0) for t in TIERS})
+                     {t: queries.get(t, 0) for t in TIERS})
         yield family(CounterMetricFamily, "kv_tier_hits", "Prompt tokens found in each KV tier.",
-                     {t: stats.tier_hits.get(t, 0) for t in TIERS})
+                     {t: hits.get(t, 0) for t in TIERS})
         yield family(CounterMetricFamily, "kv_tier_read_bytes", "KV bytes served from each tier.",
-                     {"device": stats.tier_hits.get("device", 0) * cap.bytes_per_token, "disk": disk.bytes_read})
+                     {"device": hits.get("device", 0) * per_token, "disk": read})
         yield family(CounterMetricFamily, "kv_tier_written_bytes", "KV bytes written into each lower tier.",
-                     {"disk": disk.bytes_written})
-        used_blocks = cap.num_blocks - kv.num_free_blocks
+                     {"disk": written})
         yield family(GaugeMetricFamily, "kv_tier_usage_bytes", "Bytes in use in each KV tier.",
-                     {"device": used_blocks * cap.block_size * cap.bytes_per_token,
-                      "disk": tier.usage_bytes() if tier is not None else 0})
+                     {"device": state.kv_used_blocks * info.block_size * per_token,
+                      "disk": state.disk_usage_bytes})
         yield family(GaugeMetricFamily, "kv_tier_capacity_bytes", "Capacity of each KV tier in bytes.",
-                     {"device": cap.total_bytes, "disk": tier.capacity_bytes() if tier is not None else 0})
+                     {"device": info.num_blocks * info.block_size * per_token,
+                      "disk": state.disk_capacity_bytes})
         pinned = GaugeMetricFamily(f"{NAMESPACE}_kv_pinned_blocks", "KV blocks held by cache_control pins.",
                                    labels=["model_name"])
-        pinned.add_metric([name], kv.num_pinned_blocks)
+        pinned.add_metric([name], state.kv_pinned_blocks)
         yield pinned
-        for kind, counts, total in (("write", disk.write_seconds, disk.write_seconds_sum),
-                                    ("read", disk.read_seconds, disk.read_seconds_sum)):
+        for kind in ("write", "read"):
+            counts, total = latency[kind]
             h = HistogramMetricFamily(f"{NAMESPACE}_kv_offload_{kind}_seconds",
                                       f"Seconds per block {kind} of the disk tier.", labels=["model_name", "tier"])
             cumulative, buckets = 0, []
-            for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], list(counts)):
+            for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts):
                 cumulative += count
                 buckets.append((bound, cumulative))
             h.add_metric([name, "disk"], buckets, total)

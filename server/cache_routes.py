@@ -22,8 +22,9 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from cache.pins import PIN_TTL_SECONDS, RETENTION_SECONDS, CachePolicy
-from engine.sampling_params import SamplingParams
+from cache.pins import PIN_TTL_SECONDS, RETENTION_SECONDS
+from kvtypes.cache_policy import CachePolicy
+from kvtypes.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat
 from server.errors import APIError, bad_request
 
@@ -100,8 +101,8 @@ def _policy(body: Any, pin_tokens: int, ttl: float, has_disk_tier: bool) -> Cach
 
 
 def has_disk_tier(engine: Any) -> bool:
-    """Whether the AsyncEngine's engine runs with a disk tier (reads immutable setup state)."""
-    return getattr(getattr(engine, "engine", None), "offloader", None) is not None
+    """Whether the engine core runs with a disk tier (``EngineInfo``, fixed when the core started)."""
+    return bool(getattr(getattr(engine, "info", None), "has_disk_tier", False))
 
 
 def with_policy(params: SamplingParams, policy: CachePolicy | None) -> SamplingParams:
@@ -109,26 +110,32 @@ def with_policy(params: SamplingParams, policy: CachePolicy | None) -> SamplingP
 
 
 def add_cache_routes(app: FastAPI, engine: Any, authorized: Any) -> None:
-    """``GET /v1/cache`` and ``DELETE /v1/cache/{hash}`` (``engine``: the AsyncEngine)."""
-    def kv_cache() -> Any:
-        kv = getattr(getattr(engine, "engine", None), "kv_cache", None)
-        if kv is None:
-            raise APIError(503, "this engine has no KV cache to list", "service_unavailable_error", None,
+    """``GET /v1/cache`` and ``DELETE /v1/cache/{hash}`` (``engine``: the EngineClient).
+
+    Both answer from the latest ``StepStats`` snapshot's pin list (the core sends one after every
+    step and, while idle, whenever its pins change); a delete is a fire-and-forget ``Unpin``
+    command, applied by the core at its next scheduling step or idle poll."""
+    def snapshot() -> Any:
+        stats = engine.stats
+        if stats is None:
+            raise APIError(503, "the engine has not reported its KV cache yet", "service_unavailable_error", None,
                            "no_kv_cache")
-        return kv
+        return stats
 
     @app.get("/v1/cache", dependencies=[Depends(authorized)])
     async def list_cache() -> dict:
-        kv = kv_cache()
-        now = kv.clock()
+        stats = snapshot()
+        age = max(0.0, time.monotonic() - stats.time)
         data = [{"hash": p.hash, "tokens": p.num_tokens, "blocks": p.num_blocks, "ttl_seconds": p.ttl_s,
-                 "ttl_left_seconds": round(max(0.0, p.expires_at - now), 3), "salt_id": p.salt_id}
-                for p in kv.list_pins()]
+                 "ttl_left_seconds": round(max(0.0, p.ttl_left_s - age), 3), "salt_id": p.salt_id}
+                for p in stats.pins]
+        data = [d for d in data if d["ttl_left_seconds"] > 0]
         return {"object": "list", "data": data, "pinned_blocks": sum(p["blocks"] for p in data),
-                "max_pinned_blocks": kv.max_pinned_blocks, "created": int(time.time())}
+                "max_pinned_blocks": engine.info.max_pinned_blocks, "created": int(time.time())}
 
     @app.delete("/v1/cache/{block_hash}", dependencies=[Depends(authorized)])
     async def unpin(block_hash: str) -> dict:
-        if not _HASH_RE.match(block_hash) or not kv_cache().request_unpin(block_hash):
+        if not _HASH_RE.match(block_hash) or all(p.hash != block_hash for p in snapshot().pins):
             raise APIError(404, "no pinned prefix has this hash", "invalid_request_error", "hash", "not_found")
+        engine.unpin(block_hash)
         return {"hash": block_hash, "object": "cache.pin", "deleted": True}

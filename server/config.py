@@ -12,6 +12,8 @@ class ServerConfig:
     max_waiting: int = 256  # requests queued beyond this get 429 + Retry-After
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8  # choices per request
+    max_prompts: int = 32  # prompts in one /v1/completions request (checked before tokenizing)
+    max_prompt_chars: int = 1_000_000  # characters of prompt text per request (checked before tokenizing)
     max_stop: int = 16  # stop strings per request
     shutdown_grace_s: float = 20.0  # SIGTERM: in-flight requests may finish for this long
     log_stats_interval_s: float = 10.0  # periodic throughput/KV log line while busy; 0 disables
@@ -22,6 +24,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_prompts < 1 or self.max_prompt_chars < 1:
+            raise ValueError("max_prompts and max_prompt_chars must be >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.metrics_compat not in (None, "vllm"):

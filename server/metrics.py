@@ -2,7 +2,7 @@
 
 Exported families (every one labelled ``model_name``; ``promtool check metrics`` clean):
 
-- gauges, read at scrape time: ``num_requests_running``, ``num_requests_waiting`` (the
+- gauges, from the latest step snapshot: ``num_requests_running``, ``num_requests_waiting`` (the
   scheduler's queues; preempted requests wait again), ``kv_cache_usage_perc`` (0..1, blocks
   held by live requests), ``kv_cache_used_tokens`` (token slots in those blocks: block
   granular, a block shared by several requests counts once), ``kv_cache_capacity_tokens``,
@@ -18,7 +18,8 @@ Exported families (every one labelled ``model_name``; ``promtool check metrics``
   tokens come out, so an aborted request's tokens count too), and, for requests that finished
   normally only (so disconnects and engine failures do not skew the percentiles),
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prompt_tokens``,
-  ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step).
+  ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step);
+- the KV tier and pin families of ``server/cache_metrics.py``, fed the same snapshots.
 
 Counting is per *engine request*: a completion with ``n`` choices or several prompts is that
 many engine requests, so with ``n > 1`` ``prompt_tokens_total`` counts the prompt ``n`` times
@@ -29,13 +30,13 @@ layer rejects before they reach the engine (validation 400s, auth 401, model 404
 429) are not counted; their status codes belong to HTTP access metrics or logs, and a bad
 client must not look like an unhealthy engine on an alerting dashboard.
 
-Three sources, each read where it is cheapest:
-- per-request latencies and token counts, from the engine outputs the loop thread hands to
-  ``on_step`` (histograms and counters, updated in the loop thread);
-- scheduler and KV-cache state (gauges, prefix-cache and preemption counters), read at
-  scrape time by a custom collector, so the hot path pays nothing for them;
-- a periodic log line built from counter deltas (``log_stats``, called every
-  ``ServerConfig.log_stats_interval_s`` by the app; it stays quiet while the engine is idle).
+One source: the engine client's observer call per step (``on_step``, in the client's receiving
+thread), which brings the core's ``StepStats`` snapshot (gauges absolute, counters as per-step
+deltas, so a restarted core never makes a counter go backwards) and the step's
+``RequestOutput``s (per-request latencies and token counts). Nothing reads engine state from
+another thread: the scrape collector reads the latest snapshot object, which is only ever
+replaced whole. ``log_stats`` (every ``ServerConfig.log_stats_interval_s``) logs counter
+deltas and stays quiet while the engine is idle.
 """
 from __future__ import annotations
 
@@ -45,11 +46,12 @@ from dataclasses import dataclass
 
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.core_protocol import EngineInfo, StepStats
+from server.cache_metrics import KVTierCollector
+from kvtypes.outputs import RequestOutput
 
 logger = logging.getLogger("kvserve.stats")
 # The *_created series double the exposition for no dashboard use (vLLM drops them too).
@@ -99,9 +101,9 @@ class _Timing:
 class Metrics:
     """The engine's observer (``on_step``) and the ``/metrics`` route; see the module docstring."""
 
-    def __init__(self, model_name: str, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self.model_name = model_name = info.model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -111,8 +113,8 @@ class Metrics:
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, labels, namespace=NAMESPACE, buckets=buckets, registry=self.registry)
 
-        length_buckets = buckets_1_2_5(engine.max_model_len)
-        step_buckets = buckets_pow2(engine.config.scheduler.max_num_batched_tokens)
+        length_buckets = buckets_1_2_5(info.max_model_len)
+        step_buckets = buckets_pow2(info.max_num_batched_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed.").labels(
             model_name)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
@@ -142,25 +144,48 @@ class Metrics:
                                                    length_buckets).labels(model_name)
         self.iteration_tokens = histogram("iteration_tokens", "Tokens run by one engine step.",
                                           step_buckets).labels(model_name)
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache at first admission."
+                                            ).labels(model_name)
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache at first admission.").labels(model_name)
+        self.num_preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.").labels(model_name)
         self.registry.register(_EngineStateCollector(self))
+        # KV tier and pin families (server/cache_metrics.py), fed the same snapshots
+        self.tiers = KVTierCollector(model_name, info)
+        self.registry.register(self.tiers)
+        self.state = StepStats(kv_num_blocks=info.num_blocks, kv_block_size=info.block_size)  # replaced whole
         # What /metrics serializes: the registry, or a wrapper (server.metrics_compat) around it.
         self.exposition = self.registry
         self._timings: dict[str, _Timing] = {}
-        # Plain totals for the log line (written in the loop thread, read racily by log_stats).
+        # Plain totals for the log line (written in the receiving thread, read by log_stats).
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._num_queries = 0
+        self._num_hits = 0
         self._last_log = (time.monotonic(), 0, 0, 0, 0)
 
-    # ---- called in the engine loop thread ------------------------------------------------------
-    def on_step(self, num_tokens: int, outputs: list[RequestOutput]) -> None:
+    # ---- called in the engine client's receiving thread ------------------------------------------
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         try:
-            self._on_step(num_tokens, outputs)
-        except Exception:  # noqa: BLE001 - a metrics bug must never take the engine loop down
+            self._on_step(stats, outputs)
+        except Exception:  # noqa: BLE001 - a metrics bug must never stop the outputs
             logger.exception("metrics update failed")
 
-    def _on_step(self, num_tokens: int, outputs: list[RequestOutput]) -> None:
-        if num_tokens:
-            self.iteration_tokens.observe(num_tokens)
+    def _on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
+        if stats is not None:
+            self.state = stats
+            self.tiers.update(stats)
+            if stats.num_batched_tokens:
+                self.iteration_tokens.observe(stats.num_batched_tokens)
+            if stats.prefix_cache_queries:
+                self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+                self._num_queries += stats.prefix_cache_queries
+            if stats.prefix_cache_hits:
+                self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+                self._num_hits += stats.prefix_cache_hits
+            if stats.num_preemptions:
+                self.num_preemptions.inc(stats.num_preemptions)
         now = time.monotonic()
         for out in outputs:
             timing = self._timings.get(out.request_id)
@@ -202,76 +227,46 @@ class Metrics:
 
     def log_stats(self) -> None:
         """One line of throughput and cache state since the previous call (only when there was work)."""
-        sched = self.engine.scheduler
+        state = self.state
         now = time.monotonic()
-        prompt, gen = self._num_prompt_tokens, self._num_generation_tokens
-        queries, hits = sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits
+        prompt, gen, queries, hits = (self._num_prompt_tokens, self._num_generation_tokens, self._num_queries,
+                                      self._num_hits)
         t0, prompt0, gen0, queries0, hits0 = self._last_log
         self._last_log = (now, prompt, gen, queries, hits)
-        if gen == gen0 and prompt == prompt0 and queries == queries0 and not sched.has_unfinished():
+        if gen == gen0 and prompt == prompt0 and queries == queries0 and not (state.num_running or state.num_waiting):
             return
         dt = max(now - t0, 1e-9)
         queried = queries - queries0
         logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, "
                     "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
-                    (prompt - prompt0) / dt, (gen - gen0) / dt, sched.num_running, sched.num_waiting,
-                    100 * self.engine.kv_cache.usage, 100 * (hits - hits0) / queried if queried else 0.0)
-
-
-def _num_cached_blocks(engine: LLMEngine) -> int:
-    """``BlockPool.num_cached_blocks`` without iterating a dict the loop thread may be resizing."""
-    pool = engine.kv_cache.block_pool
-    for _ in range(5):
-        try:
-            blocks = list(pool.cached_blocks.values())  # one C-level copy: no other thread runs meanwhile
-            break
-        except RuntimeError:  # "dictionary changed size during iteration"
-            continue
-    else:
-        return 0
-    return sum(1 for block in blocks if block.ref_cnt == 0)
+                    (prompt - prompt0) / dt, (gen - gen0) / dt, state.num_running, state.num_waiting,
+                    100 * state.kv_usage, 100 * (hits - hits0) / queried if queried else 0.0)
 
 
 class _EngineStateCollector:
-    """Gauges and scheduler counters read at scrape time (racy reads of ints are fine here)."""
+    """Gauges from the latest ``StepStats`` snapshot (an object no thread mutates)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def collect(self):
-        engine = self.metrics.engine
+        state, info = self.metrics.state, self.metrics.info
         name = self.metrics.model_name
-        sched, kv, cap = engine.scheduler, engine.kv_cache, engine.capacity
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"{NAMESPACE}_{metric}", doc, labels=["model_name"])
             g.add_metric([name], value)
             return g
 
-        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"{NAMESPACE}_{metric}", doc, labels=["model_name"])
-            c.add_metric([name], value)
-            return c
-
-        num_free = kv.num_free_blocks
-        used_blocks = cap.num_blocks - num_free
-        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
+        yield gauge("num_requests_running", "Requests in the running batch.", state.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be admitted (preempted ones included).",
-                    sched.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0..1).",
-                    used_blocks / cap.num_blocks)
-        yield gauge("kv_cache_used_tokens", "KV token slots in blocks held by live requests.",
-                    used_blocks * cap.block_size)
-        yield gauge("kv_cache_capacity_tokens", "KV token slots in the whole pool.", cap.num_tokens)
-        yield gauge("kv_cache_cached_blocks", "Free blocks kept for prefix reuse (evictable).",
-                    _num_cached_blocks(engine))
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache at first admission.",
-                      sched.stats.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache at first admission.",
-                      sched.stats.prefix_cache_hits)
-        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", sched.stats.num_preemptions)
-        info = InfoMetricFamily(f"{NAMESPACE}_cache_config", "KV cache configuration.", labels=["model_name"])
-        info.add_metric([name], {"block_size": str(cap.block_size), "num_blocks": str(cap.num_blocks),
-                                 "cache_dtype": engine.config.model.dtype,
-                                 "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching).lower()})
-        yield info
+                    state.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0..1).", state.kv_usage)
+        yield gauge("kv_cache_used_tokens", "KV token slots in blocks held by live requests.", state.kv_used_tokens)
+        yield gauge("kv_cache_capacity_tokens", "KV token slots in the whole pool.", info.num_tokens)
+        yield gauge("kv_cache_cached_blocks", "Free blocks kept for prefix reuse (evictable).", state.kv_cached_blocks)
+        cache_info = InfoMetricFamily(f"{NAMESPACE}_cache_config", "KV cache configuration.", labels=["model_name"])
+        cache_info.add_metric([name], {"block_size": str(info.block_size), "num_blocks": str(info.num_blocks),
+                                       "cache_dtype": info.dtype,
+                                       "enable_prefix_caching": str(info.enable_prefix_caching).lower()})
+        yield cache_info

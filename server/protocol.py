@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.sampling_params import SamplingParams
-from engine.structured_spec import StructuredOutputSpec
+from kvtypes.sampling_params import SamplingParams
+from kvtypes.structured_spec import StructuredOutputSpec
 from server.cache_routes import CacheControl
 from server.errors import bad_request
 from server.openai_fields import check_fields

@@ -3,10 +3,15 @@
 One HTTP request becomes ``len(prompts) * n`` engine requests ("choices"), run concurrently
 and merged. Closing the merged stream (client gone, error) cancels every choice, which
 aborts its engine request and frees its blocks.
+
+Bad input stays off the hot path: the prompt count and size are checked before tokenizing,
+and tokenization and chat templates run in a worker thread, never on the event loop. The
+429 budget counts engine requests (a request with ``n=8`` weighs 8).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import time
@@ -18,10 +23,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.llm_engine import PromptTooLongError
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core_client import EngineClient, EngineDeadError
+from engine.core_protocol import PromptTooLongError
+from kvtypes.outputs import RequestOutput, TokenLogprob
+from kvtypes.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
@@ -86,12 +91,20 @@ def _usage(choices: Sequence[Choice], prompt_lengths: Sequence[int]) -> dict[str
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        # One worker: tokenization holds the GIL, more threads would only take turns.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- checks shared by every endpoint ----------------------------------------------------
     def check_api_key(self, authorization: str | None) -> None:
@@ -108,13 +121,16 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            "invalid_request_error", "model", "model_not_found")
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, weight: int = 1) -> None:
+        """503 while the engine is down; 429 when ``weight`` more engine requests would overflow the queue."""
         if not self.engine.is_healthy:
-            raise APIError(500, f"the engine is not running: {self.engine.error or 'stopped'}",
-                           "internal_server_error", None, "engine_dead")
-        if self.engine.num_waiting >= self.config.max_waiting:
-            raise APIError(429, f"the server is overloaded ({self.engine.num_waiting} requests waiting); retry later",
-                           "rate_limit_error", None, "rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise APIError(503, "the engine is not available right now; retry later", "service_unavailable_error",
+                           None, "engine_unavailable", headers={"Retry-After": "5"})
+        waiting = self.engine.num_waiting
+        if waiting + weight > self.config.max_waiting:
+            raise APIError(429, f"the server is overloaded ({waiting} engine requests waiting, this request adds "
+                           f"{weight}); retry later", "rate_limit_error", None, "rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
 
     def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
@@ -152,16 +168,20 @@ class OpenAIServing:
             raise bad_request("messages must contain at least one message", "messages")
         with_tools = self._template_has_tools
         messages = render_messages(body.messages, plan, with_tools)
+        chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
+                    for m in messages)
+        if chars > self.config.max_prompt_chars:
+            raise bad_request(f"the messages hold {chars} characters; at most {self.config.max_prompt_chars} "
+                              "are accepted", "messages", "context_length_exceeded")
+        self.check_capacity(body.n)
+        tools = plan.tools if plan is not None and plan.shows_tools and with_tools else None
         try:
-            prompt_ids = encode_chat(self.tokenizer, messages,
-                                     tools=plan.tools if plan is not None and plan.shows_tools and with_tools
-                                     else None)
+            prompt_ids = await self._off_loop(lambda: encode_chat(self.tokenizer, messages, tools=tools))
         except TemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         params = with_policy(params, chat_cache_policy(body, self.tokenizer, messages, prompt_ids,
                                                        has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")
-        self.check_capacity()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(request_id, [prompt_ids], params, body.n)
         if body.stream:
@@ -175,19 +195,27 @@ class OpenAIServing:
         self._check_grammar(params, "response_format")
         params = with_policy(params, completion_cache_policy(body, has_disk_tier(self.engine)))
         self._check_n(body.n)
-        prompts = []
-        for prompt in body.prompts():
-            if isinstance(prompt, str):
-                ids = encode_prompt(self.tokenizer, prompt)
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                ids = list(prompt)
-            else:
+        raw_prompts = body.prompts()
+        if len(raw_prompts) > self.config.max_prompts:
+            raise bad_request(f"at most {self.config.max_prompts} prompts per request, got {len(raw_prompts)}",
+                              "prompt")
+        if len(raw_prompts) * body.n > self.config.max_n * 4:
+            raise bad_request(f"too many choices: {len(raw_prompts)} prompts x n={body.n}", "prompt")
+        for prompt in raw_prompts:
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
                 raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+        chars = sum(len(p) for p in raw_prompts if isinstance(p, str))
+        if chars > self.config.max_prompt_chars:
+            raise bad_request(f"the prompts hold {chars} characters; at most {self.config.max_prompt_chars} are "
+                              "accepted", "prompt", "context_length_exceeded")
+        self.check_capacity(len(raw_prompts) * body.n)
+        texts = [p for p in raw_prompts if isinstance(p, str)]
+        encoded = iter(await self._off_loop(lambda: [encode_prompt(self.tokenizer, t) for t in texts]) if texts else [])
+        prompts = []
+        for prompt in raw_prompts:
+            ids = next(encoded) if isinstance(prompt, str) else list(prompt)
             self._validate_prompt(ids, params, "prompt")
             prompts.append(ids)
-        if len(prompts) * body.n > self.config.max_n * 4:
-            raise bad_request(f"too many choices: {len(prompts)} prompts x n={body.n}", "prompt")
-        self.check_capacity()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(request_id, prompts, params, body.n)
         if body.echo:

@@ -62,3 +62,14 @@ def require_native_kernel() -> None:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the native paged attention kernel cannot be built here")
     assert load_kernels(), "the native paged attention kernel failed to build (see the log)"
+
+
+def serve_inprocess(engine: LLMEngine):
+    """``engine`` served as ``kvserve serve`` would serve it (the composition root, thread mode),
+    under uvicorn in a thread: a ``bench.serving.Server`` (close it)."""
+    from bench.serving import start_inprocess
+    from kvserve.compose import build_service
+    from server.config import ServerConfig
+
+    service = build_service(EngineConfig(), ServerConfig(log_stats_interval_s=0), engine=engine)
+    return start_inprocess(service.app, service.engine.model_name)

@@ -48,7 +48,12 @@ def _engine(hf, tokenizer, num_blocks=256):
 def server(hf, tokenizer):
     from bench.serving import start_inprocess
 
-    srv = start_inprocess(_engine(hf, tokenizer))
+    from engine.llm_engine import EngineConfig
+    from kvserve.compose import build_service
+    from server.config import ServerConfig
+
+    service = build_service(EngineConfig(), ServerConfig(log_stats_interval_s=0), engine=_engine(hf, tokenizer))
+    srv = start_inprocess(service.app, service.engine.model_name)
     yield srv
     srv.close()
 
@@ -325,7 +330,7 @@ def test_cli_and_benchmarks_md(tmp_path):
     parser = build_parser()
     for scenario in ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "structured", "all"):
         assert parser.parse_args([scenario, "--quick"]).scenario == scenario
-    from server.cli import main as kvserve_main
+    from kvserve.cli import main as kvserve_main
 
     with pytest.raises(SystemExit) as exc:
         kvserve_main(["bench", "--help"])  # forwarded to the bench parser

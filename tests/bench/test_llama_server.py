@@ -225,11 +225,10 @@ def test_llama_server_scenario_end_to_end(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from bench.serving import start_inprocess
     from bench.vs_llama_server import run_vs_llama_server
     from engine.loader import resolve_model_dir
     from tests.bench.test_bench_scenarios import _write_tiny_gguf
-    from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+    from tests.helpers import serve_inprocess, tiny_engine, tiny_hf_model, tiny_llama_config
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None)[0], local_files_only=True)
     hf = tiny_hf_model(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=512,
@@ -242,7 +241,7 @@ def test_llama_server_scenario_end_to_end(tmp_path):
         return tiny_engine(hf, block_size=16, num_blocks=256, max_num_batched_tokens=256, max_num_seqs=16,
                            tokenizer=tokenizer)
 
-    server = start_inprocess(engine())
+    server = serve_inprocess(engine())
     try:
         torch.set_num_threads(1)
         result = run_vs_llama_server(server, engine(), hf, tokenizer, len(tokenizer), threads=1, contexts=(20, 60),

@@ -65,9 +65,12 @@ def test_evicted_prefix_is_restored_from_disk_with_recompute_outputs(hf_model, t
     assert engine.scheduler.stats.tier_hits["disk"] == again.num_cached_tokens
     assert_idle(engine)
     # The tier metrics see it: disk hits, bytes read and written, a read latency observation.
+    # (fed the core's snapshots: counters as deltas, so a second snapshot adds nothing)
     from server.cache_metrics import KVTierCollector
-    samples = {(s.name, s.labels.get("tier")): s.value for f in KVTierCollector("m", engine).collect()
-               for s in f.samples}
+    collector = KVTierCollector("m", engine.info)
+    collector.update(engine.stats())
+    collector.update(engine.stats())
+    samples = {(s.name, s.labels.get("tier")): s.value for f in collector.collect() for s in f.samples}
     assert samples[("kvserve_kv_tier_hits_total", "disk")] == 40
     assert samples[("kvserve_kv_tier_read_bytes_total", "disk")] == 10 * engine.offloader.copier.payload_bytes
     assert samples[("kvserve_kv_tier_written_bytes_total", "disk")] > 0

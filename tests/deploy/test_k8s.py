@@ -78,7 +78,7 @@ def test_the_validator_rejects_a_bad_field():
 
 
 def test_deployment_probes_port_and_args_match_the_server(rendered, monkeypatch):
-    from server import cli
+    from kvserve import cli
     from server.config import ServerConfig
 
     name, objects = rendered

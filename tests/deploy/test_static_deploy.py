@@ -126,7 +126,7 @@ def parse_cmd(stage: list[tuple[str, str]]) -> list[str]:
 
 def serve_args(cmd: list[str], monkeypatch) -> SimpleNamespace:
     """Parse the image's CMD with kvserve's own CLI, without serving."""
-    from server import cli
+    from kvserve import cli
 
     assert cmd[:2] == ["kvserve", "serve"], cmd
     seen = {}
@@ -190,22 +190,31 @@ def test_health_route_answers_without_the_api_key_and_fails_with_the_engine():
     engine = SimpleNamespace(model_name="m", tokenizer=None, is_healthy=True, error=None, max_model_len=8)
     client = TestClient(build_app(engine, ServerConfig(api_key="secret")))
     assert client.get(path).status_code == 200
-    engine.is_healthy, engine.error = False, RuntimeError("engine loop died")
-    assert client.get(path).status_code == 503  # urlopen raises: the container turns unhealthy
+    engine.is_healthy = False  # the engine core died and a new one is loading
+    r = client.get(path)
+    assert r.status_code == 503 and r.json() == {"status": "unavailable"}  # urlopen raises: the container turns unhealthy
+
+
+def test_compose_restarts_the_server_when_it_exits_non_zero():
+    """After repeated engine-core failures the server exits non-zero (docs/deployment.md): the
+    compose service must have a restart policy that acts on that exit."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    policy = compose["services"]["kvserve"].get("restart", "no")
+    assert policy in ("always", "unless-stopped") or policy.startswith("on-failure"), policy
 
 
 @pytest.mark.parametrize("profile", sorted(set(DOCKERFILES.values())))
 def test_shipped_profiles_load(profile):
     from cache import CacheConfig
     from configs import build_section, check_sections, read_profile
-    from engine.config import ModelConfig
+    from engine.config import EngineCoreConfig, ModelConfig
     from scheduler.config import SchedulerConfig
     from server.config import ServerConfig
 
     data = read_profile(ROOT / profile)
-    check_sections(data, {"model", "cache", "scheduler", "server"})
-    for cls, section in ((ModelConfig, "model"), (CacheConfig, "cache"),
-                         (SchedulerConfig, "scheduler"), (ServerConfig, "server")):
+    check_sections(data, {"model", "cache", "scheduler", "core", "server"})
+    for cls, section in ((ModelConfig, "model"), (CacheConfig, "cache"), (SchedulerConfig, "scheduler"),
+                         (EngineCoreConfig, "core"), (ServerConfig, "server")):
         build_section(cls, section, data, {})
 
 

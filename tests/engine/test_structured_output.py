@@ -7,6 +7,8 @@ import json
 from concurrent.futures import Future
 
 import pytest
+
+from engine.output_processor import OutputProcessor
 import torch
 
 from engine.sampler import Sampler, SamplingRow, apply_grammar
@@ -142,6 +144,7 @@ def test_pending_grammar_does_not_stall_other_requests(default_engine):
     try:
         spec = StructuredOutputSpec("regex", "(yes|no)")
         slow = engine.add_request("Answer:", SamplingParams(max_tokens=5, temperature=0, structured_output=spec))
+        slow_prompt = list(engine.scheduler.requests[slow].prompt_token_ids)
         free = engine.add_request("Once upon a time", SamplingParams(max_tokens=4, temperature=0))
         outputs: dict[str, list] = {slow: [], free: []}
         for _ in range(4):
@@ -153,7 +156,11 @@ def test_pending_grammar_does_not_stall_other_requests(default_engine):
         while engine.has_unfinished():
             for out in engine.step():
                 outputs[out.request_id].append(out)
-        text = "".join(o.text for o in outputs[slow])
+        # step() returns token ids; the output processor (the frontend's) makes the text
+        processor = OutputProcessor(engine.tokenizer)
+        processor.add_request(slow, slow_prompt, SamplingParams(max_tokens=5, temperature=0, structured_output=spec), 0.0)
+        texts, _ = processor.process(outputs[slow])
+        text = "".join(o.text for o in texts)
         assert text in ("yes", "no") and outputs[slow][-1].finish_reason == "stop"
     finally:
         engine.grammars.submit = real_submit

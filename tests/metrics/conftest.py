@@ -1,4 +1,5 @@
-"""A real kvserve server for the metrics tests: uvicorn in a thread, its own engine, a free port."""
+"""A real kvserve server for the metrics tests: what ``kvserve serve`` builds (the composition root,
+engine core in its own process), under uvicorn in a thread on a free port."""
 from __future__ import annotations
 
 import socket
@@ -19,7 +20,7 @@ class LiveServer:
     url: str
     model: str
     metrics: object  # server.metrics.Metrics
-    engine: object  # engine.llm_engine.LLMEngine (read-only from tests: the loop thread owns it)
+    engine: object  # the engine client (its .info and .stats)
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
@@ -77,20 +78,17 @@ def live_server():
     import uvicorn
 
     from cache import CacheConfig
-    from engine.async_engine import AsyncEngine
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.llm_engine import EngineConfig
+    from kvserve.compose import build_service
     from scheduler.config import SchedulerConfig
-    from server.app import build_app
     from server.config import ServerConfig
-    from server.metrics import Metrics
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
-                                    cache=CacheConfig(kv_cache_memory_gib=0.25),
-                                    scheduler=SchedulerConfig(max_num_seqs=32)))
-    metrics = Metrics(engine.model_name, engine)
-    app = build_app(AsyncEngine(engine, observer=metrics), ServerConfig(log_stats_interval_s=LOG_STATS_INTERVAL_S),
-                    metrics)
+    service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
+                                         cache=CacheConfig(kv_cache_memory_gib=0.25),
+                                         scheduler=SchedulerConfig(max_num_seqs=32)),
+                            ServerConfig(log_stats_interval_s=LOG_STATS_INTERVAL_S))
+    engine, metrics, app = service.engine, service.metrics, service.app
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, lifespan="on"))

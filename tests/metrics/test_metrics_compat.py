@@ -101,7 +101,7 @@ def test_vllm_names_equal_the_kvserve_ones_under_load(compat_server):
 
 
 def test_off_by_default_and_bad_modes_refused(tmp_path):
-    from server.cli import main
+    from kvserve.cli import main
     from server.config import ServerConfig
     from tests.helpers import tiny_engine, tiny_hf_model
     from server.metrics import Metrics
@@ -122,7 +122,7 @@ def test_off_by_default_and_bad_modes_refused(tmp_path):
     profile = tmp_path / "p.yaml"
     profile.write_text("server:\n  metrics_compat: vllm\n")
     seen = {}
-    import server.cli as cli
+    import kvserve.cli as cli
 
     orig = cli.cmd_serve
     try:

@@ -78,7 +78,10 @@ def test_counters_and_histograms_match_usage(live_server):
     assert delta(before, after, "kvserve_inter_token_latency_seconds_count") == sum(
         u["completion_tokens"] - 1 for u in usages)
     # Each step runs the uncached prompt tokens (the first token comes with the prefill), then one per decode.
-    assert delta(before, after, "kvserve_iteration_tokens_sum") == prompt - cached + completion - n
+    # The stop string is found by the frontend's output processor, which then aborts the request in the
+    # core: the core may run one or two more decode steps of it meanwhile (tokens nobody receives).
+    expected = prompt - cached + completion - n
+    assert expected <= delta(before, after, "kvserve_iteration_tokens_sum") <= expected + 2
     assert delta(before, after, "kvserve_time_to_first_token_seconds_sum") <= delta(
         before, after, "kvserve_e2e_request_latency_seconds_sum")
 
@@ -170,7 +173,7 @@ def test_aborts_count_as_errors_and_rejections_do_not(live_server):
 def test_cache_config_info(live_server):
     scrape = live_server.scrape()
     info = scrape.labels_of("kvserve_cache_config_info")
-    cap = live_server.engine.capacity
+    cap = live_server.engine.info
     assert scrape.get("kvserve_cache_config_info") == 1
     assert info == {"model_name": live_server.model, "block_size": str(cap.block_size),
                     "num_blocks": str(cap.num_blocks), "cache_dtype": "float32", "enable_prefix_caching": "true"}

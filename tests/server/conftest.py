@@ -1,8 +1,9 @@
 """A real kvserve HTTP server for the server tests, plus OpenAI schema validation and SSE helpers.
 
-The server runs its own LLMEngine (not the session ``default_engine``: an LLMEngine is driven by
-one thread only, and here that thread is the AsyncEngine loop) under uvicorn in a background
-thread on a free port of 127.0.0.1, with an API key so every request exercises auth.
+The server is what ``kvserve serve`` builds (``kvserve.compose.build_service``, the served
+default: the engine core in its own process) under uvicorn in a background thread on a free
+port of 127.0.0.1, with an API key so every request exercises auth. Tests see the engine only
+through its client (its ``StepStats`` snapshots), as the server does.
 """
 from __future__ import annotations
 
@@ -127,9 +128,12 @@ class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
     api_key: str
     model: str
-    engine: Any  # the LLMEngine (read-only from tests: the loop thread owns it)
-    async_engine: Any
+    engine: Any  # the engine client (engine.core_client.MPEngineClient)
     app: Any
+
+    @property
+    def async_engine(self) -> Any:
+        return self.engine
 
     @property
     def v1(self) -> str:
@@ -140,15 +144,19 @@ class LiveServer:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def wait_idle(self, timeout: float = 2.0) -> bool:
-        """True once the engine holds no request and no KV block (polled)."""
+        """True once the core's latest snapshot shows no request and no KV block held (polled)."""
         deadline = time.monotonic() + timeout
         while True:
-            if (not self.engine.has_unfinished() and self.engine.kv_cache.usage == 0
-                    and self.async_engine.num_in_flight == 0):
+            if is_idle(self.engine.stats) and self.engine.num_in_flight == 0:
                 return True
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
+
+
+def is_idle(stats: Any) -> bool:
+    """A ``StepStats`` snapshot with nothing running or waiting and no KV block held."""
+    return stats is None or (stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_used_blocks == 0)
 
 
 @pytest.fixture(scope="session")
@@ -156,20 +164,17 @@ def live_server():
     import uvicorn
 
     from cache import CacheConfig
-    from engine.async_engine import AsyncEngine
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.llm_engine import EngineConfig
+    from kvserve.compose import build_service
     from scheduler.config import SchedulerConfig
-    from server.app import build_app
     from server.config import ServerConfig
-    from server.metrics import Metrics
 
-    engine = LLMEngine(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
-                                    cache=CacheConfig(kv_cache_memory_gib=0.25),
-                                    scheduler=SchedulerConfig(max_num_seqs=32)))
-    async_engine = AsyncEngine(engine, observer=Metrics(engine.model_name, engine))
-    app = build_app(async_engine, ServerConfig(api_key=API_KEY, max_waiting=256, log_stats_interval_s=0),
-                    async_engine.observer)
+    service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
+                                         cache=CacheConfig(kv_cache_memory_gib=0.25),
+                                         scheduler=SchedulerConfig(max_num_seqs=32)),
+                            ServerConfig(api_key=API_KEY, max_waiting=256, log_stats_interval_s=0))
+    engine, app = service.engine, service.app
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
@@ -177,12 +182,12 @@ def live_server():
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base_url, SERVER_START_TIMEOUT_S)
-        yield LiveServer(base_url, API_KEY, engine.model_name, engine, async_engine, app)
+        yield LiveServer(base_url, API_KEY, engine.model_name, engine, app)
     finally:
         server.should_exit = True
         thread.join(30)
         assert not thread.is_alive(), "uvicorn did not stop"
-        assert not async_engine.is_healthy, "the engine loop outlived the app"
+        assert not engine.is_healthy, "the engine core outlived the app"
 
 
 @pytest.fixture(scope="session")
@@ -221,12 +226,12 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server_process(tmp_path: Path, *extra: str) -> ServerProcess:
+def start_server_process(tmp_path: Path, *extra: str, env_extra: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     log_path = tmp_path / f"kvserve-{port}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.pop("KVSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-model-len", "1024",
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--max-model-len", "1024",
            "--kv-cache-memory", "0.1", "--num-threads", "1", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

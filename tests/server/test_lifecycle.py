@@ -25,22 +25,32 @@ ABORT_FREES_WITHIN_S = 10.0
 
 
 # ---- 429 -------------------------------------------------------------------------------------
-def test_check_capacity_counts_the_waiting_queue():
-    engine = SimpleNamespace(model_name="m", tokenizer=None, is_healthy=True, error=None, num_waiting=0)
-    serving = OpenAIServing(engine, ServerConfig(max_waiting=2))
-    for waiting in (0, 1):
+def test_check_capacity_counts_the_waiting_queue_in_engine_requests():
+    engine = SimpleNamespace(model_name="m", tokenizer=None, is_healthy=True, num_waiting=0)
+    serving = OpenAIServing(engine, ServerConfig(max_waiting=8))
+    for waiting in (0, 7):
         engine.num_waiting = waiting
         serving.check_capacity()
-    engine.num_waiting = 2
+    engine.num_waiting = 8
     with pytest.raises(APIError) as exc:
         serving.check_capacity()
     assert exc.value.status == 429 and exc.value.headers["Retry-After"].isdigit()
     assert exc.value.type == "rate_limit_error"
+    engine.num_waiting = 0
+    serving.check_capacity(8)  # n=8 fills the budget exactly
+    with pytest.raises(APIError) as exc:
+        serving.check_capacity(9)  # one request with n=9 weighs 9
+    assert exc.value.status == 429
+    engine.is_healthy = False  # a core restarting: 503, nothing internal in the message
+    with pytest.raises(APIError) as exc:
+        serving.check_capacity()
+    assert exc.value.status == 503 and exc.value.code == "engine_unavailable"
+    serving.close()
 
 
 def test_full_queue_is_429_with_retry_after(live_server, http, openai_schemas, monkeypatch):
     monkeypatch.setattr(live_server.app.state.serving.config, "max_waiting", 0)
-    steps = live_server.async_engine.num_steps
+    steps = live_server.engine.num_steps
     r = http.post("/v1/completions", json={"model": live_server.model, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 429, r.text
     assert int(r.headers["retry-after"]) >= 1
@@ -51,7 +61,7 @@ def test_full_queue_is_429_with_retry_after(live_server, http, openai_schemas, m
         with pytest.raises(openai.RateLimitError):
             c.chat.completions.create(model=live_server.model, messages=[{"role": "user", "content": "hi"}],
                                       max_tokens=2)
-    assert live_server.async_engine.num_steps == steps  # rejected before reaching the engine
+    assert live_server.engine.num_steps == steps  # rejected before reaching the engine
     monkeypatch.undo()
     assert http.post("/v1/completions", json={"model": live_server.model, "prompt": "hi",
                                               "max_tokens": 1}).status_code == 200
@@ -73,10 +83,10 @@ def test_disconnect_mid_stream_frees_blocks(live_server):
                 frames += line.startswith("data: ")
                 if frames == 3:
                     break
-            assert engine.has_unfinished() and engine.kv_cache.usage > 0
+            assert engine.stats.num_running == 1 and engine.stats.kv_used_blocks > 0
             assert live_server.async_engine.num_in_flight == 1
     # The response is closed with the stream unfinished: httpx drops the connection.
-    assert live_server.wait_idle(ABORT_FREES_WITHIN_S), (engine.has_unfinished(), engine.kv_cache.usage)
+    assert live_server.wait_idle(ABORT_FREES_WITHIN_S), engine.stats
 
 
 def test_client_timeout_aborts_non_streaming_request(live_server):
@@ -95,12 +105,12 @@ def test_client_timeout_aborts_non_streaming_request(live_server):
     t = threading.Thread(target=call)
     t.start()
     deadline = time.monotonic() + 5
-    while not engine.has_unfinished() and time.monotonic() < deadline:
+    while not engine.stats.num_running and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.has_unfinished(), "the request never reached the engine"
+    assert engine.stats.num_running, "the request never reached the engine"
     t.join(10)
     assert isinstance(outcome.get("error"), httpx.ReadTimeout)
-    assert live_server.wait_idle(ABORT_FREES_WITHIN_S), (engine.has_unfinished(), engine.kv_cache.usage)
+    assert live_server.wait_idle(ABORT_FREES_WITHIN_S), engine.stats
 
 
 # ---- SIGTERM ------------------------------------------------------------------------------------

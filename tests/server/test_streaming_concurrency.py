@@ -94,7 +94,7 @@ def test_shared_system_prompt_reports_cached_tokens(client, live_server):
     second = ask("Who wrote the oldest book?")
     cached = second.prompt_tokens_details.cached_tokens
     assert 550 < cached < second.prompt_tokens
-    assert cached % live_server.engine.capacity.block_size == 0
+    assert cached % live_server.engine.info.block_size == 0
     # Another tenant (cache_salt) shares nothing, even with the identical prompt.
     other = ask("Who wrote the oldest book?", f"tenant-{uuid.uuid4().hex}")
     assert other.prompt_tokens_details.cached_tokens == 0

@@ -31,7 +31,7 @@ def test_one_list_of_names():
     assert {n: c.name for n, c in BACKENDS.items()} == {n: n for n in BACKENDS}
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, native, triton, flash_attn"):
         ModelConfig(attention_backend="flash")
-    from server.cli import add_engine_args
+    from kvserve.cli import add_engine_args
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -1,4 +1,8 @@
-"""The threaded engine loop and its asyncio client."""
+"""The engine core loop and its asyncio client, in-process (the thread implementation of EngineClient).
+
+The process implementation runs the same ``EngineCore.run`` loop and the same client half; it is
+exercised over HTTP in tests/server (the session server and tests/server/test_core_faults.py).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +10,10 @@ import random
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.sampling_params import SamplingParams
+from engine.core_client import EngineDeadError, InprocEngineClient as AsyncEngine
+from engine.core_protocol import GENERIC_ENGINE_ERROR
+from engine.llm_engine import FAULT_TOKEN_ENV
+from kvtypes.sampling_params import SamplingParams
 from tests.helpers import tiny_engine, tiny_hf_model
 
 
@@ -46,15 +52,15 @@ def test_64_concurrent_generates_complete(async_engine):
 
     results = asyncio.run(main())
     assert all(len(tokens) == 20 and last.finished and last.finish_reason == "length" for tokens, last in results)
-    assert async_engine.engine.kv_cache.usage == 0
+    assert async_engine.stats.kv_used_blocks == 0 and async_engine.stats.num_running == 0
     assert async_engine.num_in_flight == 0
 
 
 def test_cancelling_half_frees_their_blocks_within_one_step(async_engine):
     live_after_step: list[set[str]] = []
     class Recorder:
-        def on_step(self, num_tokens, outputs):
-            if num_tokens:
+        def on_step(self, stats, outputs):  # in the loop thread: the engine may be read here
+            if stats is not None and stats.num_batched_tokens:
                 live_after_step.append(set(async_engine.engine.scheduler.requests))
 
     async_engine.observer = Recorder()
@@ -85,7 +91,8 @@ def test_cancelling_half_frees_their_blocks_within_one_step(async_engine):
     assert not (live_after_step[steps_at_cancel + 1] & cancelled)
     assert all(isinstance(results[i], asyncio.CancelledError) for i in range(0, 64, 2))
     assert all(results[i] == 60 for i in range(1, 64, 2))
-    assert async_engine.engine.kv_cache.usage == 0
+    assert async_engine.stats.kv_used_blocks == 0
+    async_engine.shutdown()
     async_engine.engine.kv_cache.check_invariants()
 
 
@@ -103,8 +110,8 @@ def test_event_loop_stays_responsive_under_full_load(async_engine):
     step_ends: list[float] = []
 
     class StepClock:
-        def on_step(self, num_tokens, outputs):
-            if num_tokens:
+        def on_step(self, stats, outputs):
+            if stats is not None and stats.num_batched_tokens:
                 step_ends.append(time.monotonic())
 
     async_engine.observer = StepClock()
@@ -127,7 +134,7 @@ def test_event_loop_stays_responsive_under_full_load(async_engine):
     assert max(lags) < max(0.05, 0.5 * median_step), (max(lags), median_step)
 
 
-def test_engine_failure_reaches_every_request_and_health(async_engine, monkeypatch):
+def test_step_failures_fail_their_requests_only_and_the_engine_serves_on(async_engine, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     real_execute = async_engine.engine.runner.execute
     calls = {"n": 0}
@@ -135,7 +142,7 @@ def test_engine_failure_reaches_every_request_and_health(async_engine, monkeypat
     def flaky(plan):
         calls["n"] += 1
         if calls["n"] > 3:
-            raise RuntimeError("simulated device fault")
+            raise RuntimeError("simulated device fault /secret/path")
         return real_execute(plan)
 
     monkeypatch.setattr(async_engine.engine.runner, "execute", flaky)
@@ -145,11 +152,52 @@ def test_engine_failure_reaches_every_request_and_health(async_engine, monkeypat
             asyncio.gather(*(collect(async_engine, prompt(i), params) for i in range(8))), timeout=30)
 
     results = asyncio.run(main())
-    assert all(last.finish_reason == "error" and "simulated device fault" in last.error for _, last in results)
-    assert not async_engine.is_healthy
+    # Every request of the failing step fails (each also fails alone), with the generic message.
+    assert all(last.finish_reason == "error" and last.error == GENERIC_ENGINE_ERROR for _, last in results)
+    assert async_engine.is_healthy and async_engine.stats.kv_used_blocks == 0
+    monkeypatch.setattr(async_engine.engine.runner, "execute", real_execute)
+    tokens, last = asyncio.run(collect(async_engine, prompt(0), SamplingParams(temperature=0.0, max_tokens=5,
+                                                                                  ignore_eos=True)))
+    assert len(tokens) == 5 and last.finish_reason == "length"
+
+
+def test_a_faulty_request_fails_alone(hf_model, monkeypatch):
+    """The fault hook makes every step that holds the marked request raise: it fails, the others
+    (batched in the same steps) finish with the tokens they get when run without it."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [prompt(i) for i in range(8)]
+
+    def run(with_fault: bool):
+        monkeypatch.setenv(FAULT_TOKEN_ENV, "127")
+        client = AsyncEngine(tiny_engine(hf_model, num_blocks=512, max_num_batched_tokens=256, max_num_seqs=64))
+        client.start()
+
+        async def main():
+            jobs = [collect(client, p, params) for p in prompts]
+            if with_fault:
+                jobs.append(collect(client, [127, 5, 6, 7], params))
+            return await asyncio.wait_for(asyncio.gather(*jobs), timeout=60)
+
+        try:
+            return asyncio.run(main()), client.stats
+        finally:
+            client.shutdown()
+
+    alone, _ = run(False)
+    together, stats = run(True)
+    assert together[-1][1].finish_reason == "error" and together[-1][1].error == GENERIC_ENGINE_ERROR
+    assert [t for t, _ in together[:-1]] == [t for t, _ in alone]
+    assert all(last.finish_reason == "length" for _, last in together[:-1])
+    assert stats.kv_used_blocks == 0
+
+
+def test_generate_after_shutdown_raises(hf_model):
+    client = AsyncEngine(tiny_engine(hf_model))
+    client.start()
+    client.shutdown()
 
     async def late():
-        async for _ in async_engine.generate(prompt(0), params):
+        async for _ in client.generate(prompt(0), SamplingParams()):
             pass
 
     with pytest.raises(EngineDeadError):

@@ -1,0 +1,194 @@
+"""The messages between the engine core and its client, and what the client knows of the core.
+
+Plain picklable dataclasses, no torch: the frontend process imports this without the model.
+Direction and order: the client sends ``AddRequest`` / ``AbortRequests`` / ``Unpin`` /
+``Shutdown``; the core answers once with ``CoreReady`` and then, per step, with one
+``EngineCoreOutputs`` (every request's new token ids and finish state, plus ONE ``StepStats``
+snapshot). While idle the core also sends a stats-only message when the pins or the KV tier
+counters changed (pin expiry, an ``Unpin``, disk writes finishing), so the frontend's view of
+them never lags by more than the idle poll.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvtypes.outputs import TokenLogprob
+from kvtypes.sampling_params import SamplingParams
+
+# What clients see when the engine fails; the detail goes to the server log only.
+GENERIC_ENGINE_ERROR = "the engine failed while processing this request; retry it later"
+
+
+class PromptTooLongError(ValueError):
+    """Prompt (plus requested output) does not fit the context or the KV pool."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Immutable facts about the served model and pool, for validation and metrics labels."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    dtype: str
+    enable_prefix_caching: bool
+    has_tokenizer: bool = True  # structured output needs one
+    has_disk_tier: bool = False  # prompt_cache_retention '24h' needs one
+    kv_bytes_per_token: int = 0  # of the device pool (int8 KV included)
+    kv_cache_dtype: str = "auto"
+    max_pinned_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (PromptTooLongError for length) with a client-facing message."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.vocab_size})")
+        if params.structured_output is not None and not self.has_tokenizer:
+            raise ValueError("structured output needs a tokenizer; this engine has none")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {n} tokens but the context length is {self.max_model_len} "
+                                     "tokens (at least one must be left to generate)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
+                f"were requested ({n} in the prompt, {params.max_tokens} to generate)")
+        need = n + (params.max_tokens or self.max_model_len - n)
+        if math.ceil(need / self.block_size) > self.num_blocks:
+            raise PromptTooLongError(
+                f"the request needs up to {need} tokens of KV cache but the pool holds only "
+                f"{self.num_tokens} ({self.num_blocks} blocks); raise --num-blocks or "
+                "--kv-cache-memory, or ask for fewer tokens")
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)  # CLOCK_MONOTONIC is system-wide
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Unpin:
+    """Release the pin whose last-block hash is ``block_hash`` (hex) at the next scheduling step;
+    fire and forget: an unknown hash is ignored (the frontend answers 404 from its snapshot)."""
+
+    block_hash: str
+
+
+@dataclass
+class Shutdown:
+    """Abort everything (the requests end with ``abort``), send the last outputs, exit."""
+
+
+@dataclass
+class CoreReady:
+    info: EngineInfo
+    tokenizer: Any  # the HF tokenizer, or None (token-id-only models)
+    pid: int
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step. ``finish_reason`` is set on its last output only."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | None = None  # the stop token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0  # tokens written into retained cache (pins, 24h retention)
+    first_scheduled_time: float | None = None
+    # On the first output of a request that asked for prompt logprobs (see RequestOutput)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # A client-caused failure the client may see (an invalid grammar); engine faults leave it
+    # None and the output processor sends GENERIC_ENGINE_ERROR instead
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PinSnapshot:
+    """One live pin as the frontend lists it (``GET /v1/cache``); ``ttl_left_s`` at ``StepStats.time``."""
+
+    hash: str
+    num_tokens: int
+    num_blocks: int
+    ttl_s: float
+    ttl_left_s: float
+    salt_id: str | None = None
+
+
+@dataclass
+class StepStats:
+    """The scheduler and KV pool after a step. Gauges are absolute; counters are deltas since
+    the previous snapshot, so a restarted core (whose own counters start at 0) never makes a
+    frontend counter go backwards."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_cached_blocks: int = 0  # free blocks still hashed (evictable prefix-cache entries)
+    kv_num_blocks: int = 0
+    kv_block_size: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_batched_tokens: int = 0
+    step_time_s: float = 0.0
+    # KV tiers (cache/tiers.py): tokens looked up / found per tier ("device", "disk") and disk
+    # payload bytes read / written are deltas; usage and pins are gauges; the disk tier's
+    # per-block write / read latencies observed since the previous snapshot come as lists.
+    tier_queries: dict[str, int] = field(default_factory=dict)
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_usage_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    offload_write_seconds: list[float] = field(default_factory=list)
+    offload_read_seconds: list[float] = field(default_factory=list)
+    kv_pinned_blocks: int = 0
+    pins: tuple[PinSnapshot, ...] = ()
+    time: float = field(default_factory=time.monotonic)  # when the snapshot was taken (CLOCK_MONOTONIC)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.kv_used_blocks * self.kv_block_size
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_blocks / self.kv_num_blocks if self.kv_num_blocks else 0.0
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: StepStats | None = None
