@@ -68,8 +68,9 @@ CHAT_FIELDS: list[FieldRule] = [
     _ignored("store", "kvserve never stores completions for later retrieval"),
     _ignored("safety_identifier", "an end-user id for OpenAI's abuse monitoring"),
     _ignored("service_tier", "one tier; the response does not claim another"),
-    _supported("prompt_cache_key"),
-    _supported("prompt_cache_retention"),
+    _supported("prompt_cache_key", "accepted and recorded in the request's cache policy (for cache-aware routers)"),
+    _supported("prompt_cache_retention", "`in_memory` (default) or `24h`: the prompt's prefix kept on the disk tier "
+               "for 24 h (400 without `--kv-disk-dir`)"),
     _ignored("prompt_cache_options", "prefix caching is automatic; retention follows the cache's LRU"),
     _ignored("reasoning_effort", "the served model does not reason; accepted so reasoning clients work"),
     _ignored("verbosity", "a hint for OpenAI's models; the served model has no such control"),
