@@ -14,6 +14,7 @@ to the breakpoint, and the pin covers the tokens that rendering shares with the 
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import time
@@ -29,6 +30,7 @@ from engine.tokenizer import TemplateError, encode_chat
 from server.errors import APIError, bad_request
 
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+UNPIN_WAIT_S = 2.0  # how long DELETE waits for the core's snapshot to drop the pin
 
 
 class CacheControl(BaseModel):
@@ -114,7 +116,8 @@ def add_cache_routes(app: FastAPI, engine: Any, authorized: Any) -> None:
 
     Both answer from the latest ``StepStats`` snapshot's pin list (the core sends one after every
     step and, while idle, whenever its pins change); a delete is a fire-and-forget ``Unpin``
-    command, applied by the core at its next scheduling step or idle poll."""
+    command, applied by the core at its next scheduling step or idle poll; the answer waits (up
+    to ``UNPIN_WAIT_S``) for a snapshot without the pin."""
     def snapshot() -> Any:
         stats = engine.stats
         if stats is None:
@@ -138,4 +141,10 @@ def add_cache_routes(app: FastAPI, engine: Any, authorized: Any) -> None:
         if not _HASH_RE.match(block_hash) or all(p.hash != block_hash for p in snapshot().pins):
             raise APIError(404, "no pinned prefix has this hash", "invalid_request_error", "hash", "not_found")
         engine.unpin(block_hash)
+        # The core applies it at its next step or idle poll and then reports its pins; wait
+        # (briefly, off nothing: the event loop keeps serving) so that a listing after this
+        # answer no longer shows the pin.
+        deadline = time.monotonic() + UNPIN_WAIT_S
+        while any(p.hash == block_hash for p in snapshot().pins) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         return {"hash": block_hash, "object": "cache.pin", "deleted": True}

@@ -70,7 +70,7 @@ def test_vllm_names_equal_the_kvserve_ones_under_load(compat_server):
     assert first.families["vllm:num_requests_waiting"].type == "gauge"
     assert first.families["vllm:kv_cache_usage_perc"].type == "gauge"
     assert first.families["vllm:prefix_cache_hits"].type == "counter"
-    cap = s.engine.capacity
+    cap = s.engine.info  # what the core reported at start (block size, pool size)
     info = first.labels_of("vllm:cache_config_info")
     assert info["block_size"] == str(cap.block_size) and info["num_gpu_blocks"] == str(cap.num_blocks)
     lora = first.labels_of("vllm:lora_requests_info")
@@ -107,7 +107,7 @@ def test_off_by_default_and_bad_modes_refused(tmp_path):
     from server.metrics import Metrics
 
     engine = tiny_engine(tiny_hf_model())
-    metrics = Metrics("tiny", engine)
+    metrics = Metrics(engine.info)
     assert "vllm:" not in generate_latest(metrics.exposition).decode()
     with pytest.raises(ValueError, match="metrics_compat"):
         metrics_compat.enable(metrics, "sglang")
