@@ -141,7 +141,7 @@ def build_engine(args: argparse.Namespace, config: dict[str, Any]) -> Any:
 
 
 def sampling(output_len: int) -> Any:
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True, seed=None)
 
@@ -184,8 +184,16 @@ def phase_offline(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, An
 
 def phase_http(engine: Any, requests: Sequence[BenchRequest], concurrency: int) -> dict[str, Any]:
     from bench.serving import completion_request, run_load, scrape_metrics, start_inprocess, summarize
+    # This script is an entry point (like kvserve.cli): it composes the served app itself, through
+    # the composition root, around the engine it already built (the core as a thread of it).
+    from engine.config import EngineCoreConfig
+    from engine.llm_engine import EngineConfig
+    from kvserve.compose import build_service
+    from server.config import ServerConfig
 
-    server = start_inprocess(engine)
+    service = build_service(EngineConfig(core=EngineCoreConfig(mode="thread")), ServerConfig(log_stats_interval_s=0),
+                            engine=engine)
+    server = start_inprocess(service.app, service.engine.model_name)
     try:
         reqs = [completion_request(r.prompt, r.output_len, temperature=0.6) for r in requests]
         records, elapsed = run_load(server, reqs, concurrency)
