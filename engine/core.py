@@ -61,7 +61,7 @@ class EngineCore:
                 logger.exception("request %s refused by the engine", command.request_id)
                 return [EngineCoreOutput(command.request_id, [], finish_reason="error")]
             return []
-        return [out for rid in command.request_ids if (out := engine.abort(rid)) is not None]
+        return [out for rid in command.request_ids if (out := engine.abort(rid, command.stopped)) is not None]
 
     def step(self) -> EngineCoreOutputs:
         t0 = time.perf_counter()

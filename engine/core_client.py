@@ -178,7 +178,7 @@ class _ClientBase:
             outputs, stopped = self._processor.process(message.outputs)
             epoch = self._epoch
         if stopped:
-            self._send(AbortRequests(stopped), epoch)
+            self._send(AbortRequests(stopped, stopped=True), epoch)
         if message.stats is not None:
             self._stats = message.stats
             if message.stats.num_batched_tokens:

@@ -88,7 +88,12 @@ class AddRequest:
 
 @dataclass
 class AbortRequests:
+    """End these requests now. ``stopped``: a stop string finished them in the frontend, so the
+    core finishes them as ``stop`` (their cache policy - pins, retention - applies as for any
+    normal finish); otherwise they end as ``abort``."""
+
     request_ids: list[str]
+    stopped: bool = False
 
 
 @dataclass

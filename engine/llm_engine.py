@@ -296,10 +296,13 @@ class LLMEngine:
     def validate_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self.info.validate(prompt_ids, params)
 
-    def abort(self, request_id: str) -> EngineCoreOutput | None:
-        """Free a live request's blocks now; returns its final output, or None if it was not live."""
+    def abort(self, request_id: str, stopped: bool = False) -> EngineCoreOutput | None:
+        """Free a live request's blocks now; returns its final output, or None if it was not live.
+        ``stopped``: it ended on a stop string (found by the output processor), so it finishes as
+        ``stop`` and its cache policy applies; otherwise as ``abort``."""
         request = self.scheduler.requests.get(request_id)
-        if request is None or not self.scheduler.abort(request_id):
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        if request is None or not self.scheduler.finish_requests([request_id], status):
             return None
         return self._final(request)
 
@@ -508,7 +511,7 @@ class LLMEngine:
         while self.has_unfinished():
             outs, stopped = processor.process(self.step())
             for rid in stopped:  # a stop string ended it: free its blocks now
-                self.abort(rid)
+                self.abort(rid, stopped=True)
             for out in outs:
                 res = results[out.request_id]
                 res.token_ids.extend(out.new_token_ids)
