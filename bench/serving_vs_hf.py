@@ -5,7 +5,7 @@ and output lengths (default 16-256 tokens), drawn from a fixed seed, all submitt
 Every side generates exactly each request's output length (EOS is ignored / masked), and
 throughput counts only those requested tokens:
 
-* kvserve: ``AsyncEngine`` (engine loop thread + asyncio clients), one ``generate`` stream
+* kvserve: ``InprocEngineClient`` (the engine core loop in a thread + asyncio clients), one ``generate`` stream
   per request, continuous batching over the paged KV cache;
 * transformers static batching: ``generate`` on batches of ``--hf-batch-size`` requests in
   arrival order, left-padded; each batch runs until its longest output is done (the tokens
@@ -269,7 +269,7 @@ def print_report(result: dict[str, Any]) -> None:
           f"tokens ({w['prompt_tokens']} in all), outputs {w['output_len_range'][0]}-{w['output_len_range'][1]} "
           f"({w['output_tokens']} in all); threads {m['threads']}, load(1m) {m['loadavg_1m']}")
     rows = []
-    names = {"kvserve": "kvserve AsyncEngine", "hf_static": f"HF generate, static batches of "
+    names = {"kvserve": "kvserve engine client", "hf_static": f"HF generate, static batches of "
              f"{result['hf_static'].get('batch_size')}", "hf_continuous": "HF continuous batching"}
     for key, name in names.items():
         side = result[key]
