@@ -41,6 +41,8 @@ from kvtypes.outputs import RequestOutput
 from kvtypes.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# Extra time a stopping core with a disk tier gets to write its pool out before it is killed.
+DISK_FLUSH_GRACE_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -339,7 +341,9 @@ class MPEngineClient(_ClientBase):
             self._supervisor.join(timeout)
         proc = self._proc
         if proc is not None:
-            proc.join(max(1.0, timeout / 2))
+            # With a disk tier the core writes its cached blocks out before exiting (LLMEngine.close).
+            info = getattr(self, "info", None)
+            proc.join(max(1.0, timeout / 2) + (DISK_FLUSH_GRACE_S if info is not None and info.has_disk_tier else 0.0))
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
