@@ -50,6 +50,11 @@ WORDS = ("account", "invoice", "payment", "carrier", "shipped", "pallets", "refu
          "freight", "parcels", "clients", "rebates", "credits", "audited")
 
 
+# Output tokens of each first-round request: the two of a pair overlap; at most the spare
+# blocks that ``SmokeConfig.blocks_for`` leaves per replica (2 * concurrency blocks of 16).
+INTRO_TOKENS = 48
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,8 +217,8 @@ def run_prefix_workload(url: str, prompts: Sequence[str], num_requests: int, max
     order = order[:num_requests]
     result, lock = WorkloadResult(), threading.Lock()
 
-    def one(k: int) -> None:
-        body = {"model": model, "prompt": f"{prompts[order[k]]}Question {k}: status?", "max_tokens": max_tokens,
+    def one(k: int, tokens: int = max_tokens) -> None:
+        body = {"model": model, "prompt": f"{prompts[order[k]]}Question {k}: status?", "max_tokens": tokens,
                 "temperature": 0, "ignore_eos": True}
         try:
             r = client.post("/v1/completions", json=body)
@@ -231,15 +236,23 @@ def run_prefix_workload(url: str, prompts: Sequence[str], num_requests: int, max
 
     with httpx.Client(base_url=url, timeout=timeout) as client:
         t0 = time.monotonic()
-        # The first round introduces the tenants two at a time (each pair sent together, the next
-        # pair once it is answered). sglang-router's cache_aware sends an unseen prompt to the
-        # least loaded worker, so each pair splits over the two workers; a free-running start lets
-        # unseen prompts meet idle workers one at a time and land on the same one (a 5/3 or worse
-        # split on some runs). Placement stays the router's decision.
+        # The first round introduces the tenants two at a time, the two requests of a pair released
+        # together by a barrier and generating INTRO_TOKENS so that they overlap. sglang-router's
+        # cache_aware sends an unseen prompt to the least loaded worker, so each pair splits over
+        # the two workers. Unseen prompts that meet idle workers one at a time all land on the
+        # same one (a free-running start split the tenants 5/3 on some runs). Placement stays the
+        # router's decision; only the timing is fixed.
         first_round = min(len(prompts), num_requests)
         with ThreadPoolExecutor(2) as pool:
             for k in range(0, first_round, 2):
-                list(pool.map(one, range(k, min(k + 2, first_round))))
+                ks = list(range(k, min(k + 2, first_round)))
+                barrier = threading.Barrier(len(ks))
+
+                def introduce(j: int, barrier: threading.Barrier = barrier) -> None:
+                    barrier.wait()
+                    one(j, max(max_tokens, INTRO_TOKENS))
+
+                list(pool.map(introduce, ks))
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(one, range(first_round, num_requests)))
         result.elapsed_s = time.monotonic() - t0
