@@ -68,6 +68,7 @@ def test_block_linear_without_a_dense_copy(fmt):
     blocks, dense = blocks_and_reference(fmt, 24, 256, seed=3)
     bias = torch.randn(24)
     linear = BlockLinear(blocks.pack(), bias, None)
+    assert linear.dense is None  # every row count below runs from the blocks (kernel or panels)
     for rows in (1, linear.max_rows, linear.max_rows + 1, 50):
         x = torch.randn(rows, 256)
         close(linear(x), F.linear(x, dense, bias))
