@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,36 +103,18 @@ def serve_command(cfg: LlamaServerConfig, script: Path = SCRIPT) -> list[str]:
 def start_llama_server(cfg: LlamaServerConfig, log_path: str | os.PathLike | None = None,
                        timeout_s: float = 180.0) -> Any:
     """Start llama-server for ``cfg``; a ``bench.serving.Server`` once ``/health`` answers 200."""
-    from bench.serving import Server, wait_healthy
+    from bench.serving import launch
 
     check_available()
     if not Path(cfg.model).is_file():
         raise PeerUnavailable(f"no GGUF file at {cfg.model}")
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(serve_command(cfg), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def close() -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if log is not subprocess.DEVNULL:
-            log.close()
-
     url = f"http://127.0.0.1:{cfg.port}"
     try:
-        wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
+        return launch(serve_command(cfg), url, "llama-server", log_path, timeout_s, model=MODEL_ALIAS,
+                      start_new_session=True)
     except (RuntimeError, TimeoutError) as exc:
-        close()
         tail = _tail(log_path)
         raise PeerUnavailable(f"llama-server did not come up ({exc}){': ' + tail if tail else ''}") from exc
-    except BaseException:
-        close()
-        raise
-    return Server(url, MODEL_ALIAS, "llama-server", None, str(log_path) if log_path else None, close, proc.pid)
 
 
 def _tail(path: str | os.PathLike | None, lines: int = 3) -> str:

@@ -98,17 +98,16 @@ def connect(url: str, api_key: str | None = None) -> Server:
     return Server(url, _model_name(url, api_key), "url", api_key)
 
 
-def start_subprocess(serve_args: Sequence[str] = (), port: int | None = None, log_path: str | os.PathLike | None = None,
-                     timeout_s: float = 300.0) -> Server:
-    """``kvserve serve --host 127.0.0.1 --port P *serve_args`` in a child process."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--shutdown-grace", "2", *serve_args]
+def launch(cmd: Sequence[str], url: str, kind: str, log_path: str | os.PathLike | None = None,
+           timeout_s: float = 300.0, model: str | None = None, **popen: Any) -> Server:
+    """Start ``cmd``, a server that will answer at ``url``; a ``Server`` once ``/health`` is 200.
+
+    Output goes to ``log_path`` (appended) or nowhere. ``close()`` sends SIGTERM and kills after
+    30 s; a child that exits or stays unhealthy for ``timeout_s`` is closed and the error raised.
+    ``model`` defaults to the first id that ``/v1/models`` lists.
+    """
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    env.pop("KVSERVE_API_KEY", None)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, **popen)
 
     def close() -> None:
         if proc.poll() is None:
@@ -123,11 +122,22 @@ def start_subprocess(serve_args: Sequence[str] = (), port: int | None = None, lo
 
     try:
         wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
-        model = _model_name(url, None)
+        model = model or _model_name(url, None)
     except BaseException:
         close()
         raise
-    return Server(url, model, "subprocess", None, str(log_path) if log_path else None, close, proc.pid)
+    return Server(url, model, kind, None, str(log_path) if log_path else None, close, proc.pid)
+
+
+def start_subprocess(serve_args: Sequence[str] = (), port: int | None = None, log_path: str | os.PathLike | None = None,
+                     timeout_s: float = 300.0) -> Server:
+    """``kvserve serve --host 127.0.0.1 --port P *serve_args`` in a child process."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--shutdown-grace", "2", *serve_args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("KVSERVE_API_KEY", None)
+    return launch(cmd, f"http://127.0.0.1:{port}", "subprocess", log_path, timeout_s, cwd=REPO_ROOT, env=env)
 
 
 def start_inprocess(app: Any, model_name: str, port: int | None = None) -> Server:
