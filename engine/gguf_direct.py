@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +87,7 @@ def read_gguf_tensors(path: Path, arch: ModelArch) -> tuple[dict[str, GGUFMatrix
 
 def gguf_config_dir(gguf_path: Path) -> Path:
     """A folder with the GGUF's config.json and tokenizer files (no weights), made once."""
-    from engine.loader import _file_sha256, conversion_cache_dir
+    from engine.loader import _file_sha256, conversion_cache_dir, publish_dir
 
     target = conversion_cache_dir() / f"{gguf_path.stem}-{_file_sha256(gguf_path)[:16]}-blocks"
     if (target / "config.json").is_file():
@@ -101,18 +99,10 @@ def gguf_config_dir(gguf_path: Path) -> Path:
     config.pop("quantization_config", None)
     config["dtype"] = "float32"
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".config-"))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return publish_dir(target, fill)
 

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # No code path may reach a model hub; set before transformers is imported anywhere.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,15 +137,25 @@ def convert_gguf(gguf: Path) -> Path:
     except UnsupportedModelError:
         arch = None  # load_model reports it
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a container's non-root user must read it
-    try:
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         if arch is not None:  # the original blocks too, for the decode matmuls (engine/quant.py)
             save_blocks(read_gguf_blocks(gguf, arch), tmp / BLOCKS_FILE)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
+
+    return publish_dir(target, fill)
+
+
+def publish_dir(target: Path, fill: Callable[[Path], None]) -> Path:
+    """Make the cache folder ``target`` whole or not at all: ``fill`` writes into a temporary
+    sibling, which is then renamed. A concurrent process that finished first wins (its folder,
+    with a ``config.json``, stays); a crash leaves no half-written ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a container's non-root user must read it
+    try:
+        fill(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
