@@ -35,6 +35,24 @@ TARGET_PROGRAMS = 256
 
 
 @triton.jit
+def _load_kv_tile(K, V, bt_row, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                  stride_vh, BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys and values ``[BLOCK_N, HEAD_DIM_P]`` of token positions ``n`` of one sequence (its
+    block-table row at ``bt_row``), read in place from the paged pool; masked entries are 0."""
+    blk = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    off = n % BLOCK_SIZE
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, BT, LENS, OUT, LSE, scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, split_tokens,
@@ -62,16 +80,8 @@ def _decode_kernel(Q, K, V, BT, LENS, OUT, LSE, scale,
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        blk = tl.load(BT + b * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        off = n % BLOCK_SIZE
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(K, V, BT + b * stride_bt, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh,
+                             stride_vb, stride_vt, stride_vh, BLOCK_SIZE, DOT_F32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -121,16 +131,8 @@ def _extend_kernel(Q, K, V, BT, QSTART, LENS, OUT, scale, seq_offset,
     for n0 in range(0, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
-        blk = tl.load(BT + sid.to(tl.int64) * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        off = n % BLOCK_SIZE
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(K, V, BT + sid.to(tl.int64) * stride_bt, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh,
+                             stride_vb, stride_vt, stride_vh, BLOCK_SIZE, DOT_F32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         # Key 0 is visible to every row, so no row's maximum stays -inf after the first tile.
         scores = tl.where(nmask[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
