@@ -172,6 +172,10 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
         core.run(receive, send)
     except _FrontendGone:
         logger.info("the frontend is gone; the engine core exits")
+        # ``run`` closed the engine (disk tier flushed, other ranks stopped); an orphan skips the
+        # interpreter's teardown (seconds of destructors on a loaded machine).
+        logging.shutdown()
+        os._exit(0)
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the client restarts the core
         logger.exception("the engine core failed")
         try:

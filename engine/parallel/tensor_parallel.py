@@ -219,6 +219,16 @@ def _worker(rank: int, world: int, port: int, arch: ModelArch, hf_config: Any, m
     model = build_shard(arch, hf_config, max_len, shard_sd, attention_backend, linear_backend, dtype, device)
     del shard_sd
     group = Group.create(rank, world, port, backend=backend_for(device)).connect()
+    _serve(rank, group, model, arch, dtype, device, vocab_size)
+    # Nothing to flush: skip the interpreter's teardown (seconds of torch and gloo destructors on a
+    # loaded machine, which rank 0's ``close`` would wait for).
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dtype: torch.dtype,
+           device: torch.device, vocab_size: int) -> None:
+    """Run rank 0's broadcast steps until ``stop`` or until rank 0 is gone."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     while True:
         try:

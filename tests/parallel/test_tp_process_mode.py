@@ -7,9 +7,10 @@ The engine core process is rank 0 and spawns rank 1. Checked here, in order, on 
 1. greedy tokens equal TP=1's (an in-process single-rank engine on the same weights);
 2. ``kill -9`` of the core ends rank 1 too (no orphan), the server serves again, with a new
    core and a new rank 1, and the same greedy tokens;
-3. ``kill -9`` of rank 1 ends the core (a broken group must not keep serving errors), and the
-   server recovers again;
-4. ``kill -9`` of the frontend leaves neither the core nor rank 1 behind.
+3. ``kill -9`` of the frontend leaves neither the core nor rank 1 behind.
+
+(A dead rank ending its engine is checked in process by test_tensor_parallel.py: each restart
+here costs a core and a rank start, seconds of imports each.)
 
 The synthetic word-level tokenizer writes token ``i`` as the word ``t<i>``, so the completion
 text gives back the exact token ids.
@@ -135,15 +136,6 @@ def test_killing_the_core_ends_its_ranks_and_the_server_recovers(server, expecte
     assert wait_gone([rank1], 5.0) == [], "rank 1 outlived the killed core"
     new_core, new_rank1 = wait_restarted(server, core)
     assert new_rank1 != rank1 and alive(new_rank1) and parent(new_rank1) == new_core
-    assert greedy(server) == expected
-
-
-def test_a_dead_rank_ends_the_core_and_the_server_recovers(server, expected):
-    core, rank1 = group_pids(server)
-    os.kill(rank1, signal.SIGKILL)
-    assert wait_gone([core], 10.0) == [], "the core kept running with a broken group"
-    assert "tensor-parallel rank 1 died" in server.log()
-    wait_restarted(server, core)
     assert greedy(server) == expected
 
 
