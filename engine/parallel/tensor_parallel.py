@@ -218,7 +218,9 @@ def _worker(rank: int, world: int, port: int, arch: ModelArch, hf_config: Any, m
         torch.cuda.set_device(device)
     model = build_shard(arch, hf_config, max_len, shard_sd, attention_backend, linear_backend, dtype, device)
     del shard_sd
-    group = Group.create(rank, world, port, backend=backend_for(device)).connect()
+    group = Group.create(rank, world, port, backend=backend_for(device))
+    group.store.set(f"ready/{rank}", "1")  # rank 0 waits for this before it builds the groups
+    group.connect()
     _serve(rank, group, model, arch, dtype, device, vocab_size)
     # Nothing to flush: skip the interpreter's teardown (seconds of torch and gloo destructors on a
     # loaded machine, which rank 0's ``close`` would wait for).
@@ -251,6 +253,26 @@ def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dt
 
 
 # ---- rank 0 -------------------------------------------------------------------------------------
+READY_POLL_S = 0.2
+
+
+def wait_for_ranks(store: Any, procs: list, timeout_s: float) -> None:
+    """Wait until every rank process has built its shard (its ``ready/<rank>`` key is set).
+
+    A rank that exits first (an import or load error, a kill) raises at once with its exit code:
+    building the groups would otherwise wait for it until the store's timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    for rank, proc in enumerate(procs, start=1):
+        while not store.check([f"ready/{rank}"]):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} before it was "
+                                   "ready; see its log above")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} was not ready within {timeout_s:.0f}s")
+            time.sleep(READY_POLL_S)
+
+
 class TensorParallelModel:
     """Rank 0's model, as the ModelRunner sees it: ``arch`` (the per-rank numbers, so the
     runner's KV pool holds this rank's heads), ``attn``, ``__call__`` and ``compute_logits``.
@@ -276,7 +298,8 @@ class TensorParallelModel:
     @classmethod
     def launch(cls, arch: ModelArch, hf_config: Any, state_dict: dict[str, torch.Tensor], world: int, max_len: int,
                attention_backend: str, linear_backend: str, dtype: torch.dtype, num_threads: int,
-               device: torch.device, block_size: int = 16) -> "TensorParallelModel":
+               device: torch.device, block_size: int = 16,
+               startup_timeout_s: float = 600) -> "TensorParallelModel":
         """Shard ``state_dict``, spawn ranks 1..world-1, build rank 0's shard, connect the group.
 
         CPU: gloo, every rank on the CPU. CUDA: NCCL, rank ``r`` on ``cuda:r`` (this process is
@@ -307,9 +330,16 @@ class TensorParallelModel:
                                   num_threads, arch.vocab_size, os.getpid(), arm, device.type))
             p.start()
             procs.append(p)
-        shard = build_shard(local, hf_config, max_len, shard_state_dict(state_dict, arch, 0, world),
-                            attention_backend, linear, dtype, device, block_size)
-        group.connect()
+        try:
+            shard = build_shard(local, hf_config, max_len, shard_state_dict(state_dict, arch, 0, world),
+                                attention_backend, linear, dtype, device, block_size)
+            wait_for_ranks(group.store, procs, startup_timeout_s)
+            group.connect()
+        except BaseException:
+            for p in procs:  # no half-started group left behind
+                p.kill()
+                p.join(5)
+            raise
         logger.info("Tensor parallel: %d ranks over %s (this process is rank 0 on %s; %d query heads, %d KV heads "
                     "and %d vocabulary rows per rank; rank pids %s)", world, backend, device, local.num_heads,
                     local.num_kv_heads, local.vocab_size, [p.pid for p in procs])

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -127,3 +128,33 @@ def test_step_messages_move_to_a_rank_device():
     # NCCL for CUDA ranks, each on its own GPU; gloo and the CPU otherwise.
     assert backend_for(torch.device("cuda", 1)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
     assert rank_device("cuda", 1) == torch.device("cuda", 1) and rank_device("cpu", 1) == torch.device("cpu")
+
+
+def test_a_rank_that_dies_at_start_fails_the_launch_at_once():
+    """Rank 0 waits for each rank's ready key, and a rank that exits first fails the start with its
+    exit code instead of a wait until the store's timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.parallel.tensor_parallel import wait_for_ranks
+
+    class Proc:  # a rank process: alive until ``exitcode`` is set
+        def __init__(self) -> None:
+            self.exitcode: int | None = None
+
+        def is_alive(self) -> bool:
+            return self.exitcode is None
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ready, dead = Proc(), Proc()
+    store.set("ready/1", "1")
+    dead.exitcode = 3
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2 exited with code 3"):
+        wait_for_ranks(store, [ready, dead], timeout_s=30)
+    assert time.monotonic() - t0 < 5
+    store.set("ready/2", "1")
+    wait_for_ranks(store, [ready, dead], timeout_s=30)  # ready keys set: no wait, dead or not
+    with pytest.raises(RuntimeError, match="rank 1 was not ready within 0s"):
+        wait_for_ranks(dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False), [Proc()], 0)
