@@ -14,7 +14,10 @@ Runs (each step prints one PASS/FAIL line; scripts/scale-smoke.sh is the entry p
    streams it held must end with an error (not hang), the others must finish, and every
    request sent afterwards must succeed (the router routes around the dead replica).
 3. ``--throughput``: the same workload with longer outputs through two single-threaded
-   replicas behind the router vs one single-threaded replica; output tokens/s of each.
+   replicas behind the router vs one single-threaded replica; output tokens/s of each. By
+   default (``--pin auto``, with >= 2 cores) each replica is pinned to a core of its own, and
+   each run prints every replica's (and the router's, and the client's) CPU time, so a reader
+   can tell a starved replica from a slow one.
 
 The replicas are ``python -m server.cli serve`` subprocesses, the router is
 ``python -m sglang_router.launch_router`` (PyPI ``sglang-router``); everything binds to
@@ -101,12 +104,17 @@ class Process:
             return ""
 
 
-def _spawn(name: str, cmd: list[str], url: str, log_dir: Path, env: dict | None = None) -> Process:
+def _spawn(name: str, cmd: list[str], url: str, log_dir: Path, env: dict | None = None,
+           cpus: set[int] | None = None) -> Process:
+    """Start ``cmd``; with ``cpus``, pinned to those cores (set at once, before the server spawns
+    its engine core process, which inherits the affinity)."""
     log = log_dir / f"{name}.log"
     f = log.open("w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
                             start_new_session=True)
     f.close()
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)
     return Process(name, url, proc, log)
 
 
@@ -143,12 +151,15 @@ class ReplicaSpec:
         return cmd
 
 
-def start_replicas(n: int, spec: ReplicaSpec, log_dir: Path, timeout: float = 300) -> list[Process]:
+def start_replicas(n: int, spec: ReplicaSpec, log_dir: Path, timeout: float = 300,
+                   cores: CorePlan | None = None) -> list[Process]:
+    """``n`` replicas; with ``cores``, replica ``i`` pinned to ``cores.replicas[i]``."""
     reps = []
     for i in range(n):
         port = free_port()
         reps.append(_spawn(f"replica{i}", spec.command(port), f"http://127.0.0.1:{port}", log_dir,
-                           env={"OMP_NUM_THREADS": str(spec.num_threads)}))
+                           env={"OMP_NUM_THREADS": str(spec.num_threads)},
+                           cpus=cores.replicas[i] if cores is not None else None))
     for r in reps:
         wait_ready(r, "/health", timeout)
     return reps
@@ -164,10 +175,11 @@ def router_command(port: int, workers: Sequence[str], policy: str, prometheus_po
             "--request-timeout-secs", "600", "--log-level", "warn"]
 
 
-def start_router(workers: Sequence[str], policy: str, log_dir: Path, timeout: float = 60) -> Process:
+def start_router(workers: Sequence[str], policy: str, log_dir: Path, timeout: float = 60,
+                 cpus: set[int] | None = None) -> Process:
     port, prom = free_port(), free_port()
     r = _spawn(f"router-{policy}", router_command(port, workers, policy, prom), f"http://127.0.0.1:{port}",
-               log_dir)
+               log_dir, cpus=cpus)
     wait_ready(r, "/health", timeout)
     # The router is up before its workers are registered: wait until it lists them all.
     deadline = time.monotonic() + timeout
@@ -259,14 +271,122 @@ def run_prefix_workload(url: str, prompts: Sequence[str], num_requests: int, max
     return result
 
 
-def running_requests(replica: Process) -> float:
+def metric_sum(replica: Process, name: str) -> float:
+    """The sum of a family's samples in a replica's /metrics (counters: the ``_total`` samples)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(replica.url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
-        if family.name == "kvserve_num_requests_running":
-            return sum(s.value for s in family.samples)
-    raise KeyError("kvserve_num_requests_running")
+        if family.name == name:
+            return sum(s.value for s in family.samples if not s.name.endswith("_created"))
+    raise KeyError(name)
+
+
+def running_requests(replica: Process) -> float:
+    return metric_sum(replica, "kvserve_num_requests_running")
+
+
+# ---- fair throughput: cores and CPU time --------------------------------------------------------
+@dataclass
+class CorePlan:
+    """Which cores each process of a throughput run may use: replica ``i`` gets ``replicas[i]``
+    alone; the router and this client share ``others`` (None: they float over every core,
+    replicas' included, which is all a 2-core machine allows)."""
+    replicas: list[set[int]]
+    others: set[int] | None
+
+    def describe(self) -> str:
+        reps = ", ".join(f"replica{i} -> core {','.join(map(str, sorted(c)))}" for i, c in enumerate(self.replicas))
+        rest = f"cores {','.join(map(str, sorted(self.others)))}" if self.others else "any core (none left over)"
+        return f"pinned: {reps}; router and client -> {rest}"
+
+
+def plan_cores(replicas: int, pin: str, cores: Sequence[int] | None = None) -> CorePlan | None:
+    """One core per replica when ``pin`` is ``on`` (or ``auto`` with at least ``replicas`` cores
+    to this process); None (no pinning) for ``off`` or too few cores under ``auto``.
+
+    ``cores``: the cores to use, in order (default: this process's affinity, ascending)."""
+    if pin not in ("auto", "on", "off"):
+        raise ValueError(f"pin must be auto, on or off, got {pin!r}")
+    available = list(cores) if cores else sorted(os.sched_getaffinity(0))
+    if pin == "off" or (pin == "auto" and len(available) < max(2, replicas)):
+        return None
+    if len(available) < replicas:
+        raise ValueError(f"pinning {replicas} replicas needs {replicas} cores, got {available}")
+    return CorePlan([{c} for c in available[:replicas]], set(available[replicas:]) or None)
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process (Linux /proc), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants (a server's frontend, engine
+    core and tensor-parallel ranks). Linux only; 0.0 elsewhere."""
+    if not Path("/proc").is_dir():
+        return 0.0
+    stats = {int(d): st for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d))) is not None}
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats:
+            total += stats[p][1]
+            todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return total
+
+
+@dataclass
+class CpuUse:
+    """CPU seconds a process tree used during a measured window, and the output tokens it made."""
+    name: str
+    cpu_s: float
+    wall_s: float
+    output_tokens: float = 0.0
+    cores: str = "any"
+
+    @property
+    def utilization(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s else 0.0
+
+    def describe(self) -> str:
+        tokens = f", {self.output_tokens:.0f} output tokens" if self.output_tokens else ""
+        return (f"{self.name} (core {self.cores}): {self.cpu_s:.1f} s CPU in {self.wall_s:.1f} s "
+                f"= {self.utilization:.0%} of one core{tokens}")
+
+
+def measure_cpu(procs: Sequence[Process], run) -> tuple[object, list[CpuUse]]:  # noqa: ANN001 - run: () -> T
+    """``run()``, with each process tree's CPU time, the client's (this process) and, for
+    replicas, the output tokens its /metrics counted over the same window."""
+    def tokens(p: Process) -> float:
+        try:
+            return metric_sum(p, "kvserve_generation_tokens")
+        except (KeyError, httpx.HTTPError):
+            return 0.0
+
+    before = [(tree_cpu_seconds(p.proc.pid), tokens(p) if p.name.startswith("replica") else 0.0) for p in procs]
+    client0, t0 = os.times(), time.monotonic()
+    result = run()
+    wall = time.monotonic() - t0
+    client1 = os.times()
+    uses = []
+    for p, (cpu0, tok0) in zip(procs, before):
+        cpus = sorted(os.sched_getaffinity(p.proc.pid)) if p.alive() else []
+        uses.append(CpuUse(p.name, tree_cpu_seconds(p.proc.pid) - cpu0, wall,
+                           tokens(p) - tok0 if p.name.startswith("replica") else 0.0,
+                           ",".join(map(str, cpus)) if 0 < len(cpus) < (os.cpu_count() or 1) else "any"))
+    cpus = sorted(os.sched_getaffinity(0))
+    uses.append(CpuUse("client", (client1.user - client0.user) + (client1.system - client0.system), wall,
+                       cores=",".join(map(str, cpus)) if len(cpus) < (os.cpu_count() or 1) else "any"))
+    return result, uses
 
 
 @dataclass
@@ -343,12 +463,13 @@ def failover(router: Process, replicas: list[Process], victim: int, prompts: Seq
 
 
 @contextmanager
-def cluster(n: int, spec: ReplicaSpec, policy: str, log_dir: Path) -> Iterator[tuple[Process, list[Process]]]:
+def cluster(n: int, spec: ReplicaSpec, policy: str, log_dir: Path,
+            cores: CorePlan | None = None) -> Iterator[tuple[Process, list[Process]]]:
     with ExitStack() as stack:
-        reps = start_replicas(n, spec, log_dir)
+        reps = start_replicas(n, spec, log_dir, cores=cores)
         for r in reps:
             stack.callback(r.stop)
-        router = start_router([r.url for r in reps], policy, log_dir)
+        router = start_router([r.url for r in reps], policy, log_dir, cpus=cores.others if cores else None)
         stack.callback(router.stop)
         yield router, reps
 
@@ -433,25 +554,47 @@ def smoke(cfg: SmokeConfig, log_dir: Path, report=print) -> tuple[bool, dict]:
 
 
 def throughput(model: str | None, cfg: SmokeConfig, max_tokens: int, concurrency: int, log_dir: Path,
-               report=print) -> tuple[bool, dict]:
-    """Output tokens/s of the prefix workload: one single-threaded replica vs two behind a cache-aware router."""
+               report=print, pin: str = "auto", cores: Sequence[int] | None = None) -> tuple[bool, dict]:
+    """Output tokens/s of the prefix workload: one single-threaded replica vs two behind a cache-aware router.
+
+    Fairness: with ``pin`` (``auto``: when this process may use at least 2 cores) each replica
+    runs pinned to a core of its own (``plan_cores``), the baseline replica on the same core as
+    replica0, so neither run gets more than one core per replica. Each run reports each
+    replica's CPU time over the run: a replica well under 100% of its core while requests
+    queue was starved (or idle), and the ratio then says more about the machine than kvserve.
+    """
+    plan = plan_cores(2, pin, cores)
+    report(f"throughput: {plan.describe() if plan else 'not pinned (replicas, router and client share every core)'}")
     tp: dict[int, WorkloadResult] = {}
+    usage: dict[int, list[CpuUse]] = {}
     prompts = tenant_prompts(cfg.tenants, cfg.prompt_tokens, seed=11)
-    for n in (1, 2):
-        with cluster(n, ReplicaSpec(model=model, max_model_len=cfg.max_model_len), "cache_aware",
-                     log_dir) as (router, reps):
-            url = reps[0].url if n == 1 else router.url
-            res = run_prefix_workload(url, prompts, cfg.requests, max_tokens, concurrency,
-                                      model=model_name(reps[0].url))
-        tp[n] = res
-        report(f"throughput: {n} replica(s){' via the router' if n == 2 else ' direct'}: "
-               f"{res.output_tokens_per_s:.1f} output tok/s ({res.completion_tokens} tokens in "
-               f"{res.elapsed_s:.1f}s, {res.errors} errors)")
+    own_affinity = os.sched_getaffinity(0)
+    try:
+        if plan is not None and plan.others:
+            os.sched_setaffinity(0, plan.others)  # the client: off the replicas' cores
+        for n in (1, 2):
+            with cluster(n, ReplicaSpec(model=model, max_model_len=cfg.max_model_len), "cache_aware",
+                         log_dir, cores=plan) as (router, reps):
+                url = reps[0].url if n == 1 else router.url
+                name = model_name(reps[0].url)
+                res, uses = measure_cpu(reps + ([router] if n == 2 else []),
+                                        lambda: run_prefix_workload(url, prompts, cfg.requests, max_tokens,
+                                                                    concurrency, model=name))
+            tp[n], usage[n] = res, uses
+            report(f"throughput: {n} replica(s){' via the router' if n == 2 else ' direct'}: "
+                   f"{res.output_tokens_per_s:.1f} output tok/s ({res.completion_tokens} tokens in "
+                   f"{res.elapsed_s:.1f}s, {res.errors} errors)")
+            for use in uses:
+                report(f"  cpu: {use.describe()}")
+    finally:
+        os.sched_setaffinity(0, own_affinity)
     ratio = tp[2].output_tokens_per_s / tp[1].output_tokens_per_s if tp[1].output_tokens_per_s else 0.0
     report(line(ratio >= 1.6, f"throughput: 2 replicas behind the router = {ratio:.2f}x one replica "
-                              f"(target >= 1.6; a shared machine skews this)"))
-    return ratio >= 1.6, {"speedup": ratio, **{str(n): {**asdict(r), "output_tokens_per_s": r.output_tokens_per_s}
-                                              for n, r in tp.items()}}
+                              f"(target >= 1.6; {'pinned, one core each' if plan else 'not pinned'})"))
+    return ratio >= 1.6, {"speedup": ratio, "pinned": plan.describe() if plan else None,
+                          **{str(n): {**asdict(r), "output_tokens_per_s": r.output_tokens_per_s,
+                                      "cpu": [{**asdict(u), "utilization": u.utilization} for u in usage[n]]}
+                             for n, r in tp.items()}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -468,6 +611,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--throughput", action="store_true", help="also measure 2 replicas + router vs 1 replica")
     ap.add_argument("--throughput-max-tokens", type=int, default=32)
     ap.add_argument("--throughput-concurrency", type=int, default=8)
+    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto",
+                    help="throughput: pin each replica to a core of its own (auto: when >= 2 cores are available); "
+                         "the router and client get the cores left over, if any")
+    ap.add_argument("--cores", type=lambda v: [int(c) for c in v.split(",")], default=None, metavar="LIST",
+                    help="throughput: the cores to pin to, in order (default: this process's affinity)")
     ap.add_argument("--skip-failover", action="store_true")
     ap.add_argument("--throughput-only", action="store_true", help="skip the routing and failover steps")
     ap.add_argument("--log-dir", type=Path, default=None)
@@ -484,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok, out = (True, {}) if args.throughput_only else smoke(cfg, log_dir, report)
     if args.throughput or args.throughput_only:
         _, out["throughput"] = throughput(args.model, cfg, args.throughput_max_tokens, args.throughput_concurrency,
-                                          log_dir, report)
+                                          log_dir, report, pin=args.pin, cores=args.cores)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(f"logs in {log_dir}")

@@ -21,6 +21,7 @@ other exception escapes ``run`` (the process exits non-zero and its client start
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -114,6 +115,14 @@ class EngineCore:
                 send(EngineCoreOutputs(extra, engine.stats()))
 
 
+def _rank_lost(rank: int, exitcode: int | None) -> None:
+    """A tensor-parallel rank died: the group is broken for good, so this core exits at once
+    (its client fails the requests in flight and starts a new core, which spawns a new group)."""
+    logger.critical("tensor-parallel rank %d died (exit code %s); the engine core exits", rank, exitcode)
+    logging.shutdown()
+    os._exit(1)
+
+
 class _FrontendGone(Exception):
     """The pipe to the frontend is closed: nobody is left to serve."""
 
@@ -126,6 +135,9 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
     """
     # Ctrl-C reaches the whole process group: the frontend drains, then sends Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The client starts the core daemonic (the frontend's exit ends it); with tensor parallelism
+    # the core spawns the other ranks, which multiprocessing forbids a daemonic process.
+    multiprocessing.current_process().daemon = False
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     for noisy in ("transformers", "huggingface_hub"):
@@ -135,6 +147,7 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
     except Exception:  # noqa: BLE001
         logger.exception("the engine core failed to start")
         sys.exit(1)
+    engine.watch_ranks(_rank_lost)
     outputs.send(CoreReady(engine.info, engine.tokenizer, os.getpid()))
 
     def receive(timeout: float) -> list[Command]:
@@ -159,6 +172,10 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
         core.run(receive, send)
     except _FrontendGone:
         logger.info("the frontend is gone; the engine core exits")
+        # ``run`` closed the engine (disk tier flushed, other ranks stopped); an orphan skips the
+        # interpreter's teardown (seconds of destructors on a loaded machine).
+        logging.shutdown()
+        os._exit(0)
     except BaseException:  # noqa: BLE001 - report, then exit non-zero so the client restarts the core
         logger.exception("the engine core failed")
         try:

@@ -361,11 +361,10 @@ class MPEngineClient(_ClientBase):
         ctx = multiprocessing.get_context("spawn")
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
-        # A daemonic process may not start children: with tensor parallelism the core spawns its
-        # ranks, so it is not daemonic then (it still exits on its own when our pipe closes).
+        # Daemonic: our exit ends it. With tensor parallelism the core clears its own flag to spawn
+        # its ranks (run_core_process); they die with it.
         proc = ctx.Process(target=run_core_process, args=(self.config, cmd_recv, out_send),
-                           name="kvserve-engine-core",
-                           daemon=getattr(self.config.model, "tensor_parallel_size", 1) == 1)
+                           name="kvserve-engine-core", daemon=True)
         proc.start()
         # Close our copies of the child's ends: its death then shows here as EOF at once.
         cmd_recv.close()

@@ -137,7 +137,7 @@ class LLMEngine:
             model = TensorParallelModel.launch(
                 arch, loaded.hf_config, loaded.state_dict, config.model.tensor_parallel_size, max_len,
                 attention_backend, config.model.linear_backend, dtype,
-                config.model.num_threads or available_cores(), device)
+                config.model.num_threads or available_cores(), device, cache_cfg.block_size)
             loaded.state_dict.clear()
         else:
             model = build_model(loaded, max_len, dtype, device)
@@ -150,7 +150,9 @@ class LLMEngine:
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
         logger.info("Attention: %s on %s (%s)", model.attn.describe(), device, config.model.dtype)
 
-        per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+        # A GPU's budget holds one rank's pool (its own KV heads); host memory holds all ranks' pools.
+        kv_heads = model.arch.num_kv_heads if device.type == "cuda" else arch.num_kv_heads
+        per_token = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim,
                                        torch.empty((), dtype=dtype).element_size())
         if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
             full = per_token
@@ -181,7 +183,9 @@ class LLMEngine:
             self.runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
         self.capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
         logger.info(self.capacity.describe(max_len))
-        if config.model.cuda_graphs and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len):
+        # Not with tensor parallelism: each step starts with a host-side broadcast to the other ranks.
+        if (config.model.cuda_graphs and config.model.tensor_parallel_size == 1
+                and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len)):
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
         self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
@@ -223,13 +227,26 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write the device pool's cached blocks to the disk tier (so a restart finds every prefix,
-        not only the evicted ones), finish pending writes and stop the tier threads (idempotent)."""
+        not only the evicted ones), finish pending writes and stop the tier threads; with tensor
+        parallelism, stop the other ranks (idempotent; the engine cannot step afterwards)."""
         if self.offloader is not None:
             self.offloader.offload(self.kv_cache.take_offloads())
             cached = list(self.kv_cache.block_pool.cached_blocks.items())
             self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
             self.offloader.close()
             self.offloader = None
+        close_model = getattr(self.runner.model, "close", None)  # tensor parallelism: stop the other ranks
+        if close_model is not None:
+            close_model()
+
+    def watch_ranks(self, on_lost) -> bool:  # noqa: ANN001 - Callable[[int, int | None], None]
+        """With tensor parallelism, call ``on_lost(rank, exitcode)`` when another rank dies (the
+        engine cannot step any more); False (and nothing watched) with a single rank."""
+        watch = getattr(self.runner.model, "watch_ranks", None)
+        if watch is None:
+            return False
+        watch(on_lost)
+        return True
 
     @staticmethod
     def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:

@@ -3,6 +3,7 @@
 #
 #   scripts/scale-smoke.sh                 # cache-aware vs round-robin, then failover (real model)
 #   scripts/scale-smoke.sh --throughput    # + 2 replicas via the router vs 1 replica, output tok/s
+#                                          #   (each replica pinned to a core of its own; --pin off, --cores 0,1,2,3)
 #   scripts/scale-smoke.sh --model DIR     # any checkpoint kvserve serves
 #
 # Needs `pip install -e '.[dev]'` (sglang-router comes with it). Every process binds to

@@ -1,8 +1,16 @@
 """A process group of its own (no global ``init_process_group``), so that several tensor-parallel
 engines, and tests, can live in one process.
 
-Rank 0 hosts the TCPStore on a free loopback port; the other ranks connect to it. gloo runs the
-collectives on CPU tensors (NCCL would be the GPU backend; not wired here yet).
+Rank 0 hosts the TCPStore on a free loopback port; the other ranks connect to it.
+
+Two groups share that store (under different prefixes):
+
+- ``pg`` runs the model's collectives (all-reduce, all-gather) on the rank's device: gloo for
+  CPU tensors, NCCL for CUDA tensors (each rank on its own GPU, ``cuda:<rank>``).
+- ``cpu_pg`` (gloo) broadcasts each step's inputs as pickled bytes. With gloo it is ``pg``
+  itself; with NCCL it is a second gloo group, so that control messages never go through GPU
+  memory (rank 0 moves the tensors inside a message to the CPU before it is pickled; the other
+  ranks move them to their own device).
 """
 from __future__ import annotations
 
@@ -15,23 +23,41 @@ import torch
 import torch.distributed as dist
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for a rank's device: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 @dataclass
 class Group:
     rank: int
     world_size: int
     store: dist.TCPStore
-    pg: dist.ProcessGroup
+    pg: dist.ProcessGroup | None = None
+    backend: str = "gloo"
+    cpu_pg: dist.ProcessGroup | None = None
     comm_seconds: float = 0.0  # wall time spent in collectives on this rank (the bench reports it)
 
     @classmethod
-    def create(cls, rank: int, world_size: int, port: int = 0, timeout_s: float = 300) -> "Group":
+    def create(cls, rank: int, world_size: int, port: int = 0, timeout_s: float = 300,
+               backend: str = "gloo") -> "Group":
+        if backend not in BACKENDS:
+            raise ValueError(f"collective backend must be one of {BACKENDS}, got {backend!r}")
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world_size, store, None)  # type: ignore[arg-type]
+        return cls(rank, world_size, store, backend=backend)
 
     def connect(self) -> "Group":
-        """Build the gloo group (every rank must call it; it waits for all of them)."""
-        self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world_size)
+        """Build the groups (every rank must call it; it waits for all of them). With NCCL the
+        caller has already made its GPU current (``torch.cuda.set_device``)."""
+        self.cpu_pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), self.rank, self.world_size)
+        if self.backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), self.rank, self.world_size)
+        else:
+            self.pg = self.cpu_pg
         return self
 
     @property
@@ -59,9 +85,9 @@ class Group:
             size = torch.tensor([data.numel()], dtype=torch.long)
         else:
             size = torch.zeros(1, dtype=torch.long)
-        self.pg.broadcast(size, 0).wait()
+        self.cpu_pg.broadcast(size, 0).wait()
         if self.rank != 0:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.pg.broadcast(data, 0).wait()
+        self.cpu_pg.broadcast(data, 0).wait()
         self.comm_seconds += time.perf_counter() - t0
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())

@@ -19,22 +19,31 @@ model is a :class:`TensorParallelModel`, which broadcasts each step's inputs (to
 positions, attention metadata: slot mapping and block tables) to ranks 1..N-1 before running
 its own shard. Those ranks (:func:`_worker`, spawned processes) run the same forward on
 theirs, so prefix caching and preemption need nothing on the workers: they only ever see
-block ids. The collectives run on a process group of the engine's own (``comm.Group``):
-gloo on CPU tensors. NCCL on GPU is not wired yet, and ``device: cuda`` with more than one
-rank is refused.
+block ids. The collectives run on process groups of the engine's own (``comm.Group``): gloo on the CPU;
+on CUDA, NCCL for the model's all-reduces and all-gathers with rank ``r`` on ``cuda:r``, plus a
+gloo group for the step broadcasts. CUDA graphs are off with more than one rank (each step
+starts with a host-side broadcast that a graph replay would skip).
+
+Processes: in the served (process) mode the engine core process is rank 0 and spawns the
+other ranks. They die with it (``_die_with_parent``: the kernel's parent-death signal, and a
+``getppid`` poll), so a killed core leaves no orphan; a rank that dies makes the core exit
+(``watch_ranks``, installed by ``engine.core.run_core_process``), and the core's client then
+starts a new core, which spawns a new group.
 """
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import logging
 import math
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +51,7 @@ import torch.nn.functional as F
 from engine.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
 from engine.model import LlamaForCausalLM, apply_rope_signed
-from engine.parallel.comm import Group
+from engine.parallel.comm import Group, backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -121,31 +130,107 @@ def tp_logits(model: LlamaForCausalLM, group: Group, hidden: torch.Tensor, vocab
 
 
 def build_shard(arch: ModelArch, hf_config: Any, max_len: int, shard_sd: dict[str, torch.Tensor],
-                attention_backend: str, linear_backend: str, dtype: torch.dtype) -> LlamaForCausalLM:
+                attention_backend: str, linear_backend: str, dtype: torch.dtype,
+                device: torch.device = torch.device("cpu"), block_size: int = 16) -> LlamaForCausalLM:
     model = LlamaForCausalLM(arch, hf_config, max_len).to(dtype)
-    model.attn = select_attention(attention_backend, torch.device("cpu"), dtype)
     model.load_hf_state_dict(shard_sd)
+    model = model.to(device)
+    model.attn = select_attention(attention_backend, device, dtype, block_size)
     model.eval()
     model.select_linear_backend(linear_backend)
     return model
 
 
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """Rank ``r`` of a CUDA group runs on ``cuda:r`` (of the visible GPUs); every CPU rank on the CPU."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor inside (tuples, lists, dicts, dataclasses) on ``device``; the
+    objects themselves are copied only when a tensor inside moved."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        moved = [to_device(x, device) for x in obj]
+        if all(a is b for a, b in zip(moved, obj)):
+            return obj
+        return type(obj)(moved) if isinstance(obj, list) or type(obj) is tuple else type(obj)(*moved)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            moved = to_device(value, device)
+            if moved is not value:
+                changes[f.name] = moved
+        if not changes:
+            return obj
+        out = copy.copy(obj)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)
+        return out
+    return obj
+
+
 # ---- the other ranks ----------------------------------------------------------------------------
-def _exit_with_parent(parent: int) -> None:
-    """A worker must not outlive the engine (a SIGKILLed engine leaves no one to stop it)."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(0)
-        time.sleep(1.0)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int, arm_pdeathsig: bool) -> None:
+    """A worker must not outlive the engine (a SIGKILLed engine leaves no one to stop it).
+
+    On Linux the kernel sends SIGKILL when the parent dies (``PR_SET_PDEATHSIG``). That signal
+    follows the *thread* that spawned the worker, so it is armed only when rank 0 launched
+    from its main thread; a thread polling ``getppid`` covers every other case (and a parent
+    that died before the signal was armed).
+    """
+    if arm_pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no libc prctl: the polling thread alone
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=poll, name="kvserve-tp-parent", daemon=True).start()
+
+
+PARENT_POLL_S = 0.2
 
 
 def _worker(rank: int, world: int, port: int, arch: ModelArch, hf_config: Any, max_len: int,
             shard_sd: dict[str, torch.Tensor], attention_backend: str, linear_backend: str, dtype: torch.dtype,
-            num_threads: int, vocab_size: int, parent: int) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+            num_threads: int, vocab_size: int, parent: int, arm_pdeathsig: bool, device_type: str) -> None:
+    _die_with_parent(parent, arm_pdeathsig)
     torch.set_num_threads(num_threads)
-    model = build_shard(arch, hf_config, max_len, shard_sd, attention_backend, linear_backend, dtype)
-    group = Group.create(rank, world, port).connect()
+    device = rank_device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_shard(arch, hf_config, max_len, shard_sd, attention_backend, linear_backend, dtype, device)
+    del shard_sd
+    group = Group.create(rank, world, port, backend=backend_for(device))
+    group.store.set(f"ready/{rank}", "1")  # rank 0 waits for this before it builds the groups
+    group.connect()
+    _serve(rank, group, model, arch, dtype, device, vocab_size)
+    # Nothing to flush: skip the interpreter's teardown (seconds of torch and gloo destructors on a
+    # loaded machine, which rank 0's ``close`` would wait for).
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dtype: torch.dtype,
+           device: torch.device, vocab_size: int) -> None:
+    """Run rank 0's broadcast steps until ``stop`` or until rank 0 is gone."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     while True:
         try:
@@ -156,77 +241,153 @@ def _worker(rank: int, world: int, port: int, arch: ModelArch, hf_config: Any, m
         if kind == "stop":
             return
         if kind == "forward":
-            _, input_ids, positions, meta, kv_shape = msg
-            if not kv_caches:
-                kv_caches = [(torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype))
-                             for _ in range(arch.num_layers)]
+            _, input_ids, positions, meta, kv_shape = to_device(msg, device)
+            if not kv_caches or tuple(kv_caches[0][0].shape) != tuple(kv_shape):
+                # First step, or rank 0 reallocated its pool (CUDA sizes it after a profiling run).
+                kv_caches = []
+                kv_caches = [(torch.zeros(kv_shape, dtype=dtype, device=device),
+                              torch.zeros(kv_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
             tp_forward(model, group, input_ids, positions, meta, kv_caches)
         elif kind == "logits":
-            tp_logits(model, group, msg[1], vocab_size)
+            tp_logits(model, group, to_device(msg[1], device), vocab_size)
 
 
 # ---- rank 0 -------------------------------------------------------------------------------------
+READY_POLL_S = 0.2
+
+
+def wait_for_ranks(store: Any, procs: list, timeout_s: float) -> None:
+    """Wait until every rank process has built its shard (its ``ready/<rank>`` key is set).
+
+    A rank that exits first (an import or load error, a kill) raises at once with its exit code:
+    building the groups would otherwise wait for it until the store's timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    for rank, proc in enumerate(procs, start=1):
+        while not store.check([f"ready/{rank}"]):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} before it was "
+                                   "ready; see its log above")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} was not ready within {timeout_s:.0f}s")
+            time.sleep(READY_POLL_S)
+
+
 class TensorParallelModel:
     """Rank 0's model, as the ModelRunner sees it: ``arch`` (the per-rank numbers, so the
-    runner's KV pool holds this rank's heads), ``attn``, ``__call__`` and ``compute_logits``."""
+    runner's KV pool holds this rank's heads), ``attn``, ``__call__`` and ``compute_logits``.
 
-    def __init__(self, shard: LlamaForCausalLM, group: Group, vocab_size: int, procs: list) -> None:
+    Lifecycle: ``close`` stops the other ranks (also at interpreter exit); they end on their own
+    when this process dies (``_die_with_parent``). ``watch_ranks`` reports a rank that died while
+    the group was open: the group is then broken for good (every collective fails), so the owner
+    must end this engine (the core process exits and its client starts a new core and group).
+    """
+
+    def __init__(self, shard: LlamaForCausalLM, group: Group, vocab_size: int, procs: list,
+                 device: torch.device) -> None:
         self.shard = shard
         self.arch = shard.arch
         self.attn = shard.attn
         self.group = group
         self.vocab_size = vocab_size
         self.procs = procs
+        self.device = device
         self.linear_backend = shard.linear_backend
         self._closed = False
 
     @classmethod
     def launch(cls, arch: ModelArch, hf_config: Any, state_dict: dict[str, torch.Tensor], world: int, max_len: int,
                attention_backend: str, linear_backend: str, dtype: torch.dtype, num_threads: int,
-               device: torch.device) -> "TensorParallelModel":
-        """Shard ``state_dict``, spawn ranks 1..world-1, build rank 0's shard, connect the group."""
-        if device.type != "cpu":
-            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) only for now; NCCL on GPU is not wired")
+               device: torch.device, block_size: int = 16,
+               startup_timeout_s: float = 600) -> "TensorParallelModel":
+        """Shard ``state_dict``, spawn ranks 1..world-1, build rank 0's shard, connect the group.
+
+        CPU: gloo, every rank on the CPU. CUDA: NCCL, rank ``r`` on ``cuda:r`` (this process is
+        rank 0 and uses ``cuda:0``); needs ``world`` visible GPUs.
+        """
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor_parallel_size > 1 runs on cpu (gloo) or cuda (NCCL), not {device.type}")
         if linear_backend == "gguf":
             raise ValueError("linear_backend 'gguf' does not shard; use 'auto', 'onednn' or 'aten' with "
                              "tensor_parallel_size > 1")
+        if device.type == "cuda":
+            if torch.cuda.device_count() < world:
+                raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, torch sees "
+                                 f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)")
+            device = rank_device("cuda", 0)
+            torch.cuda.set_device(device)
         local = shard_arch(arch, world)
-        linear = "aten" if linear_backend == "aten" else "onednn"
-        group = Group.create(0, world)
+        linear = "aten" if linear_backend == "aten" or device.type == "cuda" else "onednn"
+        backend = backend_for(device)
+        group = Group.create(0, world, backend=backend)
         ctx = mp.get_context("spawn")
+        arm = threading.current_thread() is threading.main_thread()
         procs = []
         for rank in range(1, world):
             p = ctx.Process(target=_worker, name=f"kvserve-tp{rank}", daemon=True,
                             args=(rank, world, group.port, local, hf_config, max_len,
                                   shard_state_dict(state_dict, arch, rank, world), attention_backend, linear, dtype,
-                                  num_threads, arch.vocab_size, os.getpid()))
+                                  num_threads, arch.vocab_size, os.getpid(), arm, device.type))
             p.start()
             procs.append(p)
-        shard = build_shard(local, hf_config, max_len, shard_state_dict(state_dict, arch, 0, world),
-                            attention_backend, linear, dtype)
-        group.connect()
-        logger.info("Tensor parallel: %d ranks over gloo (this process is rank 0; %d query heads, %d KV heads "
-                    "and %d vocabulary rows per rank)", world, local.num_heads, local.num_kv_heads, local.vocab_size)
-        model = cls(shard, group, arch.vocab_size, procs)
+        try:
+            shard = build_shard(local, hf_config, max_len, shard_state_dict(state_dict, arch, 0, world),
+                                attention_backend, linear, dtype, device, block_size)
+            wait_for_ranks(group.store, procs, startup_timeout_s)
+            group.connect()
+        except BaseException:
+            for p in procs:  # no half-started group left behind
+                p.kill()
+                p.join(5)
+            raise
+        logger.info("Tensor parallel: %d ranks over %s (this process is rank 0 on %s; %d query heads, %d KV heads "
+                    "and %d vocabulary rows per rank; rank pids %s)", world, backend, device, local.num_heads,
+                    local.num_kv_heads, local.vocab_size, [p.pid for p in procs])
+        model = cls(shard, group, arch.vocab_size, procs, device)
         ref = weakref.ref(model)
         atexit.register(lambda: (m := ref()) is not None and m.close())  # stop the workers cleanly
         return model
 
+    def _broadcast(self, msg: tuple) -> None:
+        # Control messages travel as pickled bytes over gloo: CUDA tensors go to the CPU first.
+        self.group.broadcast_object(msg if self.device.type == "cpu" else to_device(msg, torch.device("cpu")))
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        self.group.broadcast_object(("forward", input_ids, positions, meta, tuple(kv_caches[0][0].shape)))
+        self._broadcast(("forward", input_ids, positions, meta, tuple(kv_caches[0][0].shape)))
         return tp_forward(self.shard, self.group, input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.broadcast_object(("logits", hidden))
+        self._broadcast(("logits", hidden))
         return tp_logits(self.shard, self.group, hidden, self.vocab_size)
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def watch_ranks(self, on_lost: Callable[[int, int | None], None]) -> threading.Thread:
+        """Call ``on_lost(rank, exitcode)`` (from a daemon thread) when a rank process ends while
+        the group is open; nothing after ``close``."""
+        from multiprocessing.connection import wait
+
+        def watch() -> None:
+            sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
+            ready = wait(list(sentinels))
+            if self._closed:
+                return
+            rank = sentinels[ready[0]]
+            on_lost(rank, self.procs[rank - 1].exitcode)
+
+        thread = threading.Thread(target=watch, name="kvserve-tp-watch", daemon=True)
+        thread.start()
+        return thread
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self.group.broadcast_object(("stop",))
+            self._broadcast(("stop",))
         except Exception:  # noqa: BLE001 - a dead worker: nothing to stop
             pass
         for p in self.procs:

@@ -3,7 +3,11 @@ caching and preemption in play, on a tiny random Llama (GQA, a vocabulary that d
 evenly, so the last LM-head slice is padded)."""
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -82,11 +86,75 @@ def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
         assert [r.token_ids for r in again] == [r.token_ids for r in expected[:2]]
         assert all(r.num_cached_tokens >= 12 for r in again)
         assert two.kv_cache.usage == 0
+        # A rank that dies breaks the group for good: its owner hears of it (the core process
+        # exits on it, and its client starts a new core and group).
+        lost: list[tuple[int, int | None]] = []
+        heard = threading.Event()
+        assert two.watch_ranks(lambda rank, code: (lost.append((rank, code)), heard.set()))
+        os.kill(two.runner.model.procs[0].pid, signal.SIGKILL)
+        assert heard.wait(10) and lost[0][0] == 1
     finally:
-        two.runner.model.close()
+        two.close()
     assert all(not p.is_alive() for p in two.runner.model.procs)
+    assert not one.watch_ranks(lambda rank, code: None)  # a single rank: nothing to watch
 
 
 def test_refusals(hf):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ModelConfig(tensor_parallel_size=0)
+
+
+def test_step_messages_move_to_a_rank_device():
+    """What rank 0 broadcasts (ids, positions, the attention metadata's nested dataclasses) is moved
+    whole to another device (CUDA ranks: to the CPU to pickle, then to ``cuda:r``); the meta device
+    stands in for a GPU here, and nothing is copied when nothing has to move."""
+    from engine.attention.metadata import AttentionMetadata, DecodeGroup, PagedLayout, PrefillChunk
+    from engine.parallel.comm import backend_for
+    from engine.parallel.tensor_parallel import rank_device, to_device
+
+    long = torch.arange(4)
+    meta = AttentionMetadata(slot_mapping=long, decode_groups=[DecodeGroup(0, 1, 3, long, None, long[:1])],
+                             prefills=[PrefillChunk(1, 4, 3, long, torch.ones(3, 3, dtype=torch.bool))],
+                             paged=PagedLayout(long.int(), long.int(), long.int().view(2, 2), 1, 3, 4))
+    msg = ("forward", long, long, meta, (5, 16, 1, 16))
+    assert to_device(msg, torch.device("cpu")) is msg
+    moved = to_device(msg, torch.device("meta"))
+    tensors = [moved[1], moved[3].slot_mapping, moved[3].decode_groups[0].block_ids,
+               moved[3].decode_groups[0].context_lens, moved[3].prefills[0].mask, moved[3].paged.block_table]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert moved[3].decode_groups[0].mask is None and moved[3].paged.num_decodes == 1 and moved[4] == (5, 16, 1, 16)
+    assert moved[3].paged.block_table.shape == (2, 2) and moved[3].paged.block_table.dtype == torch.int32
+    assert meta.slot_mapping.device.type == "cpu"  # the original is untouched
+    # NCCL for CUDA ranks, each on its own GPU; gloo and the CPU otherwise.
+    assert backend_for(torch.device("cuda", 1)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
+    assert rank_device("cuda", 1) == torch.device("cuda", 1) and rank_device("cpu", 1) == torch.device("cpu")
+
+
+def test_a_rank_that_dies_at_start_fails_the_launch_at_once():
+    """Rank 0 waits for each rank's ready key, and a rank that exits first fails the start with its
+    exit code instead of a wait until the store's timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.parallel.tensor_parallel import wait_for_ranks
+
+    class Proc:  # a rank process: alive until ``exitcode`` is set
+        def __init__(self) -> None:
+            self.exitcode: int | None = None
+
+        def is_alive(self) -> bool:
+            return self.exitcode is None
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ready, dead = Proc(), Proc()
+    store.set("ready/1", "1")
+    dead.exitcode = 3
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2 exited with code 3"):
+        wait_for_ranks(store, [ready, dead], timeout_s=30)
+    assert time.monotonic() - t0 < 5
+    store.set("ready/2", "1")
+    wait_for_ranks(store, [ready, dead], timeout_s=30)  # ready keys set: no wait, dead or not
+    with pytest.raises(RuntimeError, match="rank 1 was not ready within 0s"):
+        wait_for_ranks(dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False), [Proc()], 0)
