@@ -35,6 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -77,7 +78,7 @@ def _cpu_identity() -> bytes:
 
 def _library_path(flags: list[str]) -> Path:
     cpu = _cpu_identity() if "-march=native" in flags else b""
-    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in SOURCES)
+    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in SOURCES + HEADERS)
     key = hashlib.sha256(sources + "\0".join(flags).encode() + torch.__version__.encode()
                          + sys.version.encode() + cpu).hexdigest()[:16]
     return kernel_dir() / f"kvserve_kernels-{key}.so"

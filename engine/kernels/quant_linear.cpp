@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "quant_linear.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -101,7 +103,7 @@ struct Q8_0 {
 // Portable path: each strip-block expanded to fp32 on the stack, then plain loops.
 template <typename Format>
 void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
-                            float* out, int64_t N) {
+                            float* out, int64_t N, int64_t ldo) {
   const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
   float wb[kBlock][kStrip];
   for (int64_t s = s0; s < s1; ++s) {
@@ -114,7 +116,7 @@ void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t*
         for (int k = 0; k < kBlock; ++k)
           for (int c = 0; c < kStrip; ++c) acc[c] += xb[k] * wb[k][c];
       }
-      std::copy(acc, acc + cols, out + r * N + s * kStrip);
+      std::copy(acc, acc + cols, out + r * ldo + s * kStrip);
     }
   }
 }
@@ -189,23 +191,23 @@ void strip_rows(const float* x, int64_t K, const uint8_t* strip, float* out, int
 
 template <typename Format>
 void linear_strips_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
-                        float* out, int64_t N) {
+                        float* out, int64_t N, int64_t ldo) {
   const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* strip = w + s * strip_bytes;
     const int64_t cols = std::min(kStrip, N - s * kStrip);
     for (int64_t r = 0; r < M; r += kMaxRows) {
       const float* xr = x + r * K;
-      float* o = out + r * N + s * kStrip;
+      float* o = out + r * ldo + s * kStrip;
       switch (std::min<int64_t>(kMaxRows, M - r)) {
-        case 8: strip_rows<Format, 8>(xr, K, strip, o, N, cols); break;
-        case 7: strip_rows<Format, 7>(xr, K, strip, o, N, cols); break;
-        case 6: strip_rows<Format, 6>(xr, K, strip, o, N, cols); break;
-        case 5: strip_rows<Format, 5>(xr, K, strip, o, N, cols); break;
-        case 4: strip_rows<Format, 4>(xr, K, strip, o, N, cols); break;
-        case 3: strip_rows<Format, 3>(xr, K, strip, o, N, cols); break;
-        case 2: strip_rows<Format, 2>(xr, K, strip, o, N, cols); break;
-        default: strip_rows<Format, 1>(xr, K, strip, o, N, cols); break;
+        case 8: strip_rows<Format, 8>(xr, K, strip, o, ldo, cols); break;
+        case 7: strip_rows<Format, 7>(xr, K, strip, o, ldo, cols); break;
+        case 6: strip_rows<Format, 6>(xr, K, strip, o, ldo, cols); break;
+        case 5: strip_rows<Format, 5>(xr, K, strip, o, ldo, cols); break;
+        case 4: strip_rows<Format, 4>(xr, K, strip, o, ldo, cols); break;
+        case 3: strip_rows<Format, 3>(xr, K, strip, o, ldo, cols); break;
+        case 2: strip_rows<Format, 2>(xr, K, strip, o, ldo, cols); break;
+        default: strip_rows<Format, 1>(xr, K, strip, o, ldo, cols); break;
       }
     }
   }
@@ -337,7 +339,7 @@ constexpr int64_t chunk_blocks() { return Format::kWeights == 32 ? 8 : 1; }
 // Portable path: decode a chunk into y, then plain dot products.
 template <typename Format>
 void linear_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                          float* out, int64_t N) {
+                          float* out, int64_t ldo) {
   const int64_t nb = K / Format::kWeights;
   float y[256];
   std::vector<float> acc(M);
@@ -353,7 +355,7 @@ void linear_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w
         acc[r] += s;
       }
     }
-    for (int64_t r = 0; r < M; ++r) out[r * N + n] = acc[r];
+    for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = acc[r];
   }
 }
 
@@ -490,7 +492,7 @@ inline float hsum(__m256 v) {
 // every row of x, four accumulators per row so the FMA chains overlap.
 template <typename Format>
 void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                      float* out, int64_t N) {
+                      float* out, int64_t ldo) {
   const int64_t nb = K / Format::kWeights;
   alignas(32) float y[256];
   std::vector<__m256> acc(4 * M);
@@ -513,7 +515,7 @@ void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, in
       }
     }
     for (int64_t r = 0; r < M; ++r)
-      out[r * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
+      out[r * ldo + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
                                           _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3])));
   }
 }
@@ -538,11 +540,11 @@ bool has_avx2() {
 
 template <typename Format>
 void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1, float* out,
-                   int64_t N) {
+                   int64_t N, int64_t ldo) {
 #ifdef KVSERVE_X86
-  if (has_avx2()) return linear_strips_avx2<Format>(x, M, K, w, s0, s1, out, N);
+  if (has_avx2()) return linear_strips_avx2<Format>(x, M, K, w, s0, s1, out, N, ldo);
 #endif
-  linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N);
+  linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N, ldo);
 }
 
 // Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-7.
@@ -717,7 +719,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     using Format = decltype(f);
     if constexpr (is_strip<Format>::value) {
       at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
-        linear_strips<Format>(xp, M, K, wp, s0, s1, op, N);
+        linear_strips<Format>(xp, M, K, wp, s0, s1, op, N, N);
       });
     } else {
       at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
@@ -763,6 +765,23 @@ at::Tensor gguf_linear_panels(const at::Tensor& x, const at::Tensor& packed, int
 std::string gguf_kernel_isa() { return has_avx2() ? "avx2" : "portable"; }
 
 }  // namespace
+
+void kvserve::gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
+                                int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  if (n1 <= n0 || M == 0) return;
+  with_format(format, [&](auto f) {
+    using Format = decltype(f);
+    if constexpr (is_strip<Format>::value) {
+      // linear_strips writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
+      linear_strips<Format>(x, M, K, w, n0 / kStrip, (n1 + kStrip - 1) / kStrip, out - n0, std::min(n1, N), ldo);
+    } else {
+#ifdef KVSERVE_X86
+      if (has_avx2()) return linear_rows_avx2<Format>(x, M, K, w, n0, n1, out - n0, ldo);
+#endif
+      linear_rows_portable<Format>(x, M, K, w, n0, n1, out - n0, ldo);
+    }
+  });
+}
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
