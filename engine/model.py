@@ -278,6 +278,8 @@ class LlamaForCausalLM(nn.Module):
             return "it runs on the CPU in float32 only"
         if not load_kernels() or not hasattr(torch.ops.kvserve, "decode_layer"):
             return "the native kernels could not be built"
+        if self.arch.intermediate_size % 8:
+            return "the intermediate size is not a multiple of 8"
         if self.attn.name != "native":
             return f"it attends as the native attention backend does, and {self.attn.name!r} is in use"
         return next(filter(None, (layer.native_decode_unavailable() for layer in self.layers)), None)

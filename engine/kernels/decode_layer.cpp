@@ -4,7 +4,7 @@
 //
 // Why: on a small model a decode step is ~10 small torch calls per layer, and each one pays
 // dispatch plus an OpenMP fork/join, which on 2 cores costs about as much as the matmuls. Here
-// a layer is ONE parallel region; its phases are worksharing loops separated by barriers. The
+// a layer is ONE parallel region; its phases are worksharing loops separated by four barriers. The
 // matmuls deal out chunks of 32 output features dynamically (a thread preempted by another
 // process does not hold the others up), each chunk through the block kernel of its part's
 // format (quant_linear.h) or a plain fp32 dot product for dense parts. Attention is the native
@@ -163,6 +163,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   const Matrix down = make_matrix(down_w, down_rows, down_formats, I, "down");
   TORCH_CHECK(qkv.N == q_size + 2 * kv_size && o.N == hidden && gate_up.N == 2 * I && down.N == hidden,
               "weight shapes do not match hidden ", hidden, ", ", H, "/", KVH, " heads of ", D);
+  TORCH_CHECK(I % 8 == 0, "the intermediate size must be a multiple of 8 (up starts a strip)");
   TORCH_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden && input_norm.is_contiguous() &&
                   post_norm.is_contiguous() && input_norm.scalar_type() == at::kFloat &&
                   post_norm.scalar_type() == at::kFloat, "the norms must be contiguous float32 [hidden]");
@@ -190,9 +191,8 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   const float *in_w = input_norm.data_ptr<float>(), *post_w = post_norm.data_ptr<float>();
   // scratch, reused across calls (one decode step runs layer after layer on one thread)
   static thread_local std::vector<float> scratch;
-  scratch.resize(B * (hidden + qkv.N + q_size + hidden + 2 * I + I));
-  float* y = scratch.data();          // [B, hidden] normed input of a matmul
-  float* qkvb = y + B * hidden;       // [B, qkv.N]
+  scratch.resize(B * (qkv.N + q_size + hidden + 2 * I + I));
+  float* qkvb = scratch.data();       // [B, qkv.N]
   float* attn = qkvb + B * qkv.N;     // [B, q_size]
   float* tmp = attn + B * q_size;     // [B, hidden] O / down products
   float* gu = tmp + B * hidden;       // [B, 2I]
@@ -204,46 +204,51 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
         for (int64_t n = n0; n < n1; ++n) xp[r * hidden + n] += bias ? tmp[r * hidden + n] + bias[n] : tmp[r * hidden + n];
     };
   };
-  const auto none = [](int64_t, int64_t) {};
+  // bias, then RoPE (q and k heads), of head h of row b's fused qkv output
+  const auto prepare_head = [&](int64_t b, int64_t h, float* scratch) {
+    float* v = qkvb + b * qkv.N + h * D;
+    if (qkv_b)
+      for (int64_t i = 0; i < D; ++i) v[i] += qkv_b[h * D + i];
+    if (h < H + KVH) rope(v, cp + b * D, snp + b * D, D, scratch);
+    return v;
+  };
 
+  // Four barriers: each phase reads what all threads wrote in the one before it. The norms
+  // are computed by every thread into its own copy (no barrier of their own); a row's RoPE
+  // and KV write happen in the attention job that reads them; SiLU * up in the gate/up chunk
+  // that computed both halves.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> head(D), scores, acc(G * D);
-#pragma omp single
-    rms_norm(xp, in_w, B, hidden, feps, y);
-    matmul(qkv, y, B, qkvb, none);
-    // bias, RoPE on q and k, then k and v into the pool: one unit per (row, head)
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < B * (H + 2 * KVH); ++u) {
-      const int64_t b = u / (H + 2 * KVH), h = u % (H + 2 * KVH);
-      float* v = qkvb + b * qkv.N + h * D;
-      if (qkv_b)
-        for (int64_t i = 0; i < D; ++i) v[i] += qkv_b[h * D + i];
-      if (h < H + KVH) rope(v, cp + b * D, snp + b * D, D, head.data());
-      if (h >= H) {
-        const int64_t g = (h - H) % KVH;
-        float* pool = h < H + KVH ? kp : vp;
-        std::copy(v, v + D, pool + (sp[b] * KVH + g) * D);
-      }
-    }
-    // attention: one job per (row, kv head) and its G query heads
+    std::vector<float> y(B * hidden), head(D), scores, acc(G * D);
+    rms_norm(xp, in_w, B, hidden, feps, y.data());
+    matmul(qkv, y.data(), B, qkvb, [](int64_t, int64_t) {});
+    // attention: one job per (row, kv head): its G query heads, its key and value
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < B * KVH; ++job) {
       const int64_t b = job / KVH, g = job % KVH;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h, head.data());
+      const float* k = prepare_head(b, H + g, head.data());
+      const float* v = prepare_head(b, H + KVH + g, head.data());
+      std::copy(k, k + D, kp + (sp[b] * KVH + g) * D);
+      std::copy(v, v + D, vp + (sp[b] * KVH + g) * D);
       const kvserve::Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
       scores.resize(G * lay.len);
       kvserve::attend(qkvb + b * qkv.N, kp, vp, lay, g * G, (g + 1) * G, G, D, fscale, scores.data(), acc.data(),
                       attn + b * q_size);
     }
     matmul(o, attn, B, tmp, add_residual(o_b));
-#pragma omp single
-    rms_norm(xp, post_w, B, hidden, feps, y);
-    matmul(gate_up, y, B, gu, none);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < B * I; ++i) {
-      const int64_t r = i / I, j = i % I;
-      const float gate = gu[r * 2 * I + j];
-      act[i] = gate / (1.f + std::exp(-gate)) * gu[r * 2 * I + I + j];
+    rms_norm(xp, post_w, B, hidden, feps, y.data());
+    // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < (I + kChunk - 1) / kChunk; ++c) {
+      const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
+      matmul_range(gate_up, y.data(), B, j0, j1, gu, 2 * I);
+      matmul_range(gate_up, y.data(), B, I + j0, I + j1, gu, 2 * I);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t j = j0; j < j1; ++j) {
+          const float gate = gu[r * 2 * I + j];
+          act[r * I + j] = gate / (1.f + std::exp(-gate)) * gu[r * 2 * I + I + j];
+        }
     }
     matmul(down, act, B, tmp, add_residual(nullptr));
   }
