@@ -1,12 +1,15 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-Two kernels, one library:
+Three kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
   which triples the memory traffic of batched decode in the torch backend.
 * ``quant_linear.cpp``: linear layers computed straight from GGUF blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), for the
   few-row matmuls of decode, which stream every weight once per step (see engine/quant.py).
+* ``decode_layer.cpp``: a whole decoder layer of an all-decode step in one call and one OpenMP
+  region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
+  kernels above through ``paged_attention.h`` and ``quant_linear.h``.
 
 The library is built once per (sources, flags, torch version) into
 ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve/kernels``) with plain ``g++``
