@@ -123,3 +123,30 @@ def test_decode_path_selection_is_explicit():
     model.attn = select_attention("native", torch.device("cpu"), torch.float32, 4)
     assert model.select_decode_path("auto") == ("native", None)
     assert model.select_decode_path("python") == ("python", None)
+
+
+def test_bad_arguments_are_clear_errors():
+    from engine.config import ModelConfig
+
+    with pytest.raises(ValueError, match="decode_path must be auto, native or python"):
+        ModelConfig(decode_path="fast")
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    model = engine.runner.model
+    args = list(model._native_layers[0])
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    x, rope = torch.zeros(1, 64), torch.zeros(1, 16)
+    table, lens = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long)
+
+    def call(slot: int = 0, heads: int = 4, layer_args=args):
+        torch.ops.kvserve.decode_layer(x, *layer_args, rope, rope, k_cache, v_cache, torch.tensor([slot]), table,
+                                       lens, heads, 0.25)
+
+    call()  # valid
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        call(slot=10**6)
+    with pytest.raises(RuntimeError, match=r"o_proj: a dense part must be a contiguous float32 \[64, 32\]"):
+        call(heads=2)  # 2 heads of 16 would make o_proj 64 x 32
+    bad = args.copy()
+    bad[3] = [args[3][0][:8]]  # qkv: a dense part of the wrong shape
+    with pytest.raises(RuntimeError, match="qkv: a dense part must be"):
+        call(layer_args=bad)
