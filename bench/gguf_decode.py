@@ -4,7 +4,12 @@ Each mode runs in its own process (so its peak RSS is its own): load, then for e
 length one greedy request (prefix caching off) stepped by hand: the prefill until its first
 token, then each decode step timed on its own (tok/s over all steps, and the median step).
 
-    python -m bench.gguf_decode --model FILE.gguf [--resident dense blocks] [--ctx 50 1000]
+With several ``--decode-path`` choices the decode steps of one request take them in turn
+(step 1 python, step 2 native, ...), so both are measured side by side under the same load
+and context; ``native_over_python`` is the ratio of their tok/s.
+
+    python -m bench.gguf_decode [--model FILE.gguf] [--resident dense blocks] [--ctx 50 1000]
+    python -m bench.gguf_decode --decode-path python native   # the default model, both paths
     python -m bench.gguf_decode --model "$(python -m bench.make_gguf | cut -d' ' -f1)" --resident blocks
 """
 from __future__ import annotations
@@ -27,7 +32,7 @@ def _rss_mb() -> float:
 
 
 def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, threads: int,
-            kv_gib: float) -> dict[str, Any]:
+            kv_gib: float, decode_paths: Sequence[str] = ("auto",)) -> dict[str, Any]:
     """One mode, in this process."""
     import random
 
@@ -49,6 +54,7 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
                            "kv_pool_mb": round(engine.capacity.num_blocks * engine.capacity.block_size
                                                * engine.capacity.bytes_per_token / 1e6),
                            "linear_backend": engine.runner.model.linear_backend, "runs": []}
+    lm = engine.runner.model
     vocab = engine.arch.vocab_size
     rng = random.Random(0)
     for ctx in contexts:
@@ -59,31 +65,45 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
         while produced == 0:  # prefill (in chunks of max_num_batched_tokens) up to the first token
             produced += sum(len(o.new_token_ids) for o in engine.step())
         t1 = time.perf_counter()
-        steps = []
+        steps: dict[str, list[float]] = {p: [] for p in decode_paths}
         while engine.has_unfinished():
+            path = decode_paths[sum(map(len, steps.values())) % len(decode_paths)]
+            lm.select_decode_path(path)
             s0 = time.perf_counter()
             engine.step()
-            steps.append(time.perf_counter() - s0)
-        steps.sort()
-        out["runs"].append({"ctx": ctx, "prefill_s": round(t1 - t0, 2),
-                            "decode_tok_s": round(len(steps) / sum(steps), 1),
-                            "decode_median_ms": round(steps[len(steps) // 2] * 1e3, 1)})
+            steps[path].append(time.perf_counter() - s0)
+        run: dict[str, Any] = {"ctx": ctx, "prefill_s": round(t1 - t0, 2)}
+        for path, times in steps.items():
+            times.sort()
+            key = "" if len(decode_paths) == 1 else f"{path}_"
+            run[f"{key}decode_tok_s"] = round(len(times) / sum(times), 1)
+            run[f"{key}decode_median_ms"] = round(times[len(times) // 2] * 1e3, 1)
+        if {"native", "python"} <= set(decode_paths):
+            run["native_over_python"] = round(run["native_decode_tok_s"] / run["python_decode_tok_s"], 2)
+        out["runs"].append(run)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a .gguf file")
+    parser.add_argument("--model", help="a .gguf file (default: the default model's SmolLM2 Q4_1)")
     parser.add_argument("--resident", nargs="+", default=["dense", "blocks"], choices=["dense", "blocks", "auto"])
     parser.add_argument("--ctx", type=int, nargs="+", default=[50, 1000])
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--decode-path", nargs="+", default=["auto"], choices=["auto", "native", "python"],
+                        help="several: the decode steps take them in turn (see above)")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.model is None:
+        from engine.loader import default_gguf_path
+
+        args.model = str(default_gguf_path())
     if args.child:
-        result = measure(args.model, args.resident[0], args.ctx, args.tokens, args.num_threads, args.kv_cache_memory)
+        result = measure(args.model, args.resident[0], args.ctx, args.tokens, args.num_threads, args.kv_cache_memory,
+                         args.decode_path)
         print(json.dumps(result))
         return [result]
     results = []
@@ -91,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for mode in args.resident:
         cmd = [sys.executable, "-m", "bench.gguf_decode", "--child", "--model", args.model, "--resident", mode,
                "--ctx", *map(str, args.ctx), "--tokens", str(args.tokens), "--num-threads", str(args.num_threads),
-               "--kv-cache-memory", str(args.kv_cache_memory)]
+               "--kv-cache-memory", str(args.kv_cache_memory), "--decode-path", *args.decode_path]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"{mode}: failed\n{done.stderr[-3000:]}")

@@ -28,6 +28,10 @@ class ModelConfig:
     # for GGUF files above ``blocks_auto_file_gib`` (their fp32 copy would take >= 4x, above
     # 1 GiB), so small models such as the default keep the faster dense prefill.
     weights_resident: str = "auto"
+    # "auto" | "native" | "python": how all-decode steps run (LlamaForCausalLM.select_decode_path).
+    # native: one C++ call per layer (engine/kernels/decode_layer.cpp); auto: native where it can
+    # run (CPU, float32, native attention, float KV pool), else python (DecoderLayer.forward)
+    decode_path: str = "auto"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
@@ -51,6 +55,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.linear_backend not in ("auto", "gguf", "onednn", "aten"):
             raise ValueError(f"linear_backend must be auto, gguf, onednn or aten, got {self.linear_backend!r}")
+        if self.decode_path not in ("auto", "native", "python"):
+            raise ValueError(f"decode_path must be auto, native or python, got {self.decode_path!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):
             raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         from engine.attention.base import check_backend_name

@@ -149,6 +149,7 @@ class LLMEngine:
                 loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
         logger.info("Attention: %s on %s (%s)", model.attn.describe(), device, config.model.dtype)
+        self._select_decode_path(model, config.model.decode_path, int8_kv)
 
         # A GPU's budget holds one rank's pool (its own KV heads); host memory holds all ranks' pools.
         kv_heads = model.arch.num_kv_heads if device.type == "cuda" else arch.num_kv_heads
@@ -282,6 +283,22 @@ class LLMEngine:
                     " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
         logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
                     model.decode_weight_bytes() / 1e6)
+
+    @staticmethod
+    def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:
+        """The one place the decode path is chosen (``ModelConfig.decode_path``) and logged."""
+        if not isinstance(model, LlamaForCausalLM) or int8_kv:
+            why = "tensor parallel ranks" if not isinstance(model, LlamaForCausalLM) else "an int8 KV pool"
+            if choice == "native":
+                raise ValueError(f"decode_path 'native' cannot run with {why}; use 'auto' or 'python'")
+            logger.info("Decode path: python (the native path does not cover %s)", why)
+            return
+        path, reason = model.select_decode_path(choice)
+        if path == "native":
+            logger.info("Decode path: native (all-decode steps of up to %d rows run one C++ call per layer)",
+                        model.native_max_rows)
+        else:
+            logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

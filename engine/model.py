@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.arch import ModelArch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.quant import BlockLinear, BlockMatrix, GGUFMatrix
+from engine.quant import BlockFormat, BlockLinear, BlockMatrix, GGUFMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,47 @@ class DecoderLayer(nn.Module):
                 mm = BlockLinear(self.blocks[weight_name], bias, mm)
             setattr(self, attr, mm)
 
+    # Rows up to which a dense (no blocks) matrix runs in the native decode path: its plain fp32
+    # dot products stream the weight once, as MKL's gemv does at 1-3 rows (see PackedLinear).
+    NATIVE_DENSE_MAX_ROWS = 4
+
+    def native_decode_args(self) -> tuple[tuple, int]:
+        """The layer's constant arguments of ``torch.ops.kvserve.decode_layer`` for the matmuls
+        as bound now (``use_linear``), and the most rows a step may have for that call to
+        compute what ``forward`` computes: a matrix on blocks stays on them up to its
+        ``BlockLinear.max_rows`` (above that ``forward`` switches to the dense copy)."""
+        args: list = [self.input_norm.detach(), self.post_attn_norm.detach(), self.eps]
+        max_rows = 1 << 30
+        for attr, weight_name, bias_name in self.MATMULS:
+            mm = getattr(self, attr)
+            if isinstance(mm, BlockLinear):
+                weights = [data for data, _, _ in mm._parts]
+                rows = [n for _, n, _ in mm._parts]
+                formats = [f for _, _, f in mm._parts]
+                bias = mm.bias
+                max_rows = min(max_rows, mm.max_rows)
+            else:
+                weight = getattr(self, weight_name).detach()
+                weights, rows, formats = [weight], [weight.shape[0]], [-1]
+                bias = getattr(self, bias_name) if bias_name else None
+                max_rows = min(max_rows, self.NATIVE_DENSE_MAX_ROWS)
+            args += [weights, rows, formats]
+            if bias_name:
+                args.append(bias.detach() if bias is not None else None)
+        return tuple(args), max_rows
+
+    def native_decode_unavailable(self) -> str | None:
+        """Why ``decode_layer`` cannot run this layer's matmuls as bound, or None."""
+        for attr, _, _ in self.MATMULS:
+            mm = getattr(self, attr)
+            if isinstance(mm, BlockLinear):
+                offset = 0
+                for _, n, f in mm._parts:
+                    if BlockFormat(f).strips and offset % 8:
+                        return f"a {BlockFormat(f).name} part of {attr[:-3]} starts at row {offset}, not a multiple of 8"
+                    offset += n
+        return None
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """``sin`` is the sign-adjusted table of :func:`signed_sin`."""
@@ -184,6 +225,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_blocks_only = False
         self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
         self.linear_backend = "aten"
+        self.decode_path = "python"  # see select_decode_path
+        self._native_layers: list[tuple] = []  # decode_layer's constant arguments per layer
+        self.native_max_rows = 0
 
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
         """Bind the matmul kernels once the weights are loaded; return the backend in use.
@@ -220,7 +264,70 @@ class LlamaForCausalLM(nn.Module):
             if use_blocks and self.lm_head_blocks is not None:
                 self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
         self.linear_backend = backend
+        if self.decode_path == "native":  # its arguments name the matmuls just bound
+            self._bind_native_decode()
         return backend
+
+    DECODE_PATHS = ("auto", "native", "python")
+
+    def native_decode_unavailable(self) -> str | None:
+        """Why the native decode path cannot run this model, or None (see select_decode_path)."""
+        from engine.kernels import load_kernels
+
+        if self.embed.device.type != "cpu" or self.norm.dtype != torch.float32:
+            return "it runs on the CPU in float32 only"
+        if not load_kernels() or not hasattr(torch.ops.kvserve, "decode_layer"):
+            return "the native kernels could not be built"
+        if self.arch.intermediate_size % 8:
+            return "the intermediate size is not a multiple of 8"
+        if self.attn.name != "native":
+            return f"it attends as the native attention backend does, and {self.attn.name!r} is in use"
+        return next(filter(None, (layer.native_decode_unavailable() for layer in self.layers)), None)
+
+    def select_decode_path(self, choice: str = "auto") -> tuple[str, str | None]:
+        """How all-decode steps run; returns (path, why not native or None).
+
+        ``native``: a step whose rows are all single new tokens, at most ``native_max_rows``
+        of them, over a float32 pool, runs each layer as ONE ``torch.ops.kvserve.decode_layer``
+        call (engine/kernels/decode_layer.cpp: one OpenMP region per layer instead of ~10 torch
+        calls, each with its own fork/join); every other step (prefill, mixed, larger batches,
+        an int8 pool) runs ``DecoderLayer.forward``. Needs the CPU, float32, the kernels and
+        the native attention backend (whose numerics it shares). ``python``: always
+        ``DecoderLayer.forward``. ``auto``: ``native`` where it can run. Both paths compute the
+        same function, differing only in fp32 summation order.
+        """
+        if choice not in self.DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {', '.join(self.DECODE_PATHS)}, got {choice!r}")
+        reason = None if choice == "python" else self.native_decode_unavailable()
+        if choice == "native" and reason:
+            raise ValueError(f"decode_path 'native' cannot run: {reason}; use 'auto' or 'python'")
+        self.decode_path = "python" if choice == "python" or reason else "native"
+        self._bind_native_decode()
+        return self.decode_path, reason
+
+    def _bind_native_decode(self) -> None:
+        if self.decode_path != "native":
+            self._native_layers, self.native_max_rows = [], 0
+            return
+        bound = [layer.native_decode_args() for layer in self.layers]
+        self._native_layers = [args for args, _ in bound]
+        self.native_max_rows = min(rows for _, rows in bound)
+
+    def _runs_native(self, meta: AttentionMetadata, rows: int, kv_caches: list) -> bool:
+        """Whether this step takes the native decode path (see select_decode_path)."""
+        return (self.decode_path == "native" and not meta.prefills and len(meta.decode_groups) == 1
+                and rows <= self.native_max_rows and type(kv_caches[0][0]) is torch.Tensor)
+
+    def _native_decode(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        group = meta.decode_groups[0]
+        cos, sin = self.rope_cos[positions], self.rope_sin_signed[positions]
+        table, lens = group.block_table.contiguous(), group.context_lens
+        heads, scale = self.arch.num_heads, self.arch.head_dim ** -0.5
+        for args, (k_cache, v_cache) in zip(self._native_layers, kv_caches):
+            torch.ops.kvserve.decode_layer(x, *args, cos, sin, k_cache, v_cache, meta.slot_mapping, table, lens,
+                                           heads, scale)
+        return x
 
     @torch.no_grad()
     def attach_blocks(self, blocks: dict[str, GGUFMatrix]) -> int:
@@ -321,6 +428,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
+        if self._runs_native(meta, x.shape[0], kv_caches):
+            x = self._native_decode(x.contiguous(), positions, meta, kv_caches)
+            return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin_signed[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

@@ -30,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weights-resident", dest="weights_resident", choices=["auto", "dense", "blocks"],
                    help="keep a dense fp32 copy of GGUF matrices (dense), only their blocks (blocks), or "
                         "decide by size (auto: blocks above 1 GiB of dense weights)")
+    g.add_argument("--decode-path", dest="decode_path", choices=["auto", "native", "python"],
+                   help="all-decode steps as one C++ call per layer (native) or torch ops (python); "
+                        "auto: native on the CPU in float32 with the native attention backend")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")

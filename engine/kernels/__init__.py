@@ -1,12 +1,15 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-Two kernels, one library:
+Three kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
   which triples the memory traffic of batched decode in the torch backend.
 * ``quant_linear.cpp``: linear layers computed straight from GGUF blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), for the
   few-row matmuls of decode, which stream every weight once per step (see engine/quant.py).
+* ``decode_layer.cpp``: a whole decoder layer of an all-decode step in one call and one OpenMP
+  region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
+  kernels above through ``paged_attention.h`` and ``quant_linear.h``.
 
 The library is built once per (sources, flags, torch version) into
 ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve/kernels``) with plain ``g++``
@@ -35,6 +38,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -77,7 +81,7 @@ def _cpu_identity() -> bytes:
 
 def _library_path(flags: list[str]) -> Path:
     cpu = _cpu_identity() if "-march=native" in flags else b""
-    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in SOURCES)
+    sources = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in SOURCES + HEADERS)
     key = hashlib.sha256(sources + "\0".join(flags).encode() + torch.__version__.encode()
                          + sys.version.encode() + cpu).hexdigest()[:16]
     return kernel_dir() / f"kvserve_kernels-{key}.so"

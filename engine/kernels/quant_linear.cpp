@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "quant_linear.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -101,7 +103,7 @@ struct Q8_0 {
 // Portable path: each strip-block expanded to fp32 on the stack, then plain loops.
 template <typename Format>
 void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
-                            float* out, int64_t N) {
+                            float* out, int64_t N, int64_t ldo) {
   const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
   float wb[kBlock][kStrip];
   for (int64_t s = s0; s < s1; ++s) {
@@ -114,7 +116,7 @@ void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t*
         for (int k = 0; k < kBlock; ++k)
           for (int c = 0; c < kStrip; ++c) acc[c] += xb[k] * wb[k][c];
       }
-      std::copy(acc, acc + cols, out + r * N + s * kStrip);
+      std::copy(acc, acc + cols, out + r * ldo + s * kStrip);
     }
   }
 }
@@ -189,23 +191,23 @@ void strip_rows(const float* x, int64_t K, const uint8_t* strip, float* out, int
 
 template <typename Format>
 void linear_strips_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
-                        float* out, int64_t N) {
+                        float* out, int64_t N, int64_t ldo) {
   const int64_t strip_bytes = K / kBlock * Format::kStripBytes;
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* strip = w + s * strip_bytes;
     const int64_t cols = std::min(kStrip, N - s * kStrip);
     for (int64_t r = 0; r < M; r += kMaxRows) {
       const float* xr = x + r * K;
-      float* o = out + r * N + s * kStrip;
+      float* o = out + r * ldo + s * kStrip;
       switch (std::min<int64_t>(kMaxRows, M - r)) {
-        case 8: strip_rows<Format, 8>(xr, K, strip, o, N, cols); break;
-        case 7: strip_rows<Format, 7>(xr, K, strip, o, N, cols); break;
-        case 6: strip_rows<Format, 6>(xr, K, strip, o, N, cols); break;
-        case 5: strip_rows<Format, 5>(xr, K, strip, o, N, cols); break;
-        case 4: strip_rows<Format, 4>(xr, K, strip, o, N, cols); break;
-        case 3: strip_rows<Format, 3>(xr, K, strip, o, N, cols); break;
-        case 2: strip_rows<Format, 2>(xr, K, strip, o, N, cols); break;
-        default: strip_rows<Format, 1>(xr, K, strip, o, N, cols); break;
+        case 8: strip_rows<Format, 8>(xr, K, strip, o, ldo, cols); break;
+        case 7: strip_rows<Format, 7>(xr, K, strip, o, ldo, cols); break;
+        case 6: strip_rows<Format, 6>(xr, K, strip, o, ldo, cols); break;
+        case 5: strip_rows<Format, 5>(xr, K, strip, o, ldo, cols); break;
+        case 4: strip_rows<Format, 4>(xr, K, strip, o, ldo, cols); break;
+        case 3: strip_rows<Format, 3>(xr, K, strip, o, ldo, cols); break;
+        case 2: strip_rows<Format, 2>(xr, K, strip, o, ldo, cols); break;
+        default: strip_rows<Format, 1>(xr, K, strip, o, ldo, cols); break;
       }
     }
   }
@@ -337,7 +339,7 @@ constexpr int64_t chunk_blocks() { return Format::kWeights == 32 ? 8 : 1; }
 // Portable path: decode a chunk into y, then plain dot products.
 template <typename Format>
 void linear_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                          float* out, int64_t N) {
+                          float* out, int64_t ldo) {
   const int64_t nb = K / Format::kWeights;
   float y[256];
   std::vector<float> acc(M);
@@ -353,7 +355,7 @@ void linear_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w
         acc[r] += s;
       }
     }
-    for (int64_t r = 0; r < M; ++r) out[r * N + n] = acc[r];
+    for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = acc[r];
   }
 }
 
@@ -361,15 +363,25 @@ void linear_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* w
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// y[0..16) = D * codes + off for 16 uint8 codes.
-inline void store16(float* y, __m128i codes, __m256 D, __m256 off) {
-  _mm256_storeu_ps(y, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), off));
-  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), off));
+// The decoders hand each 8 weights, as a vector, to a sink: sink(o, w) with w the block's
+// weights o .. o + 7. Store writes them out (decode); the fused matmul FMAs them straight into
+// its accumulators, so a weight never makes the round trip through memory.
+struct Store {
+  float* y;
+  void operator()(int o, __m256 w) const { _mm256_storeu_ps(y + o, w); }
+};
+
+// weights o .. o + 15 = D * codes + off for 16 uint8 codes.
+template <typename Sink>
+inline void store16(Sink& sink, int o, __m128i codes, __m256 D, __m256 off) {
+  sink(o, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), off));
+  sink(o + 8, _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), off));
 }
 
-inline void store32(float* y, __m256i codes, __m256 D, __m256 off) {
-  store16(y, _mm256_castsi256_si128(codes), D, off);
-  store16(y + 16, _mm256_extracti128_si256(codes, 1), D, off);
+template <typename Sink>
+inline void store32(Sink& sink, int o, __m256i codes, __m256 D, __m256 off) {
+  store16(sink, o, _mm256_castsi256_si128(codes), D, off);
+  store16(sink, o + 16, _mm256_extracti128_si256(codes, 1), D, off);
 }
 
 template <typename Format>
@@ -377,12 +389,13 @@ struct Avx2Rows;
 
 template <>
 struct Avx2Rows<Q4_0> {
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
     const float d = half_at(b);
     const __m256 D = _mm256_set1_ps(d), off = _mm256_set1_ps(-8.f * d);  // d * q - 8 d = d * (q - 8) exactly
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(15);
-    store16(y, _mm_and_si128(q, mask), D, off);
-    store16(y + 16, _mm_and_si128(_mm_srli_epi16(q, 4), mask), D, off);
+    store16(y, 0, _mm_and_si128(q, mask), D, off);
+    store16(y, 16, _mm_and_si128(_mm_srli_epi16(q, 4), mask), D, off);
   }
 };
 
@@ -401,31 +414,35 @@ inline __m256i q5_codes(const uint8_t* qh_bytes, const uint8_t* qs) {
 
 template <>
 struct Avx2Rows<Q5_0> {
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
     const float d = half_at(b);
-    store32(y, q5_codes(b + 2, b + 6), _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d));  // d * (q - 16), exact
+    store32(y, 0, q5_codes(b + 2, b + 6), _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d));  // d * (q - 16), exact
   }
 };
 
 template <>
 struct Avx2Rows<Q5_1> {
-  static void decode(const uint8_t* b, float* y) {
-    store32(y, q5_codes(b + 4, b + 8), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2)));
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
+    store32(y, 0, q5_codes(b + 4, b + 8), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2)));
   }
 };
 
 template <>
 struct Avx2Rows<Q4_K> {
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
     const float d = half_at(b), dmin = half_at(b + 2);
     const __m256i mask = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; ++c, y += 64) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
       int sc0, m0, sc1, m1;
       k_scale_min(b + 4, 2 * c, sc0, m0);
       k_scale_min(b + 4, 2 * c + 1, sc1, m1);
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      store32(y, _mm256_and_si256(q, mask), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
-      store32(y + 32, _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), _mm256_set1_ps(d * sc1),
+      store32(y, 64 * c, _mm256_and_si256(q, mask), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
+      store32(y, 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), _mm256_set1_ps(d * sc1),
               _mm256_set1_ps(-(dmin * m1)));
     }
   }
@@ -433,11 +450,13 @@ struct Avx2Rows<Q4_K> {
 
 template <>
 struct Avx2Rows<Q5_K> {
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
     const float d = half_at(b), dmin = half_at(b + 2);
     const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int c = 0; c < 4; ++c, y += 64) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
       int sc0, m0, sc1, m1;
       k_scale_min(b + 4, 2 * c, sc0, m0);
       k_scale_min(b + 4, 2 * c + 1, sc1, m1);
@@ -445,8 +464,8 @@ struct Avx2Rows<Q5_K> {
       const __m128i s0 = _mm_cvtsi32_si128(2 * c), s1 = _mm_cvtsi32_si128(2 * c + 1);
       const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4);
       const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4);
-      store32(y, _mm256_or_si256(_mm256_and_si256(q, mask), h0), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
-      store32(y + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), h1), _mm256_set1_ps(d * sc1),
+      store32(y, 64 * c, _mm256_or_si256(_mm256_and_si256(q, mask), h0), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
+      store32(y, 64 * c + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), h1), _mm256_set1_ps(d * sc1),
               _mm256_set1_ps(-(dmin * m1)));
     }
   }
@@ -455,15 +474,18 @@ struct Avx2Rows<Q5_K> {
 template <>
 struct Avx2Rows<Q6_K> {
   // 32 codes whose first and last 16 have scales sc[0] and sc[1]: (d * sc) * q - 32 (d * sc), exact.
-  static void store32s(float* y, __m256i codes, float d, const int8_t* sc) {
+  template <typename Sink>
+  static void store32s(Sink& y, int o, __m256i codes, float d, const int8_t* sc) {
     const float a = d * sc[0], b = d * sc[1];
-    store16(y, _mm256_castsi256_si128(codes), _mm256_set1_ps(a), _mm256_set1_ps(-32.f * a));
-    store16(y + 16, _mm256_extracti128_si256(codes, 1), _mm256_set1_ps(b), _mm256_set1_ps(-32.f * b));
+    store16(y, o, _mm256_castsi256_si128(codes), _mm256_set1_ps(a), _mm256_set1_ps(-32.f * a));
+    store16(y, o + 16, _mm256_extracti128_si256(codes, 1), _mm256_set1_ps(b), _mm256_set1_ps(-32.f * b));
   }
-  static void decode(const uint8_t* b, float* y) {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
     const float d = half_at(b + 208);
     const __m256i mask = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; ++h, y += 128) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
       const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
       const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
@@ -471,13 +493,19 @@ struct Avx2Rows<Q6_K> {
       auto hi = [&](int shift) {
         return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), three), 4);
       };
-      store32s(y, _mm256_or_si256(_mm256_and_si256(l0, mask), hi(0)), d, sc);
-      store32s(y + 32, _mm256_or_si256(_mm256_and_si256(l1, mask), hi(2)), d, sc + 2);
-      store32s(y + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), hi(4)), d, sc + 4);
-      store32s(y + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask), hi(6)), d, sc + 6);
+      store32s(y, 128 * h, _mm256_or_si256(_mm256_and_si256(l0, mask), hi(0)), d, sc);
+      store32s(y, 128 * h + 32, _mm256_or_si256(_mm256_and_si256(l1, mask), hi(2)), d, sc + 2);
+      store32s(y, 128 * h + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), hi(4)), d, sc + 4);
+      store32s(y, 128 * h + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask), hi(6)), d, sc + 6);
     }
   }
 };
+
+template <typename Format>
+inline void decode_avx2(const uint8_t* b, float* y) {
+  Store sink{y};
+  Avx2Rows<Format>::run(b, sink);
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -486,11 +514,49 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Output features [n0, n1): each chunk of a row is decoded once into y (L1) and dotted with
-// every row of x, four accumulators per row so the FMA chains overlap.
+// Up to 4 rows of x against output features [n0, n1), each 8 weights FMA'd into the rows'
+// accumulators as soon as they are decoded (no round trip through memory): decode is about
+// half the work per weight, and with few rows the store and reload of every decoded weight
+// cost as much again. A accumulators per row (chosen by the weights' offset) so the FMA
+// chains overlap.
+template <typename Format, int R>
+void rows_fused(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  constexpr int A = R == 1 ? 4 : 2;
+  const int64_t nb = K / Format::kWeights;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    const uint8_t* row = w + n * nb * Format::kBytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * Format::kWeights;
+      auto sink = [&](int o, __m256 wv) {
+        const int a = (o / 8) % A;
+        for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + r * K + o), acc[r][a]);
+      };
+      Avx2Rows<Format>::run(row + b * Format::kBytes, sink);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 t = acc[r][0];
+      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
+      out[r * ldo + n] = hsum(t);
+    }
+  }
+}
+
+// Output features [n0, n1). Up to 4 rows: rows_fused. More: each chunk of a row is decoded
+// once into y (L1) and dotted with every row of x, four accumulators per row so the FMA
+// chains overlap.
 template <typename Format>
 void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int64_t n1,
-                      float* out, int64_t N) {
+                      float* out, int64_t ldo) {
+  switch (M) {
+    case 1: return rows_fused<Format, 1>(x, K, w, n0, n1, out, ldo);
+    case 2: return rows_fused<Format, 2>(x, K, w, n0, n1, out, ldo);
+    case 3: return rows_fused<Format, 3>(x, K, w, n0, n1, out, ldo);
+    case 4: return rows_fused<Format, 4>(x, K, w, n0, n1, out, ldo);
+    default: break;
+  }
   const int64_t nb = K / Format::kWeights;
   alignas(32) float y[256];
   std::vector<__m256> acc(4 * M);
@@ -499,7 +565,7 @@ void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, in
     for (int64_t b = 0; b < nb; b += chunk_blocks<Format>()) {
       const int64_t cnt = std::min(chunk_blocks<Format>(), nb - b), len = cnt * Format::kWeights;
       for (int64_t i = 0; i < cnt; ++i)
-        Avx2Rows<Format>::decode(w + (n * nb + b + i) * Format::kBytes, y + i * Format::kWeights);
+        decode_avx2<Format>(w + (n * nb + b + i) * Format::kBytes, y + i * Format::kWeights);
       for (int64_t r = 0; r < M; ++r) {
         const float* xr = x + r * K + b * Format::kWeights;
         __m256 a0 = acc[4 * r], a1 = acc[4 * r + 1], a2 = acc[4 * r + 2], a3 = acc[4 * r + 3];
@@ -513,14 +579,14 @@ void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, in
       }
     }
     for (int64_t r = 0; r < M; ++r)
-      out[r * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
+      out[r * ldo + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
                                           _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3])));
   }
 }
 
 template <typename Format>
 void decode_row_avx2(const uint8_t* row, int64_t nb, float* y) {
-  for (int64_t b = 0; b < nb; ++b) Avx2Rows<Format>::decode(row + b * Format::kBytes, y + b * Format::kWeights);
+  for (int64_t b = 0; b < nb; ++b) decode_avx2<Format>(row + b * Format::kBytes, y + b * Format::kWeights);
 }
 
 #pragma GCC pop_options
@@ -538,11 +604,11 @@ bool has_avx2() {
 
 template <typename Format>
 void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1, float* out,
-                   int64_t N) {
+                   int64_t N, int64_t ldo) {
 #ifdef KVSERVE_X86
-  if (has_avx2()) return linear_strips_avx2<Format>(x, M, K, w, s0, s1, out, N);
+  if (has_avx2()) return linear_strips_avx2<Format>(x, M, K, w, s0, s1, out, N, ldo);
 #endif
-  linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N);
+  linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N, ldo);
 }
 
 // Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-7.
@@ -717,7 +783,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     using Format = decltype(f);
     if constexpr (is_strip<Format>::value) {
       at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
-        linear_strips<Format>(xp, M, K, wp, s0, s1, op, N);
+        linear_strips<Format>(xp, M, K, wp, s0, s1, op, N, N);
       });
     } else {
       at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
@@ -763,6 +829,23 @@ at::Tensor gguf_linear_panels(const at::Tensor& x, const at::Tensor& packed, int
 std::string gguf_kernel_isa() { return has_avx2() ? "avx2" : "portable"; }
 
 }  // namespace
+
+void kvserve::gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
+                                int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  if (n1 <= n0 || M == 0) return;
+  with_format(format, [&](auto f) {
+    using Format = decltype(f);
+    if constexpr (is_strip<Format>::value) {
+      // linear_strips writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
+      linear_strips<Format>(x, M, K, w, n0 / kStrip, (n1 + kStrip - 1) / kStrip, out - n0, std::min(n1, N), ldo);
+    } else {
+#ifdef KVSERVE_X86
+      if (has_avx2()) return linear_rows_avx2<Format>(x, M, K, w, n0, n1, out - n0, ldo);
+#endif
+      linear_rows_portable<Format>(x, M, K, w, n0, n1, out - n0, ldo);
+    }
+  });
+}
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);

@@ -1,0 +1,269 @@
+// One decoder layer of a decode step (every row is one new token) in one call: RMSNorm, the
+// fused QKV matmul (+ bias), RoPE, the KV write into the paged pool, paged attention, the O
+// matmul (+ bias) and residual, RMSNorm, gate/up, SiLU * up, down and residual. fp32, CPU.
+//
+// Why: on a small model a decode step is ~10 small torch calls per layer, and each one pays
+// dispatch plus an OpenMP fork/join, which on 2 cores costs about as much as the matmuls. Here
+// a layer is ONE parallel region; its phases are worksharing loops separated by four barriers. The
+// matmuls deal out chunks of 32 output features dynamically (a thread preempted by another
+// process does not hold the others up), each chunk through the block kernel of its part's
+// format (quant_linear.h) or a plain fp32 dot product for dense parts. Attention is the native
+// paged kernel's per-sequence routine (paged_attention.h), one job per (sequence, kv head).
+//
+// The results equal engine/model.py's DecoderLayer.forward up to fp32 summation order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "paged_attention.h"
+#include "quant_linear.h"
+
+namespace {
+
+constexpr int64_t kDense = -1;  // format code of a dense fp32 [rows, K] part
+constexpr int64_t kChunk = 32;  // output features per work item: whole 8-column strips
+
+struct Part {
+  const void* data;
+  int64_t rows;
+  int64_t format;
+};
+
+// A (possibly fused) weight matrix [N, K]: parts stacked along the output features, each
+// dense fp32 or packed blocks of one format (engine/quant.py BlockMatrix).
+struct Matrix {
+  std::vector<Part> parts;
+  int64_t N = 0, K = 0;
+};
+
+Matrix make_matrix(at::TensorList data, at::IntArrayRef rows, at::IntArrayRef formats, int64_t K, const char* name) {
+  TORCH_CHECK(!data.empty() && data.size() == rows.size() && rows.size() == formats.size(), name,
+              ": one tensor, row count and format per part");
+  Matrix m;
+  m.K = K;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const at::Tensor& t = data[i];
+    if (formats[i] == kDense) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows[i] &&
+                      t.size(1) == K, name, ": a dense part must be a contiguous float32 [", rows[i], ", ", K, "]");
+    } else {
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.dim() == 2, name,
+                  ": a block part must be a packed uint8 matrix (gguf_pack)");
+      TORCH_CHECK(formats[i] >= 0 && formats[i] <= 7, name, ": format must be -1 (dense) or 0-7");
+      // strip formats (0, 1) are cut into ranges on strip boundaries
+      TORCH_CHECK(formats[i] > 1 || m.N % 8 == 0, name, ": a strip-format part must start at a multiple of 8 rows");
+    }
+    m.parts.push_back({t.data_ptr(), rows[i], formats[i]});
+    m.N += rows[i];
+  }
+  return m;
+}
+
+// out[r * ldo + n - n0] = x[r] . w[n] for n in [n0, n1), w dense [*, K].
+void dense_range(const float* x, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1, float* out,
+                 int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * K;
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * K;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < K; ++k) s += wn[k] * xr[k];
+      out[r * ldo + n - n0] = s;
+    }
+  }
+}
+
+// Features [n0, n1) of y = x @ W^T into y (row stride ldy, column n at y[n]).
+void matmul_range(const Matrix& m, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  int64_t off = 0;
+  for (const Part& p : m.parts) {
+    const int64_t a = std::max(n0, off), b = std::min(n1, off + p.rows);
+    if (a < b) {
+      if (p.format == kDense)
+        dense_range(x, M, m.K, static_cast<const float*>(p.data), a - off, b - off, y + a, ldy);
+      else
+        kvserve::gguf_linear_range(x, M, m.K, static_cast<const uint8_t*>(p.data), p.rows, p.format, a - off,
+                                   b - off, y + a, ldy);
+    }
+    off += p.rows;
+  }
+}
+
+// Inside a parallel region: y[M, N] = x @ W^T, chunks dealt out dynamically; after a chunk its
+// thread runs epilogue(n0, n1) on those columns (no barrier needed: nobody else touches them).
+// Ends with the worksharing loop's barrier.
+template <typename Epilogue>
+void matmul(const Matrix& m, const float* x, int64_t M, float* y, Epilogue&& epilogue) {
+  const int64_t chunks = (m.N + kChunk - 1) / kChunk;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * kChunk, n1 = std::min(m.N, n0 + kChunk);
+    matmul_range(m, x, M, n0, n1, y, m.N);
+    epilogue(n0, n1);
+  }
+}
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, as F.rms_norm in fp32.
+void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (int64_t k = 0; k < K; ++k) y[r * K + k] = xr[k] * inv * w[k];
+  }
+}
+
+// v[D] <- v * cos + [v2, v1] * sin_signed (engine/model.py apply_rope_signed).
+void rope(float* v, const float* cos, const float* sin, int64_t D, float* tmp) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * cos[i] + v[i < half ? i + half : i - half] * sin[i];
+  std::copy(tmp, tmp + D, v);
+}
+
+const float* optional_data(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, name,
+              " must be a contiguous float32 vector of ", n);
+  return t->data_ptr<float>();
+}
+
+// x [B, hidden] (updated in place: the layer's output); cos/sin [B, head_dim] (the rows of the
+// RoPE tables at each row's position, sin sign-adjusted); k_cache/v_cache [blocks, block_size,
+// kv_heads, head_dim]; slots [B] the flat slot of each new token; block_tables [B, W] and
+// context_lens [B] (the new token included) as paged_decode_attention takes them.
+void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                  at::TensorList qkv_w, at::IntArrayRef qkv_rows, at::IntArrayRef qkv_formats,
+                  const std::optional<at::Tensor>& qkv_bias, at::TensorList o_w, at::IntArrayRef o_rows,
+                  at::IntArrayRef o_formats, const std::optional<at::Tensor>& o_bias, at::TensorList gate_up_w,
+                  at::IntArrayRef gate_up_rows, at::IntArrayRef gate_up_formats, at::TensorList down_w,
+                  at::IntArrayRef down_rows, at::IntArrayRef down_formats, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim] of one shape");
+  const int64_t B = x.size(0), hidden = x.size(1);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), H = num_heads;
+  TORCH_CHECK(H >= KVH && H % KVH == 0 && D % 2 == 0, "num_heads must be a multiple of the kv heads");
+  const int64_t G = H / KVH, q_size = H * D, kv_size = KVH * D, num_slots = k_cache.size(0) * block_size;
+  const Matrix qkv = make_matrix(qkv_w, qkv_rows, qkv_formats, hidden, "qkv");
+  const Matrix o = make_matrix(o_w, o_rows, o_formats, q_size, "o_proj");
+  const Matrix gate_up = make_matrix(gate_up_w, gate_up_rows, gate_up_formats, hidden, "gate_up");
+  const int64_t I = gate_up.N / 2;
+  const Matrix down = make_matrix(down_w, down_rows, down_formats, I, "down");
+  TORCH_CHECK(qkv.N == q_size + 2 * kv_size && o.N == hidden && gate_up.N == 2 * I && down.N == hidden,
+              "weight shapes do not match hidden ", hidden, ", ", H, "/", KVH, " heads of ", D);
+  TORCH_CHECK(I % 8 == 0, "the intermediate size must be a multiple of 8 (up starts a strip)");
+  TORCH_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden && input_norm.is_contiguous() &&
+                  post_norm.is_contiguous() && input_norm.scalar_type() == at::kFloat &&
+                  post_norm.scalar_type() == at::kFloat, "the norms must be contiguous float32 [hidden]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "cos/sin must be contiguous float32 [B, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && slots.is_contiguous() &&
+                  context_lens.scalar_type() == at::kLong && context_lens.numel() == B && context_lens.is_contiguous() &&
+                  block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                  block_tables.is_contiguous(), "slots, block_tables and context_lens must be int64, one row per token");
+  const float* qkv_b = optional_data(qkv_bias, qkv.N, "qkv_bias");
+  const float* o_b = optional_data(o_bias, hidden, "o_bias");
+  const int64_t W = block_tables.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < num_slots, "slot ", sp[b], " is outside the pool");
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * block_size, "a context is empty or longer than its block table");
+  }
+
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const float *in_w = input_norm.data_ptr<float>(), *post_w = post_norm.data_ptr<float>();
+  // scratch, reused across calls (one decode step runs layer after layer on one thread)
+  static thread_local std::vector<float> scratch;
+  scratch.resize(B * (qkv.N + q_size + hidden + 2 * I + I));
+  float* qkvb = scratch.data();       // [B, qkv.N]
+  float* attn = qkvb + B * qkv.N;     // [B, q_size]
+  float* tmp = attn + B * q_size;     // [B, hidden] O / down products
+  float* gu = tmp + B * hidden;       // [B, 2I]
+  float* act = gu + B * 2 * I;        // [B, I]
+  const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
+  const auto add_residual = [&](const float* bias) {
+    return [&, bias](int64_t n0, int64_t n1) {
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t n = n0; n < n1; ++n) xp[r * hidden + n] += bias ? tmp[r * hidden + n] + bias[n] : tmp[r * hidden + n];
+    };
+  };
+  // bias, then RoPE (q and k heads), of head h of row b's fused qkv output
+  const auto prepare_head = [&](int64_t b, int64_t h, float* scratch) {
+    float* v = qkvb + b * qkv.N + h * D;
+    if (qkv_b)
+      for (int64_t i = 0; i < D; ++i) v[i] += qkv_b[h * D + i];
+    if (h < H + KVH) rope(v, cp + b * D, snp + b * D, D, scratch);
+    return v;
+  };
+
+  // Four barriers: each phase reads what all threads wrote in the one before it. The norms
+  // are computed by every thread into its own copy (no barrier of their own); a row's RoPE
+  // and KV write happen in the attention job that reads them; SiLU * up in the gate/up chunk
+  // that computed both halves.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> y(B * hidden), head(D), scores, acc(G * D);
+    rms_norm(xp, in_w, B, hidden, feps, y.data());
+    matmul(qkv, y.data(), B, qkvb, [](int64_t, int64_t) {});
+    // attention: one job per (row, kv head): its G query heads, its key and value
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t job = 0; job < B * KVH; ++job) {
+      const int64_t b = job / KVH, g = job % KVH;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h, head.data());
+      const float* k = prepare_head(b, H + g, head.data());
+      const float* v = prepare_head(b, H + KVH + g, head.data());
+      std::copy(k, k + D, kp + (sp[b] * KVH + g) * D);
+      std::copy(v, v + D, vp + (sp[b] * KVH + g) * D);
+      const kvserve::Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
+      scores.resize(G * lay.len);
+      kvserve::attend(qkvb + b * qkv.N, kp, vp, lay, g * G, (g + 1) * G, G, D, fscale, scores.data(), acc.data(),
+                      attn + b * q_size);
+    }
+    matmul(o, attn, B, tmp, add_residual(o_b));
+    rms_norm(xp, post_w, B, hidden, feps, y.data());
+    // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < (I + kChunk - 1) / kChunk; ++c) {
+      const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
+      matmul_range(gate_up, y.data(), B, j0, j1, gu, 2 * I);
+      matmul_range(gate_up, y.data(), B, I + j0, I + j1, gu, 2 * I);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t j = j0; j < j1; ++j) {
+          const float gate = gu[r * 2 * I + j];
+          act[r * I + j] = gate / (1.f + std::exp(-gate)) * gu[r * 2 * I + I + j];
+        }
+    }
+    matmul(down, act, B, tmp, add_residual(nullptr));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("decode_layer(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor[] qkv, int[] qkv_rows, int[] qkv_formats, Tensor? qkv_bias, "
+        "Tensor[] o_proj, int[] o_rows, int[] o_formats, Tensor? o_bias, "
+        "Tensor[] gate_up, int[] gate_up_rows, int[] gate_up_formats, "
+        "Tensor[] down, int[] down_rows, int[] down_formats, "
+        "Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layer", &decode_layer); }

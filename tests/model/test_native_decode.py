@@ -1,0 +1,152 @@
+"""The native decode path (one ``decode_layer`` C++ call per layer) against the Python path
+(``DecoderLayer.forward``) on the same step: GGUF models in block formats and dense fp32,
+Llama and Qwen2 (biases), GQA and MHA, one sequence and ragged batches crossing block edges.
+
+Every all-decode step is run twice on the same pool, Python first, then native (both write the
+same new K/V slot before attending, so the second run sees what the first did), and the logits
+must agree to fp32 summation order: rtol 1e-4 and atol 1e-4 of the largest logit. The two
+paths sum dot products of up to 512 terms in different orders (eps 1.2e-7 each, ~1e-6
+relative after a layer) through 2-3 layers and a softmax; a wrong bias, RoPE, slot or head
+mapping moves logits by O(1), four orders of magnitude above the tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
+from engine.quant import BlockFormat
+from engine.sampling_params import SamplingParams
+from tests.helpers import require_native_kernel, tiny_engine, tiny_hf_model, tiny_llama_config
+from tests.model.test_gguf_formats import TINY, cache_dir, gguf_engine, uniform  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    require_native_kernel()
+
+
+class PathComparer:
+    """Wraps the model's forward: an all-decode step the native path takes runs on both paths
+    and their logits are compared; the native result goes on. The engine answers a step that
+    raises by retrying its requests alone, so mismatches are also kept in ``failures``."""
+
+    def __init__(self, model) -> None:
+        self.model, self.inner = model, model.forward
+        self.native_steps: list[int] = []  # rows of each compared step
+        self.failures: list[AssertionError] = []
+        model.forward = self
+
+    def __call__(self, input_ids, positions, meta, kv_caches):
+        m = self.model
+        if not m._runs_native(meta, input_ids.shape[0], kv_caches):
+            return self.inner(input_ids, positions, meta, kv_caches)
+        m.decode_path = "python"
+        try:
+            want = m.compute_logits(self.inner(input_ids, positions, meta, kv_caches))
+        finally:
+            m.decode_path = "native"
+        hidden = self.inner(input_ids, positions, meta, kv_caches)
+        got = m.compute_logits(hidden)
+        try:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+        except AssertionError as exc:
+            self.failures.append(exc)
+            raise
+        self.native_steps.append(input_ids.shape[0])
+        return hidden
+
+
+# prompt lengths around the test pools' 4-token blocks; 9 new tokens move every context across an edge
+RAGGED = [3, 4, 7, 9]
+
+
+def run_and_compare(engine, lengths: list[int], tokens: int = 9) -> list[int]:
+    model = engine.runner.model
+    assert model.decode_path == "native"
+    comparer = PathComparer(model)
+    prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    assert not comparer.failures, comparer.failures[0]
+    assert [len(o.token_ids) for o in outputs] == [tokens] * len(prompts)
+    assert engine.kv_cache.usage == 0, "a block is still held after every request finished"
+    return comparer.native_steps
+
+
+GGUF_CASES = {
+    "llama-Q4_1-gqa": (TINY, uniform(BlockFormat.Q4_1)),
+    "llama-Q8_0-mha": (GGUFShape(**{**TINY.__dict__, "kv_heads": 4}), uniform(BlockFormat.Q8_0)),
+    "llama-Q4_K_M-mix": (GGUFShape(**{**TINY.__dict__, "layers": 3}), q4_k_m),
+    "qwen2-Q4_K-bias": (GGUFShape(**{**TINY.__dict__, "arch": "qwen2"}), uniform(BlockFormat.Q4_K)),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+@pytest.mark.parametrize("resident", ["blocks", "dense"])
+def test_gguf_native_decode_equals_python(case, resident, cache_dir, tmp_path):  # noqa: F811
+    shape, formats = GGUF_CASES[case]
+    path = write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=len(case))
+    engine = gguf_engine(path, resident)
+    if case == "llama-Q4_K_M-mix":  # q, k Q4_K and v Q6_K in one fused matrix: two groups in one call
+        assert any(len(layer.blocks["qkv"].parts) == 2 for layer in engine.runner.model.layers)
+    assert engine.runner.model.arch.attention_bias == (shape.arch == "qwen2")
+    assert run_and_compare(engine, [5]) == [1] * 8  # one stream: every decode step native
+    steps = run_and_compare(engine, RAGGED)
+    assert steps and max(steps) == len(RAGGED)
+
+
+@pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
+def test_dense_fp32_native_decode_equals_python(heads):
+    engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_key_value_heads=heads)), block_size=4)
+    assert engine.runner.model.linear_backend != "gguf" and engine.runner.model.native_max_rows == 4
+    assert run_and_compare(engine, [6]) == [1] * 8
+    assert max(run_and_compare(engine, RAGGED)) == 4
+
+
+def test_larger_batches_fall_back_to_python():
+    """A step of more rows than native_max_rows runs DecoderLayer.forward, and still serves."""
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    steps = run_and_compare(engine, [3, 4, 5, 6, 7, 8], tokens=4)
+    assert steps == []  # six rows > 4: every decode step on the Python path
+
+
+def test_decode_path_selection_is_explicit():
+    from engine.attention import select_attention
+
+    engine = tiny_engine(tiny_hf_model(), attention_backend="torch")
+    model = engine.runner.model
+    assert model.decode_path == "python"  # auto: the torch attention backend is in use
+    with pytest.raises(ValueError, match="native.*'torch' is in use"):
+        model.select_decode_path("native")
+    with pytest.raises(ValueError, match="decode_path must be"):
+        model.select_decode_path("fast")
+    model.attn = select_attention("native", torch.device("cpu"), torch.float32, 4)
+    assert model.select_decode_path("auto") == ("native", None)
+    assert model.select_decode_path("python") == ("python", None)
+
+
+def test_bad_arguments_are_clear_errors():
+    from engine.config import ModelConfig
+
+    with pytest.raises(ValueError, match="decode_path must be auto, native or python"):
+        ModelConfig(decode_path="fast")
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    model = engine.runner.model
+    args = list(model._native_layers[0])
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    x, rope = torch.zeros(1, 64), torch.zeros(1, 16)
+    table, lens = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long)
+
+    def call(slot: int = 0, heads: int = 4, layer_args=args):
+        torch.ops.kvserve.decode_layer(x, *layer_args, rope, rope, k_cache, v_cache, torch.tensor([slot]), table,
+                                       lens, heads, 0.25)
+
+    call()  # valid
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        call(slot=10**6)
+    with pytest.raises(RuntimeError, match=r"o_proj: a dense part must be a contiguous float32 \[64, 32\]"):
+        call(heads=2)  # 2 heads of 16 would make o_proj 64 x 32
+    bad = args.copy()
+    bad[3] = [args[3][0][:8]]  # qkv: a dense part of the wrong shape
+    with pytest.raises(RuntimeError, match="qkv: a dense part must be"):
+        call(layer_args=bad)
