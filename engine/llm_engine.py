@@ -21,7 +21,7 @@ import torch
 
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
 from cache.tiers import DiskTier
-from engine.attention import select_attention
+from engine.attention import resolve_backend, select_attention
 from engine.config import EngineCoreConfig, ModelConfig
 from engine.core_protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
 from engine.gpu_memory import profile_kv_budget
@@ -120,11 +120,14 @@ class LLMEngine:
         device = resolve_device(config.model.device)
         int8_kv = config.cache.kv_cache_dtype == "int8"
         attention_backend = config.model.attention_backend
-        if int8_kv:
-            if attention_backend not in ("auto", "torch"):
-                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch attention backend (the {attention_backend} "
-                                 "kernels read float pools only); use --attention-backend torch or auto")
-            attention_backend = "torch"
+        if int8_kv:  # the torch reference and the native CPU kernel read int8 pools; the GPU kernels do not
+            if attention_backend not in ("auto", "torch", "native"):
+                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch or native attention backend (the "
+                                 f"{attention_backend} kernels read float pools only); use --attention-backend "
+                                 "torch, native or auto")
+            if attention_backend == "auto":
+                resolved = resolve_backend("auto", device, _DTYPES[config.model.dtype], config.cache.block_size)
+                attention_backend = resolved if resolved in ("torch", "native") else "torch"
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:

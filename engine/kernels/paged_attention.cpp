@@ -1,5 +1,6 @@
 // Paged decode attention on the CPU: one query token per sequence, keys and values read in
-// place from the block pool, without the gather copy the torch backend makes. fp32.
+// place from the block pool, without the gather copy the torch backend makes. fp32 queries and
+// outputs; the pools are fp32 or int8 codes with per-token-per-head (step, minimum) scales.
 //
 // Threads split the batch by sequence; a job reads each cached token's row (all kv heads, one
 // contiguous run) once for the scores and once for the values, walking the blocks in table
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -20,8 +22,20 @@ struct Layout {
   const int64_t* table;  // this sequence's block ids
   int64_t len;           // cached tokens to attend to
   int64_t block_size;
-  int64_t token_stride;  // floats between consecutive tokens of a block (kv_heads * head_dim)
-  int64_t block_stride;  // floats between blocks
+  int64_t token_stride;  // elements between consecutive tokens of a block (kv_heads * head_dim)
+  int64_t block_stride;  // elements between blocks
+};
+
+// One K or V pool. fp32: ``data`` holds the values. int8 (engine/kv_quant.py): ``data`` holds
+// codes c in [-128, 127] and ``scale`` a (step, minimum) pair per token and kv head; the value
+// is (c + 128) * step + minimum. The kernels never dequantize a row into memory: the dot
+// product and the weighted sum are taken over the codes and the affine part is folded in
+// per (token, head) with two scalars.
+template <typename T>
+struct Pool {
+  const T* data;
+  const float* scale;  // int8 only: [num_blocks, block_size, kv_heads, 2]
+  int64_t kv_heads;
 };
 
 // exp for x <= 0 (softmax inputs after max subtraction): Cody-Waite range reduction and a
@@ -45,22 +59,24 @@ inline float exp_nonpositive(float x) {
 
 // Asks for one token row of the next block while the current one is processed: blocks sit
 // anywhere in the pool, so the hardware prefetcher cannot guess where the next one starts.
-inline void prefetch_row(const float* row, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-// Calls fn(row, t) for the sequence's cached tokens t = 0 .. len-1 in order, row pointing at
-// token t's entry in pool (keys or values of all kv heads), block by block as the table says.
-template <typename Fn>
-inline void for_each_row(const float* pool, const Layout& lay, Fn&& fn) {
+// Calls fn(slot, t) for the sequence's cached tokens t = 0 .. len-1 in order, slot being token
+// t's flat index in the pool (block id * block_size + offset), block by block as the table says.
+template <typename T, typename Fn>
+inline void for_each_row(const Pool<T>& pool, const Layout& lay, Fn&& fn) {
   const int64_t num_blocks = (lay.len + lay.block_size - 1) / lay.block_size;
+  const int64_t row_bytes = lay.token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
-    const float* block = pool + lay.table[j] * lay.block_stride;
-    const float* next = j + 1 < num_blocks ? pool + lay.table[j + 1] * lay.block_stride : nullptr;
+    const int64_t first = lay.table[j] * lay.block_size;
+    const T* next = j + 1 < num_blocks ? pool.data + lay.table[j + 1] * lay.block_stride : nullptr;
     const int64_t n = std::min(lay.block_size, lay.len - j * lay.block_size);
     for (int64_t i = 0; i < n; ++i, ++t) {
-      if (next) prefetch_row(next + i * lay.token_stride, lay.token_stride);
-      fn(block + i * lay.token_stride, t);
+      if (next) prefetch_row(next + i * lay.token_stride, row_bytes);
+      fn(first + i, t);
     }
   }
 }
@@ -69,16 +85,40 @@ inline void for_each_row(const float* pool, const Layout& lay, Fn&& fn) {
 // queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
 // out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
 // once, in block order.
-void attend(const float* q, const float* k, const float* v, const Layout& lay, int64_t h0, int64_t h1,
+template <typename T>
+void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
             int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
-  const int64_t L = lay.len, nh = h1 - h0;
-  for_each_row(k, lay, [&](const float* kt, int64_t t) {
+  constexpr bool quantized = std::is_same<T, int8_t>::value;
+  const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
+  // int8: q . ((c + 128) step + min) = step (q . c + 128 sum(q)) + min sum(q).
+  float qsum[quantized ? 64 : 1];
+  std::vector<float> qsum_big;
+  float* qs = qsum;
+  if (quantized) {
+    if (nh > 64) {
+      qsum_big.resize(nh);
+      qs = qsum_big.data();
+    }
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = q + h * D;
-      const float* kh = kt + (h / G) * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < D; ++i) s += qh[i] * kh[i];
+      for (int64_t i = 0; i < D; ++i) s += qh[i];
+      qs[h - h0] = s;
+    }
+  }
+  for_each_row(k, lay, [&](int64_t slot, int64_t t) {
+    const T* kt = k.data + slot * lay.token_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * D;
+      const T* kh = kt + (h / G) * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < D; ++i) s += qh[i] * static_cast<float>(kh[i]);
+      if (quantized) {
+        const float* sc = k.scale + (slot * KVH + h / G) * 2;
+        s = sc[0] * (s + 128.f * qs[h - h0]) + sc[1] * qs[h - h0];
+      }
       scores[(h - h0) * L + t] = s * scale;
     }
   });
@@ -97,46 +137,71 @@ void attend(const float* q, const float* k, const float* v, const Layout& lay, i
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + nh * D, 0.f);
-  for_each_row(v, lay, [&](const float* vt, int64_t t) {
+  // int8: sum_t p_t ((c_t + 128) step_t + min_t) = sum_t (p_t step_t) c_t + sum_t p_t (128 step_t + min_t);
+  // the second term is the same for every channel, so it is one scalar per head.
+  float bias[quantized ? 64 : 1] = {};
+  std::vector<float> bias_big;
+  float* bs = bias;
+  if (quantized && nh > 64) {
+    bias_big.assign(nh, 0.f);
+    bs = bias_big.data();
+  }
+  for_each_row(v, lay, [&](int64_t slot, int64_t t) {
+    const T* vt = v.data + slot * lay.token_stride;
     for (int64_t h = h0; h < h1; ++h) {
-      const float p = scores[(h - h0) * L + t];
-      const float* vh = vt + (h / G) * D;
+      float p = scores[(h - h0) * L + t];
+      if (quantized) {
+        const float* sc = v.scale + (slot * KVH + h / G) * 2;
+        bs[h - h0] += p * (128.f * sc[0] + sc[1]);
+        p *= sc[0];
+      }
+      const T* vh = vt + (h / G) * D;
       float* a = acc + (h - h0) * D;
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) a[i] += p * vh[i];
+      for (int64_t i = 0; i < D; ++i) a[i] += p * static_cast<float>(vh[i]);
     }
   });
+  if (quantized) {
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < D; ++i) acc[h * D + i] += bs[h];
+  }
   std::copy(acc, acc + nh * D, out + h0 * D);
 }
 
-// q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [B, W];
-// context_lens [B] >= 1. Row b attends to its first context_lens[b] cached tokens. -> [B, H, D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+// Checks shared by both entry points; returns (contiguous q, tables, lengths).
+struct Checked {
+  at::Tensor q, tables, lens;
+};
+
+Checked check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be 3-D and the caches 4-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "paged_decode_attention is fp32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
-  const auto qc = q.contiguous();
-  const auto tables = block_tables.to(at::kLong).contiguous();
-  const auto lens = context_lens.to(at::kLong).contiguous();
+  Checked c{q.contiguous(), block_tables.to(at::kLong).contiguous(), context_lens.to(at::kLong).contiguous()};
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts do not match");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per query");
-  const int64_t G = H / KVH, W = tables.size(1);
-  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(c.tables.dim() == 2 && c.tables.size(0) == B && c.lens.numel() == B,
+              "one table row and length per query");
+  const int64_t W = c.tables.size(1);
+  const int64_t* lp = c.lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] <= W * block_size, "a context is longer than its block table");
     TORCH_CHECK(lp[b] >= 1, "every context needs at least one token");
   }
+  return c;
+}
 
-  auto out = at::empty({B, H, D}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
+template <typename T>
+at::Tensor run(const Checked& c, const Pool<T>& k, const Pool<T>& v, int64_t block_size, double scale) {
+  const int64_t B = c.q.size(0), H = c.q.size(1), D = c.q.size(2), KVH = k.kv_heads;
+  const int64_t G = H / KVH, W = c.tables.size(1);
+  auto out = at::empty({B, H, D}, c.q.options());
+  const float* qp = c.q.data_ptr<float>();
+  const int64_t* tp = c.tables.data_ptr<int64_t>();
+  const int64_t* lp = c.lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // A job is a whole sequence (each cached row read once, contiguously) when there are
@@ -155,7 +220,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t b = job / split, h0 = (job % split) * heads_per_job;
         const Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
         scores.resize(heads_per_job * lay.len);
-        attend(qp + b * H * D, kp, vp, lay, h0, h0 + heads_per_job, G, D, fscale, scores.data(), acc.data(),
+        attend(qp + b * H * D, k, v, lay, h0, h0 + heads_per_job, G, D, fscale, scores.data(), acc.data(),
                op + b * H * D);
       }
     }
@@ -163,11 +228,48 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [B, W];
+// context_lens [B] >= 1. Row b attends to its first context_lens[b] cached tokens. -> [B, H, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "paged_decode_attention is fp32 only");
+  const Checked c = check_inputs(q, k_cache, v_cache, block_tables, context_lens);
+  const int64_t KVH = k_cache.size(2);
+  const Pool<float> k{k_cache.data_ptr<float>(), nullptr, KVH}, v{v_cache.data_ptr<float>(), nullptr, KVH};
+  return run(c, k, v, k_cache.size(1), scale);
+}
+
+// As paged_decode_attention over int8 pools (engine/kv_quant.py): k_codes, v_codes int8
+// [num_blocks, block_size, KVH, D]; k_scale, v_scale fp32 [num_blocks, block_size, KVH, 2]
+// holding (step, minimum); value = (code + 128) * step + minimum. q and the result are fp32.
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                       const at::Tensor& v_codes, const at::Tensor& v_scale,
+                                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(k_codes.scalar_type() == at::kChar && v_codes.scalar_type() == at::kChar,
+              "paged_decode_attention_int8 reads int8 codes");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous(), "the scales must be contiguous fp32");
+  const Checked c = check_inputs(q, k_codes, v_codes, block_tables, context_lens);
+  const int64_t KVH = k_codes.size(2);
+  const std::vector<int64_t> scale_shape{k_codes.size(0), k_codes.size(1), KVH, 2};
+  TORCH_CHECK(k_scale.sizes() == scale_shape && v_scale.sizes() == scale_shape,
+              "the scales must be [num_blocks, block_size, kv_heads, 2]");
+  const Pool<int8_t> k{k_codes.data_ptr<int8_t>(), k_scale.data_ptr<float>(), KVH};
+  const Pool<int8_t> v{v_codes.data_ptr<int8_t>(), v_scale.data_ptr<float>(), KVH};
+  return run(c, k, v, k_codes.size(1), scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention_int8(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
+}
