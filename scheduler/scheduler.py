@@ -40,8 +40,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # of which found in the cache
     num_preemptions: int = 0
-    tier_queries: dict[str, int] = field(default_factory=lambda: {"device": 0, "disk": 0})  # tokens looked up
-    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "disk": 0})  # tokens found
+    tier_queries: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens looked up
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens found
 
 
 class Scheduler:
@@ -157,6 +157,7 @@ class Scheduler:
                 self.kv_cache.free(request.request_id)
                 request.num_computed_tokens = 0
                 request.num_tier_loaded_tokens = 0
+                request.tier_sources = []
                 return True
         return False
 
@@ -208,6 +209,7 @@ class Scheduler:
                     self.waiting.popleft()
                     request.num_computed_tokens = num_cached
                     request.status = RequestStatus.LOADING
+                    request.tier_sources = self.kv_cache.tier_sources(tier_hashes)
                     self.loading[request.request_id] = request
                     out.loads.append((request, [(b.block_id, h) for b, h in zip(fresh, tier_hashes)]))
                     continue
@@ -228,9 +230,14 @@ class Scheduler:
                 device_hits = num_cached - request.num_tier_loaded_tokens
                 self.stats.tier_queries["device"] += request.num_tokens
                 self.stats.tier_hits["device"] += device_hits
-                if self.kv_cache.tier is not None:
-                    self.stats.tier_queries["disk"] += request.num_tokens - device_hits
-                    self.stats.tier_hits["disk"] += request.num_tier_loaded_tokens
+                if self.kv_cache.tier is not None:  # each lower tier sees what the ones above did not hold
+                    remaining = request.num_tokens - device_hits
+                    loaded = request.tier_sources[:request.num_tier_loaded_tokens // self.kv_cache.block_size]
+                    for name in self.kv_cache.tier_names():
+                        found = loaded.count(name) * self.kv_cache.block_size
+                        self.stats.tier_queries[name] = self.stats.tier_queries.get(name, 0) + remaining
+                        self.stats.tier_hits[name] = self.stats.tier_hits.get(name, 0) + found
+                        remaining -= found
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

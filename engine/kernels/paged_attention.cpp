@@ -107,14 +107,35 @@ void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& la
       qs[h - h0] = s;
     }
   }
+  // int8 rows are widened to fp32 once per token (the kv heads this job reads) into ``row``, so
+  // the G query heads sharing a kv head reuse them and the dot products stay plain fp32 loops.
+  const int64_t kv0 = h0 / G, kv1 = (h1 - 1) / G + 1;
+  float row_buf[quantized ? 1024 : 1];
+  std::vector<float> row_big;
+  float* row = row_buf;
+  if (quantized && (kv1 - kv0) * D > 1024) {
+    row_big.resize((kv1 - kv0) * D);
+    row = row_big.data();
+  }
+  auto widen = [&](const T* src) -> const float* {
+    if constexpr (quantized) {
+      const int8_t* p = src + kv0 * D;
+      const int64_t n = (kv1 - kv0) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(p[i]);
+      return row - kv0 * D;
+    } else {
+      return src;
+    }
+  };
   for_each_row(k, lay, [&](int64_t slot, int64_t t) {
-    const T* kt = k.data + slot * lay.token_stride;
+    const float* kt = widen(k.data + slot * lay.token_stride);
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = q + h * D;
-      const T* kh = kt + (h / G) * D;
+      const float* kh = kt + (h / G) * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < D; ++i) s += qh[i] * static_cast<float>(kh[i]);
+      for (int64_t i = 0; i < D; ++i) s += qh[i] * kh[i];
       if (quantized) {
         const float* sc = k.scale + (slot * KVH + h / G) * 2;
         s = sc[0] * (s + 128.f * qs[h - h0]) + sc[1] * qs[h - h0];
@@ -147,7 +168,7 @@ void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& la
     bs = bias_big.data();
   }
   for_each_row(v, lay, [&](int64_t slot, int64_t t) {
-    const T* vt = v.data + slot * lay.token_stride;
+    const float* vt = widen(v.data + slot * lay.token_stride);
     for (int64_t h = h0; h < h1; ++h) {
       float p = scores[(h - h0) * L + t];
       if (quantized) {
@@ -155,10 +176,10 @@ void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& la
         bs[h - h0] += p * (128.f * sc[0] + sc[1]);
         p *= sc[0];
       }
-      const T* vh = vt + (h / G) * D;
+      const float* vh = vt + (h / G) * D;
       float* a = acc + (h - h0) * D;
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) a[i] += p * static_cast<float>(vh[i]);
+      for (int64_t i = 0; i < D; ++i) a[i] += p * vh[i];
     }
   });
   if (quantized) {
@@ -260,6 +281,51 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
   return run(c, k, v, k_codes.size(1), scale);
 }
 
+// Quantize-on-write for int8 pools: rows x [T, KVH, D] (fp32) go to their flat slots
+// slot_mapping [T] of codes [num_blocks, block_size, KVH, D] (int8) and scale [..., KVH, 2]:
+// per row (token, head) an asymmetric range, step = (max - min) / 255, code = round((x - min) /
+// step) - 128, exactly as engine/kv_quant.quantize. One call replaces ~10 small torch ops.
+void write_int8_kv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                   const at::Tensor& slot_mapping) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "x must be fp32 [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.dim() == 4,
+              "codes must be a contiguous int8 pool");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 4 && scale.size(3) == 2,
+              "scale must be a contiguous fp32 [num_blocks, block_size, kv_heads, 2]");
+  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
+  TORCH_CHECK(codes.size(2) == KVH && codes.size(3) == D && scale.size(2) == KVH, "x does not match the pool");
+  const auto xc = x.contiguous();
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per row");
+  const int64_t num_slots = codes.size(0) * codes.size(1);
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  int8_t* cp = codes.data_ptr<int8_t>();
+  float* scp = scale.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range");
+  at::parallel_for(0, T * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / KVH, h = r % KVH;
+      const float* src = xp + r * D;
+      float lo = src[0], hi = src[0];
+      for (int64_t i = 1; i < D; ++i) {
+        lo = std::min(lo, src[i]);
+        hi = std::max(hi, src[i]);
+      }
+      const float step = std::max(hi - lo, 1e-8f) / 255.0f;
+      int8_t* dst = cp + (sp[t] * KVH + h) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) {
+        const float c = std::min(std::max(std::nearbyint((src[i] - lo) / step), 0.0f), 255.0f);
+        dst[i] = static_cast<int8_t>(static_cast<int32_t>(c) - 128);
+      }
+      float* sc = scp + (sp[t] * KVH + h) * 2;
+      sc[0] = step;
+      sc[1] = lo;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
@@ -267,9 +333,11 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor context_lens, float scale) -> Tensor");
   m.def("paged_decode_attention_int8(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("write_int8_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scale, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
+  m.impl("write_int8_kv", &write_int8_kv);
 }

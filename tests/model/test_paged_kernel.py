@@ -102,3 +102,23 @@ def test_int8_rejects_bad_scales():
     with pytest.raises(RuntimeError, match="int8 codes"):
         torch.ops.kvserve.paged_decode_attention_int8(q, codes.float(), torch.zeros(8, 4, 2, 2), codes.float(),
                                                       torch.zeros(8, 4, 2, 2), tables, lens, 1.0)
+
+
+def test_native_int8_write_equals_the_torch_quantizer():
+    """``write_int8_kv`` stores exactly the codes and scales of ``kv_quant.quantize`` in the slots."""
+    from engine.kv_quant import Int8KV, quantize
+
+    gen = torch.Generator().manual_seed(3)
+    cache = Int8KV.zeros((6, 4, 3, 32), torch.float32, torch.device("cpu"))
+    x = torch.randn(7, 3, 32, generator=gen) * 3
+    x[2] = 1.5  # a constant row: zero range
+    slots = torch.tensor([0, 5, 23, 9, 10, 11, 17])
+    torch.ops.kvserve.write_int8_kv(x, cache.data, cache.scale, slots)
+    codes, scale = quantize(x)
+    assert torch.equal(cache.data.view(-1, 3, 32)[slots], codes)
+    assert torch.equal(cache.scale.view(-1, 3, 2)[slots], scale)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache.data.view(-1, 3, 32)[untouched].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.kvserve.write_int8_kv(x[:1], cache.data, cache.scale, torch.tensor([24]))
