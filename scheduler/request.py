@@ -65,6 +65,7 @@ class Request:
     num_tier_loaded_tokens: int = 0  # of the cached tokens, those loaded from a lower tier
     tier_sources: list[str] = field(default_factory=list)  # per block of its tier load: the tier that held it
     num_cache_write_tokens: int = 0  # tokens this request wrote into retained cache (pins, 24h retention)
+    cache_policy_applied: bool = False  # pins / retention taken (when its prefill completed)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

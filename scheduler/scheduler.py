@@ -103,7 +103,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and not request.cache_policy_applied:
             self._retain(request)
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
@@ -117,10 +117,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _retain(self, request: Request) -> None:
-        """Apply the request's cache policy (pins, 24h retention) while it still holds its blocks."""
+        """Apply the request's cache policy (pins, 24h retention) while it holds its blocks: once,
+        when its prefill completes (a preempted request that recomputes does not apply it again)."""
         policy = request.sampling_params.cache_policy
-        if policy is None:
+        if policy is None or request.cache_policy_applied:
             return
+        request.cache_policy_applied = True
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         written = 0
         if policy.pin_tokens:
@@ -258,7 +260,10 @@ class Scheduler:
             request = item.request
             if request.status.is_finished:
                 continue
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
             request.num_computed_tokens += item.num_new_tokens
+            if prefilling and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._retain(request)  # pins and retention as soon as the prompt's KV exists
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
             token = sampled[request.request_id]
