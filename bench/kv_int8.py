@@ -13,8 +13,8 @@ Three measurements, one command each (the default model, SmolLM2-135M-Instruct):
         tokens, values per token (``--no-kivi`` skips it).
     python -m bench.kv_int8 decode [--streams 16] [--rounds 2]
         decode tokens/s at 16 streams: fp32 (native kernel), int8 (native kernel), int8 (torch
-        path), interleaved round by round so machine load hits all three alike.
-    python -m bench.kv_int8 concurrency [--budget-gib 0.1] [--requests 160]
+        path), the three engines stepping in lockstep so machine load hits them alike.
+    python -m bench.kv_int8 concurrency [--budget-gib 0.025] [--requests 96]
         the same KV byte budget in fp32 and int8: requests running at once (median while others
         queue, and peak) over a mixed workload submitted at once.
 """
@@ -154,27 +154,37 @@ def _engine(kv: str, backend: str, num_threads: int | None, num_blocks: int | No
                      loaded or load_model(None, torch.float32))
 
 
-def decode_rate(engine, streams: int, prompt_len: int, output_len: int, seed: int) -> float:
-    """Output tokens/s over the engine steps in which all ``streams`` requests only decoded."""
+def decode_rates(engines: dict, streams: int, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
+    """Output tokens/s of each engine over its steps in which all ``streams`` requests only
+    decoded. The engines step in lockstep (one step each, in turn), so load from other processes
+    on a shared machine falls on all of them alike."""
     import random
 
     from engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(streams)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for _ in range(streams):
-        engine.add_request([rng.randrange(100, 10000) for _ in range(prompt_len)], params)
-    tokens, seconds = 0, 0.0
-    while engine.has_unfinished():
-        decoding = (len(engine.scheduler.running) == streams and not engine.scheduler.waiting
-                    and all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running))
-        t0 = time.perf_counter()
-        engine.step()
-        if decoding:
-            seconds += time.perf_counter() - t0
-            tokens += streams
-    engine.kv_cache.check_invariants()
-    return tokens / seconds if seconds else 0.0
+    for engine in engines.values():
+        for p in prompts:
+            engine.add_request(p, params)
+    tokens = {label: 0 for label in engines}
+    seconds = {label: 0.0 for label in engines}
+    while any(e.has_unfinished() for e in engines.values()):
+        for label, engine in engines.items():
+            if not engine.has_unfinished():
+                continue
+            sched = engine.scheduler
+            decoding = (len(sched.running) == streams and not sched.waiting
+                        and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running))
+            t0 = time.perf_counter()
+            engine.step()
+            if decoding:
+                seconds[label] += time.perf_counter() - t0
+                tokens[label] += streams
+    for engine in engines.values():
+        engine.kv_cache.check_invariants()
+    return {label: tokens[label] / seconds[label] if seconds[label] else 0.0 for label in engines}
 
 
 def decode(args) -> None:
@@ -187,9 +197,9 @@ def decode(args) -> None:
                               loaded=load_model(None, torch.float32)) for label, kv, backend in configs}
     rates: dict[str, list[float]] = {label: [] for label in engines}
     for r in range(args.rounds):
-        for label, engine in engines.items():
-            rates[label].append(decode_rate(engine, args.streams, args.prompt_len, args.output_len, seed=r))
-            print(f"round {r}: {label}: {rates[label][-1]:.1f} tok/s", flush=True)
+        for label, rate in decode_rates(engines, args.streams, args.prompt_len, args.output_len, seed=r).items():
+            rates[label].append(rate)
+        print(f"round {r}: " + ", ".join(f"{label} {v[-1]:.1f} tok/s" for label, v in rates.items()), flush=True)
     base = statistics.median(rates["fp32 native"])
     for label, values in rates.items():
         m = statistics.median(values)
@@ -241,12 +251,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="decode: prompt tokens per stream")
     parser.add_argument("--output-len", type=int, default=32, help="decode: output tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="decode: interleaved rounds")
-    parser.add_argument("--budget-gib", type=float, default=0.1, help="concurrency: KV bytes, both dtypes")
-    parser.add_argument("--requests", type=int, default=160, help="concurrency: requests submitted at once")
-    parser.add_argument("--min-prompt", type=int, default=64)
-    parser.add_argument("--max-prompt", type=int, default=192)
-    parser.add_argument("--min-output", type=int, default=8)
-    parser.add_argument("--max-output", type=int, default=24)
+    parser.add_argument("--budget-gib", type=float, default=0.025, help="concurrency: KV bytes, both dtypes")
+    parser.add_argument("--requests", type=int, default=96, help="concurrency: requests submitted at once")
+    parser.add_argument("--min-prompt", type=int, default=24)
+    parser.add_argument("--max-prompt", type=int, default=56)
+    parser.add_argument("--min-output", type=int, default=4)
+    parser.add_argument("--max-output", type=int, default=12)
     args = parser.parse_args()
     {"quality": quality, "decode": decode, "concurrency": concurrency}[args.mode](args)
 
