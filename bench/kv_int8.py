@@ -14,7 +14,7 @@ Three measurements, one command each (the default model, SmolLM2-135M-Instruct):
     python -m bench.kv_int8 decode [--streams 16] [--rounds 2]
         decode tokens/s at 16 streams: fp32 (native kernel), int8 (native kernel), int8 (torch
         path), the three engines stepping in lockstep so machine load hits them alike.
-    python -m bench.kv_int8 concurrency [--budget-gib 0.025] [--requests 96]
+    python -m bench.kv_int8 concurrency [--budget-gib 0.05] [--requests 200]
         the same KV byte budget in fp32 and int8: requests running at once (median while others
         queue, and peak) over a mixed workload submitted at once.
 """
@@ -251,8 +251,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="decode: prompt tokens per stream")
     parser.add_argument("--output-len", type=int, default=32, help="decode: output tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="decode: interleaved rounds")
-    parser.add_argument("--budget-gib", type=float, default=0.025, help="concurrency: KV bytes, both dtypes")
-    parser.add_argument("--requests", type=int, default=96, help="concurrency: requests submitted at once")
+    parser.add_argument("--budget-gib", type=float, default=0.05, help="concurrency: KV bytes, both dtypes")
+    parser.add_argument("--requests", type=int, default=200, help="concurrency: requests submitted at once")
     parser.add_argument("--min-prompt", type=int, default=24)
     parser.add_argument("--max-prompt", type=int, default=56)
     parser.add_argument("--min-output", type=int, default=4)
