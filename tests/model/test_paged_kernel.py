@@ -83,11 +83,18 @@ def test_int8_pools_match_the_torch_int8_reference(heads, kv_heads, head_dim, bl
     width = 5
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    got = torch.ops.kvserve.paged_decode_attention_int8(q, k.data, k.scale, v.data, v.scale, tables, lens,
-                                                        head_dim ** -0.5)
     k_deq = dequantize(k.data, k.scale, torch.float32)
     v_deq = dequantize(v.data, v.scale, torch.float32)
-    torch.testing.assert_close(got, reference(q, k_deq, v_deq, tables, lens), atol=2e-5, rtol=2e-5)
+    threads = torch.get_num_threads()
+    try:
+        # 1 thread: a job per sequence; as many threads as rows: a job per kv head of a sequence.
+        for n in (1, len(lens)):
+            torch.set_num_threads(n)
+            got = torch.ops.kvserve.paged_decode_attention_int8(q, k.data, k.scale, v.data, v.scale, tables, lens,
+                                                                head_dim ** -0.5)
+            torch.testing.assert_close(got, reference(q, k_deq, v_deq, tables, lens), atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
     # It really read the codes: against the unquantized keys the answer differs.
     assert not torch.allclose(got, reference(q, keys.view(k_deq.shape), v_deq, tables, lens), atol=1e-5)
 
