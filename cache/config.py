@@ -24,6 +24,9 @@ class CacheConfig:
     # Disk tier (cache/tiers.py): evicted hashed blocks are written here; None disables it.
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 4.0
+    # Host tier (cache/tiers.py HostTier): GiB of host memory for evicted blocks, before the disk
+    # tier; 0 disables it. Pinned memory on GPU; on CPU it duplicates what the pool already is.
+    kv_offload_gib: float = 0.0
     # Pinned prefixes (cache_control) may hold at most this fraction of the pool.
     kv_pin_fraction: float = 0.25
 
@@ -41,6 +44,9 @@ class CacheConfig:
         disk = self.kv_disk_gib
         if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not math.isfinite(disk) or disk <= 0:
             raise ValueError(f"kv_disk_gib must be a positive number, got {disk!r}")
+        off = self.kv_offload_gib
+        if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off) or off < 0:
+            raise ValueError(f"kv_offload_gib must be a number >= 0, got {off!r}")
         if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir):
             raise ValueError(f"kv_disk_dir must be a folder path, got {self.kv_disk_dir!r}")
         frac = self.kv_pin_fraction

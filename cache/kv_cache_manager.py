@@ -13,7 +13,7 @@ from cache.block import KVBlock
 from cache.block_pool import BlockPool, _check
 from cache.hashing import BlockHash, iter_block_hashes
 from cache.pins import Pin, PinInfo, salt_id
-from cache.tiers import KVTier
+from cache.tiers import KVTier, tier_members
 
 
 class CacheRequest(Protocol):
@@ -139,6 +139,15 @@ class KVCacheManager:
                 break
             found.append(block_hash)
         return found
+
+    def tier_names(self) -> list[str]:
+        """The lower tiers' names, top first (e.g. ``["host", "disk"]``)."""
+        return [t.name for t in tier_members(self.tier)]
+
+    def tier_sources(self, hashes: Sequence[BlockHash]) -> list[str]:
+        """For each hash, the name of the lower tier that holds it now (for the per-tier metrics)."""
+        members = tier_members(self.tier)
+        return [next((t.name for t in members if t.contains(h)), members[-1].name if members else "") for h in hashes]
 
     def allocate_for_load(self, request: CacheRequest, device_hits: Sequence[KVBlock],
                           tier_hashes: Sequence[BlockHash]) -> list[KVBlock] | None:

@@ -18,6 +18,17 @@ block hash; it never sees tensors. Tiers sit behind one interface (``KVTier``) a
   * LRU within ``capacity_bytes``; an entry whose ``expires_at`` (a retention deadline, wall
     clock) lies in the future is never evicted by LRU; a put that cannot fit is dropped;
   * a new ``DiskTier`` on the same folder finds the entries of the same fingerprint again.
+
+``HostTier`` contract (``--kv-offload-gib``): a preallocated arena of fixed-size slots (one
+block payload each) handed in by the engine (pinned memory when the pool is on a GPU, so the
+copies to and from the device are DMA); ``put`` copies synchronously into a slot (a memcpy,
+no I/O); LRU within the arena; an entry evicted from it goes to ``on_evict`` (the next tier),
+not away; volatile (gone with the process); no retention protection of its own.
+
+``TierChain`` puts the lower tiers in order (host -> disk) behind the one ``KVTier`` interface
+the cache manager and the offloader see: a lookup finds a block in any member, a read tries them
+in order, a put lands in the first and trickles down by LRU, and a retention deadline is
+written through to the last (persistent) member.
 """
 from __future__ import annotations
 
@@ -350,18 +361,183 @@ class DiskTier:
                 pass
 
 
+class HostTier:
+    """Block payloads in a preallocated host arena, LRU; see the module docstring."""
+
+    name = "host"
+
+    def __init__(self, block_bytes: int, arena: memoryview | bytearray,
+                 on_evict: Callable[[BlockHash, bytes], None] | None = None) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block payload size must be positive, got {block_bytes}")
+        self.block_bytes = int(block_bytes)
+        self._arena = memoryview(arena).cast("B")
+        self._num_slots = len(self._arena) // self.block_bytes
+        if self._num_slots == 0:
+            raise ValueError(f"the host tier arena ({len(self._arena)} bytes) holds no block of {block_bytes} bytes")
+        self.on_evict = on_evict
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> slot, LRU first
+        self._free = list(range(self._num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    def _slot(self, slot: int) -> memoryview:
+        return self._arena[slot * self.block_bytes:(slot + 1) * self.block_bytes]
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._entries
+
+    def peek(self, block_hash: BlockHash) -> bytes | None:
+        """The payload without counting a query or touching the LRU order (for the chain)."""
+        with self._lock:
+            slot = self._entries.get(block_hash)
+            return None if slot is None else bytes(self._slot(slot))
+
+    def get(self, block_hash: BlockHash) -> bytes | None:
+        start = time.perf_counter()
+        with self._lock:
+            self.stats.queries += 1
+            slot = self._entries.get(block_hash)
+            if slot is None:
+                return None
+            self._entries.move_to_end(block_hash)
+            payload = bytes(self._slot(slot))
+            self.stats.hits += 1
+            self.stats.bytes_read += len(payload)
+            self.stats.observe("read", time.perf_counter() - start)
+        return payload
+
+    def put(self, block_hash: BlockHash, payload: bytes, expires_at: float = 0.0) -> None:
+        start = time.perf_counter()
+        evicted: tuple[BlockHash, bytes] | None = None
+        with self._lock:
+            if len(payload) != self.block_bytes:
+                self.stats.writes_dropped += 1
+                return
+            if block_hash in self._entries:
+                self._entries.move_to_end(block_hash)
+                return
+            if self._free:
+                slot = self._free.pop()
+            else:
+                old_hash, slot = self._entries.popitem(last=False)
+                evicted = (old_hash, bytes(self._slot(slot)))
+            self._slot(slot)[:] = payload
+            self._entries[block_hash] = slot
+            self.stats.bytes_written += len(payload)
+            self.stats.observe("write", time.perf_counter() - start)
+        if evicted is not None and self.on_evict is not None:
+            self.on_evict(*evicted)
+
+    def retain(self, block_hash: BlockHash, expires_at: float) -> bool:
+        return self.contains(block_hash)  # the host tier is volatile: retention lives in the disk tier
+
+    def usage_bytes(self) -> int:
+        with self._lock:
+            return len(self._entries) * self.block_bytes
+
+    def capacity_bytes(self) -> int:
+        return self._num_slots * self.block_bytes
+
+    def num_entries(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def flush(self, timeout: float | None = None) -> None:
+        return None  # puts are synchronous
+
+    def close(self) -> None:
+        return None
+
+
+class TierChain:
+    """The lower tiers in order (e.g. host -> disk) as one ``KVTier``; see the module docstring.
+    ``members`` are the tiers themselves (the engine reads their own stats for the metrics)."""
+
+    name = "chain"
+
+    def __init__(self, members: list[KVTier]) -> None:
+        if len(members) < 2:
+            raise ValueError("a tier chain needs at least two tiers")
+        self.members = members
+        self.stats = TierStats()  # unused: the members' own stats are reported
+        for upper, lower in zip(members, members[1:]):
+            if isinstance(upper, HostTier):
+                upper.on_evict = lambda h, payload, lower=lower: lower.put(h, payload)
+
+    def locate(self, block_hash: BlockHash) -> str | None:
+        """The name of the first tier holding the block, or None."""
+        return next((t.name for t in self.members if t.contains(block_hash)), None)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return any(t.contains(block_hash) for t in self.members)
+
+    def get(self, block_hash: BlockHash) -> bytes | None:
+        for tier in self.members:
+            if tier.contains(block_hash):
+                payload = tier.get(block_hash)
+                if payload is not None:
+                    return payload
+        return None
+
+    def put(self, block_hash: BlockHash, payload: bytes, expires_at: float = 0.0) -> None:
+        self.members[0].put(block_hash, payload, expires_at)
+        if expires_at > 0:  # retention is the persistent tier's job
+            self.members[-1].put(block_hash, payload, expires_at)
+
+    def retain(self, block_hash: BlockHash, expires_at: float) -> bool:
+        last = self.members[-1]
+        if last.retain(block_hash, expires_at):
+            return True
+        for tier in self.members[:-1]:
+            payload = tier.peek(block_hash) if isinstance(tier, HostTier) else None
+            if payload is not None:
+                last.put(block_hash, payload, expires_at)
+                return True
+        return False
+
+    def usage_bytes(self) -> int:
+        return sum(t.usage_bytes() for t in self.members)
+
+    def capacity_bytes(self) -> int:
+        return sum(t.capacity_bytes() for t in self.members)
+
+    def flush(self, timeout: float | None = None) -> None:
+        for tier in self.members:
+            tier.flush(timeout)
+
+    def close(self) -> None:
+        for tier in self.members:
+            tier.close()
+
+
+def tier_members(tier: KVTier | None) -> list[KVTier]:
+    """The individual tiers behind ``tier`` (a chain's members, or the tier itself), top first."""
+    if tier is None:
+        return []
+    return list(tier.members) if isinstance(tier, TierChain) else [tier]
+
+
 @dataclass
 class TierConfig:
     """What a tier needs to be built (fingerprint from the engine, the rest from CacheConfig)."""
 
     directory: str | None
     capacity_bytes: int
-    fingerprint: bytes
+    fingerprint: bytes = b""
     clock: Callable[[], float] = time.time
+    block_bytes: int = 0  # host: one block's payload
+    arena: memoryview | bytearray | None = None  # host: preallocated by the engine (pinned on GPU)
 
 
 TIERS: dict[str, Callable[[TierConfig], KVTier]] = {
     "disk": lambda c: DiskTier(c.directory or "", c.capacity_bytes, c.fingerprint, c.clock),
+    "host": lambda c: HostTier(c.block_bytes, c.arena if c.arena is not None else bytearray(c.capacity_bytes)),
 }
 
 

@@ -169,17 +169,18 @@ class StepStats:
     num_preemptions: int = 0
     num_batched_tokens: int = 0
     step_time_s: float = 0.0
-    # KV tiers (cache/tiers.py): tokens looked up / found per tier ("device", "disk") and disk
-    # payload bytes read / written are deltas; usage and pins are gauges; the disk tier's
-    # per-block write / read latencies observed since the previous snapshot come as lists.
+    # KV tiers (cache/tiers.py), keyed by tier name: tokens looked up / found ("device", "host",
+    # "disk") and the lower tiers' payload bytes read / written are deltas; usage, capacity and
+    # pins are gauges; each lower tier's per-block write / read latencies observed since the
+    # previous snapshot come as lists.
     tier_queries: dict[str, int] = field(default_factory=dict)
     tier_hits: dict[str, int] = field(default_factory=dict)
-    disk_bytes_read: int = 0
-    disk_bytes_written: int = 0
-    disk_usage_bytes: int = 0
-    disk_capacity_bytes: int = 0
-    offload_write_seconds: list[float] = field(default_factory=list)
-    offload_read_seconds: list[float] = field(default_factory=list)
+    tier_bytes_read: dict[str, int] = field(default_factory=dict)
+    tier_bytes_written: dict[str, int] = field(default_factory=dict)
+    tier_usage_bytes: dict[str, int] = field(default_factory=dict)
+    tier_capacity_bytes: dict[str, int] = field(default_factory=dict)
+    offload_write_seconds: dict[str, list[float]] = field(default_factory=dict)
+    offload_read_seconds: dict[str, list[float]] = field(default_factory=dict)
     kv_pinned_blocks: int = 0
     pins: tuple[PinSnapshot, ...] = ()
     time: float = field(default_factory=time.monotonic)  # when the snapshot was taken (CLOCK_MONOTONIC)

@@ -6,9 +6,10 @@ asymmetric range (step, minimum), stored with the block (so the disk tier and bl
 it). Asymmetric because keys have a few large channels of one sign: symmetric absmax codes left
 98.85% teacher-forced top-1 agreement on SmolLM2 over 2,000 tokens, below the 99% target. Bytes
 per token and head: ``head_dim + 8`` instead of ``4 * head_dim`` (fp32): 3.56x the tokens at
-head_dim 64. Attention dequantizes the gathered blocks (torch reference path); the
-native CPU decode kernel does not read int8 yet, so ``--kv-cache-dtype int8`` runs the torch
-backend.
+head_dim 64. The torch reference backend dequantizes the gathered blocks; the native CPU
+decode kernel (engine/kernels/paged_attention.cpp) reads the codes in place and folds each
+(step, minimum) into its dot products. Keys with per-channel ranges (KIVI) were measured and
+not adopted: see ``bench/kv_int8.py quality`` and docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -49,8 +50,24 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return ((codes.to(torch.float32) + 128.0) * scale[..., :1] + scale[..., 1:]).to(dtype)
 
 
+def _native_writer() -> bool:
+    global _NATIVE
+    if _NATIVE is None:
+        from engine.kernels import load_kernels
+
+        _NATIVE = load_kernels() and hasattr(torch.ops.kvserve, "write_int8_kv")
+    return _NATIVE
+
+
+_NATIVE: bool | None = None
+
+
 def write_int8(cache: Int8KV, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new ``[T, kv_heads, head_dim]`` rows into their slots, quantized."""
+    """Scatter new ``[T, kv_heads, head_dim]`` rows into their slots, quantized (on the CPU in fp32
+    by the native ``write_int8_kv``, the same arithmetic in one call instead of ~10 torch ops)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] and _native_writer():
+        torch.ops.kvserve.write_int8_kv(x, cache.data, cache.scale, slot_mapping)
+        return
     q, s = quantize(x)
     kv_heads, head_dim = x.shape[1], x.shape[2]
     cache.data.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, q)

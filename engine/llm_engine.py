@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 
 from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, num_blocks_for_memory
-from cache.tiers import DiskTier
-from engine.attention import select_attention
+from cache.tiers import DiskTier, HostTier, KVTier, TierChain, tier_members
+from engine.attention import resolve_backend, select_attention
 from engine.config import EngineCoreConfig, ModelConfig
 from engine.core_protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
 from engine.gpu_memory import profile_kv_budget
@@ -120,11 +120,14 @@ class LLMEngine:
         device = resolve_device(config.model.device)
         int8_kv = config.cache.kv_cache_dtype == "int8"
         attention_backend = config.model.attention_backend
-        if int8_kv:
-            if attention_backend not in ("auto", "torch"):
-                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch attention backend (the {attention_backend} "
-                                 "kernels read float pools only); use --attention-backend torch or auto")
-            attention_backend = "torch"
+        if int8_kv:  # the torch reference and the native CPU kernel read int8 pools; the GPU kernels do not
+            if attention_backend not in ("auto", "torch", "native"):
+                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch or native attention backend (the "
+                                 f"{attention_backend} kernels read float pools only); use --attention-backend "
+                                 "torch, native or auto")
+            if attention_backend == "auto":
+                resolved = resolve_backend("auto", device, _DTYPES[config.model.dtype], config.cache.block_size)
+                attention_backend = resolved if resolved in ("torch", "native") else "torch"
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
@@ -189,10 +192,15 @@ class LLMEngine:
                 and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len)):
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
+        copier = BlockCopier(self.runner.kv_caches)
+        self.disk_tier = tier
+        host = self._make_host_tier(cache_cfg, copier.payload_bytes, device)
+        if host is not None:
+            tier = TierChain([host, tier]) if tier is not None else host
         self.kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
                                        tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
-        self.offloader = KVOffloader(tier, BlockCopier(self.runner.kv_caches)) if tier is not None else None
+        self.offloader = KVOffloader(tier, copier) if tier is not None else None
         # Structured output: grammars compile on the compiler's thread; requests whose grammar is
         # not resolved yet wait in _compiling (the scheduler skips them) while others step.
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size) if self.tokenizer is not None else None
@@ -203,7 +211,7 @@ class LLMEngine:
                                block_size=cache_cfg.block_size, num_blocks=num_blocks,
                                max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
                                dtype=config.model.dtype, enable_prefix_caching=cache_cfg.enable_prefix_caching,
-                               has_tokenizer=self.tokenizer is not None, has_disk_tier=self.offloader is not None,
+                               has_tokenizer=self.tokenizer is not None, has_disk_tier=self.disk_tier is not None,
                                kv_bytes_per_token=self.capacity.bytes_per_token,
                                kv_cache_dtype=cache_cfg.kv_cache_dtype,
                                max_pinned_blocks=self.kv_cache.max_pinned_blocks)
@@ -226,14 +234,49 @@ class LLMEngine:
                     cache_cfg.kv_disk_gib, tier.num_entries())
         return tier
 
+    def _make_host_tier(self, cache_cfg: CacheConfig, block_bytes: int, device: torch.device) -> HostTier | None:
+        """The host tier when ``kv_offload_gib`` > 0: an arena of whole block payloads, pinned when
+        the pool is on a GPU (the arena tensor is kept alive by ``self._host_arena``)."""
+        self._host_arena: torch.Tensor | None = None
+        if cache_cfg.kv_offload_gib <= 0 or not cache_cfg.enable_prefix_caching:
+            return None
+        slots = int(cache_cfg.kv_offload_gib * 2**30) // block_bytes
+        if slots == 0:
+            raise ValueError(f"kv_offload_gib={cache_cfg.kv_offload_gib} does not hold one KV block "
+                             f"({block_bytes} bytes)")
+        pinned = device.type == "cuda"
+        self._host_arena = torch.empty(slots * block_bytes, dtype=torch.uint8, pin_memory=pinned)
+        host = HostTier(block_bytes, memoryview(self._host_arena.numpy()))
+        if pinned:
+            logger.info("KV host tier: %.2f GiB of pinned host memory, %d blocks", cache_cfg.kv_offload_gib, slots)
+        else:
+            logger.warning("KV host tier: %.2f GiB, %d blocks, in ordinary host memory; the KV pool is on the %s "
+                           "already, so this tier duplicates host memory (useful for tests and configuration; on a "
+                           "CPU server prefer a larger pool or the disk tier)", cache_cfg.kv_offload_gib, slots,
+                           device.type)
+        return host
+
     def close(self) -> None:
-        """Write the device pool's cached blocks to the disk tier (so a restart finds every prefix,
-        not only the evicted ones), finish pending writes and stop the tier threads; with tensor
-        parallelism, stop the other ranks (idempotent; the engine cannot step afterwards)."""
+        """Write the device pool's and the host tier's cached blocks to the disk tier (so a restart
+        finds every prefix, not only the evicted ones), finish pending writes and stop the tier
+        threads; with tensor parallelism, stop the other ranks (idempotent; the engine cannot step
+        afterwards)."""
         if self.offloader is not None:
             self.offloader.offload(self.kv_cache.take_offloads())
             cached = list(self.kv_cache.block_pool.cached_blocks.items())
-            self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
+            disk = self.disk_tier
+            if disk is not None and disk is not self.offloader.tier:  # host -> disk: spill both to disk
+                for tier in tier_members(self.offloader.tier):
+                    if isinstance(tier, HostTier):
+                        for block_hash in list(tier._entries):
+                            payload = tier.peek(block_hash)
+                            if payload is not None and not disk.contains(block_hash):
+                                disk.put(block_hash, payload)
+                for block_hash, block in cached:
+                    if not disk.contains(block_hash):
+                        disk.put(block_hash, self.offloader.copier.read_block(block.block_id))
+            else:
+                self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
             self.offloader.close()
             self.offloader = None
         close_model = getattr(self.runner.model, "close", None)  # tensor parallelism: stop the other ranks
@@ -363,12 +406,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _tiers(self) -> list[KVTier]:
+        """The lower tiers, top first (host, disk), each reporting its own stats."""
+        return tier_members(self.offloader.tier) if self.offloader is not None else []
+
     def _counters(self) -> tuple:
         sched = self.scheduler.stats
-        disk = self.offloader.tier.stats if self.offloader is not None else None
         return (sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions,
                 tuple(sorted(sched.tier_queries.items())), tuple(sorted(sched.tier_hits.items())),
-                disk.bytes_read if disk else 0, disk.bytes_written if disk else 0)
+                tuple((t.name, t.stats.bytes_read) for t in self._tiers()),
+                tuple((t.name, t.stats.bytes_written) for t in self._tiers()))
 
     def _pin_snapshots(self) -> tuple[PinSnapshot, ...]:
         now = self.kv_cache.clock()
@@ -380,9 +427,8 @@ class LLMEngine:
         """Whether a snapshot now would differ from the previous one in pins or counters
         (the idle core sends one then; pin expiry times alone do not count)."""
         keys = tuple(p.hash for p in self.kv_cache.list_pins())
-        disk = self.offloader.tier.stats if self.offloader is not None else None
         return (keys != tuple(p.hash for p in self._reported_pins) or self._counters() != self._reported
-                or bool(disk and (disk.recent_write_seconds or disk.recent_read_seconds)))
+                or any(t.stats.recent_write_seconds or t.stats.recent_read_seconds for t in self._tiers()))
 
     def stats(self, step_time_s: float = 0.0, num_batched_tokens: int = 0) -> StepStats:
         """The snapshot sent with each message: gauges now, counters as deltas since the last call
@@ -390,14 +436,14 @@ class LLMEngine:
         ``step_time_s`` describe the step it follows (0: no step)."""
         sched, pool = self.scheduler, self.kv_cache.block_pool
         counters = self._counters()
-        before = self._reported or (0, 0, 0, (), (), 0, 0)
+        before = self._reported or (0, 0, 0, (), (), (), ())
         self._reported = counters
-        delta = [now - prev for now, prev in zip((*counters[:3], *counters[5:]), (*before[:3], *before[5:]))]
+        delta = [now - prev for now, prev in zip(counters[:3], before[:3])]
         tier_delta = []
-        for now, prev in ((counters[3], before[3]), (counters[4], before[4])):
+        for now, prev in zip(counters[3:], before[3:]):
             prev_d = dict(prev)
             tier_delta.append({name: value - prev_d.get(name, 0) for name, value in now})
-        tier = self.offloader.tier if self.offloader is not None else None
+        tiers = self._tiers()
         pins = self._pin_snapshots()
         self._reported_pins = pins
         return StepStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
@@ -407,11 +453,11 @@ class LLMEngine:
                          prefix_cache_queries=delta[0], prefix_cache_hits=delta[1], num_preemptions=delta[2],
                          num_batched_tokens=num_batched_tokens, step_time_s=step_time_s,
                          tier_queries=tier_delta[0], tier_hits=tier_delta[1],
-                         disk_bytes_read=delta[3], disk_bytes_written=delta[4],
-                         disk_usage_bytes=tier.usage_bytes() if tier is not None else 0,
-                         disk_capacity_bytes=tier.capacity_bytes() if tier is not None else 0,
-                         offload_write_seconds=tier.stats.drain_recent("write") if tier is not None else [],
-                         offload_read_seconds=tier.stats.drain_recent("read") if tier is not None else [],
+                         tier_bytes_read=tier_delta[2], tier_bytes_written=tier_delta[3],
+                         tier_usage_bytes={t.name: t.usage_bytes() for t in tiers},
+                         tier_capacity_bytes={t.name: t.capacity_bytes() for t in tiers},
+                         offload_write_seconds={t.name: t.stats.drain_recent("write") for t in tiers},
+                         offload_read_seconds={t.name: t.stats.drain_recent("read") for t in tiers},
                          kv_pinned_blocks=self.kv_cache.num_pinned_blocks, pins=pins)
 
     def unpin(self, block_hash: str) -> bool:

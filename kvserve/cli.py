@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-dir", dest="kv_disk_dir", metavar="PATH",
                    help="folder of the persistent disk tier of the prefix cache (off when unset)")
     g.add_argument("--kv-disk-gib", dest="kv_disk_gib", type=float, metavar="GIB", help="disk tier capacity")
+    g.add_argument("--kv-offload-gib", dest="kv_offload_gib", type=float, metavar="GIB",
+                   help="host-memory tier of the prefix cache for evicted blocks, before the disk tier "
+                        "(pinned memory on GPU; 0 = off, the default)")
     g.add_argument("--kv-pin-fraction", dest="kv_pin_fraction", type=float,
                    help="most of the pool that cache_control pins may hold (default 0.25)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)

@@ -63,7 +63,9 @@ class Request:
     # filled by the runner when sampling_params.prompt_logprobs is set.
     prompt_logprobs: list[Any] = field(default_factory=list)
     num_tier_loaded_tokens: int = 0  # of the cached tokens, those loaded from a lower tier
+    tier_sources: list[str] = field(default_factory=list)  # per block of its tier load: the tier that held it
     num_cache_write_tokens: int = 0  # tokens this request wrote into retained cache (pins, 24h retention)
+    cache_policy_applied: bool = False  # pins / retention taken (when its prefill completed)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -40,8 +40,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # of which found in the cache
     num_preemptions: int = 0
-    tier_queries: dict[str, int] = field(default_factory=lambda: {"device": 0, "disk": 0})  # tokens looked up
-    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "disk": 0})  # tokens found
+    tier_queries: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens looked up
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens found
 
 
 class Scheduler:
@@ -103,7 +103,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and not request.cache_policy_applied:
             self._retain(request)
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
@@ -117,10 +117,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _retain(self, request: Request) -> None:
-        """Apply the request's cache policy (pins, 24h retention) while it still holds its blocks."""
+        """Apply the request's cache policy (pins, 24h retention) while it holds its blocks: once,
+        when its prefill completes (a preempted request that recomputes does not apply it again)."""
         policy = request.sampling_params.cache_policy
-        if policy is None:
+        if policy is None or request.cache_policy_applied:
             return
+        request.cache_policy_applied = True
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         written = 0
         if policy.pin_tokens:
@@ -157,6 +159,7 @@ class Scheduler:
                 self.kv_cache.free(request.request_id)
                 request.num_computed_tokens = 0
                 request.num_tier_loaded_tokens = 0
+                request.tier_sources = []
                 return True
         return False
 
@@ -208,6 +211,7 @@ class Scheduler:
                     self.waiting.popleft()
                     request.num_computed_tokens = num_cached
                     request.status = RequestStatus.LOADING
+                    request.tier_sources = self.kv_cache.tier_sources(tier_hashes)
                     self.loading[request.request_id] = request
                     out.loads.append((request, [(b.block_id, h) for b, h in zip(fresh, tier_hashes)]))
                     continue
@@ -228,9 +232,14 @@ class Scheduler:
                 device_hits = num_cached - request.num_tier_loaded_tokens
                 self.stats.tier_queries["device"] += request.num_tokens
                 self.stats.tier_hits["device"] += device_hits
-                if self.kv_cache.tier is not None:
-                    self.stats.tier_queries["disk"] += request.num_tokens - device_hits
-                    self.stats.tier_hits["disk"] += request.num_tier_loaded_tokens
+                if self.kv_cache.tier is not None:  # each lower tier sees what the ones above did not hold
+                    remaining = request.num_tokens - device_hits
+                    loaded = request.tier_sources[:request.num_tier_loaded_tokens // self.kv_cache.block_size]
+                    for name in self.kv_cache.tier_names():
+                        found = loaded.count(name) * self.kv_cache.block_size
+                        self.stats.tier_queries[name] = self.stats.tier_queries.get(name, 0) + remaining
+                        self.stats.tier_hits[name] = self.stats.tier_hits.get(name, 0) + found
+                        remaining -= found
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -251,7 +260,10 @@ class Scheduler:
             request = item.request
             if request.status.is_finished:
                 continue
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
             request.num_computed_tokens += item.num_new_tokens
+            if prefilling and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._retain(request)  # pins and retention as soon as the prompt's KV exists
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
             token = sampled[request.request_id]

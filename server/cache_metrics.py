@@ -2,13 +2,14 @@
 
 Kept apart from server/metrics.py (``Metrics`` owns one collector, registers it next to its own
 families and hands it every snapshot). Every family carries ``model_name`` and, where it
-applies, ``tier`` = ``device`` | ``disk``; the disk series exist (as zeros) even when the server
-runs without a disk tier, so dashboards never go blank.
+applies, ``tier`` = ``device`` | ``host`` | ``disk``; the host and disk series exist (as zeros)
+even when the server runs without those tiers, so dashboards never go blank.
 
 - ``kv_tier_queries_total`` / ``kv_tier_hits_total``: prompt tokens looked up in / found in the
-  tier at a request's first admission (disk: the tokens after the device chain ended);
-- ``kv_tier_read_bytes_total`` (device: hit tokens x KV bytes per token; disk: payload bytes
-  read) and ``kv_tier_written_bytes_total`` (disk: payload bytes written);
+  tier at a request's first admission (host: the tokens after the device chain ended; disk:
+  those of them the host tier did not hold);
+- ``kv_tier_read_bytes_total`` (device: hit tokens x KV bytes per token; host, disk: payload
+  bytes read) and ``kv_tier_written_bytes_total`` (host, disk: payload bytes written);
 - gauges ``kv_tier_usage_bytes`` / ``kv_tier_capacity_bytes`` and ``kv_pinned_blocks``;
 - histograms ``kv_offload_write_seconds`` / ``kv_offload_read_seconds`` (one block each).
 
@@ -26,7 +27,8 @@ from cache.tiers import LATENCY_BUCKETS
 from engine.core_protocol import EngineInfo, StepStats
 
 NAMESPACE = "kvserve"
-TIERS = ("device", "disk")
+TIERS = ("device", "host", "disk")
+LOWER_TIERS = TIERS[1:]
 
 
 class KVTierCollector:
@@ -39,10 +41,11 @@ class KVTierCollector:
         self._lock = threading.Lock()
         self.queries = {t: 0 for t in TIERS}
         self.hits = {t: 0 for t in TIERS}
-        self.disk_bytes_read = 0
-        self.disk_bytes_written = 0
+        self.bytes_read = {t: 0 for t in LOWER_TIERS}
+        self.bytes_written = {t: 0 for t in LOWER_TIERS}
         self.state = StepStats(kv_num_blocks=info.num_blocks, kv_block_size=info.block_size)
-        self.latency = {kind: ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]) for kind in ("write", "read")}
+        self.latency = {(kind, tier): ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
+                        for kind in ("write", "read") for tier in LOWER_TIERS}
 
     def update(self, stats: StepStats) -> None:
         with self._lock:
@@ -50,23 +53,27 @@ class KVTierCollector:
                 self.queries[tier] = self.queries.get(tier, 0) + n
             for tier, n in stats.tier_hits.items():
                 self.hits[tier] = self.hits.get(tier, 0) + n
-            self.disk_bytes_read += stats.disk_bytes_read
-            self.disk_bytes_written += stats.disk_bytes_written
-            for kind, observed in (("write", stats.offload_write_seconds), ("read", stats.offload_read_seconds)):
-                counts, total = self.latency[kind]
-                for seconds in observed:
-                    index = next((i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound),
-                                 len(LATENCY_BUCKETS))
-                    counts[index] += 1
-                    total[0] += seconds
+            for tier, n in stats.tier_bytes_read.items():
+                self.bytes_read[tier] = self.bytes_read.get(tier, 0) + n
+            for tier, n in stats.tier_bytes_written.items():
+                self.bytes_written[tier] = self.bytes_written.get(tier, 0) + n
+            for kind, per_tier in (("write", stats.offload_write_seconds), ("read", stats.offload_read_seconds)):
+                for tier, observed in per_tier.items():
+                    counts, total = self.latency.setdefault(
+                        (kind, tier), ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]))
+                    for seconds in observed:
+                        index = next((i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound),
+                                     len(LATENCY_BUCKETS))
+                        counts[index] += 1
+                        total[0] += seconds
             self.state = stats
 
     def collect(self):
         name, info = self.model_name, self.info
         with self._lock:
             queries, hits = dict(self.queries), dict(self.hits)
-            read, written, state = self.disk_bytes_read, self.disk_bytes_written, self.state
-            latency = {kind: (list(counts), total[0]) for kind, (counts, total) in self.latency.items()}
+            read, written, state = dict(self.bytes_read), dict(self.bytes_written), self.state
+            latency = {key: (list(counts), total[0]) for key, (counts, total) in self.latency.items()}
 
         def family(kind: type, metric: str, doc: str, values: dict[str, float]):
             f = kind(f"{NAMESPACE}_{metric}", doc, labels=["model_name", "tier"])
@@ -80,26 +87,28 @@ class KVTierCollector:
         yield family(CounterMetricFamily, "kv_tier_hits", "Prompt tokens found in each KV tier.",
                      {t: hits.get(t, 0) for t in TIERS})
         yield family(CounterMetricFamily, "kv_tier_read_bytes", "KV bytes served from each tier.",
-                     {"device": hits.get("device", 0) * per_token, "disk": read})
+                     {"device": hits.get("device", 0) * per_token, **read})
         yield family(CounterMetricFamily, "kv_tier_written_bytes", "KV bytes written into each lower tier.",
-                     {"disk": written})
+                     written)
         yield family(GaugeMetricFamily, "kv_tier_usage_bytes", "Bytes in use in each KV tier.",
                      {"device": state.kv_used_blocks * info.block_size * per_token,
-                      "disk": state.disk_usage_bytes})
+                      **{t: state.tier_usage_bytes.get(t, 0) for t in LOWER_TIERS}})
         yield family(GaugeMetricFamily, "kv_tier_capacity_bytes", "Capacity of each KV tier in bytes.",
                      {"device": info.num_blocks * info.block_size * per_token,
-                      "disk": state.disk_capacity_bytes})
+                      **{t: state.tier_capacity_bytes.get(t, 0) for t in LOWER_TIERS}})
         pinned = GaugeMetricFamily(f"{NAMESPACE}_kv_pinned_blocks", "KV blocks held by cache_control pins.",
                                    labels=["model_name"])
         pinned.add_metric([name], state.kv_pinned_blocks)
         yield pinned
         for kind in ("write", "read"):
-            counts, total = latency[kind]
             h = HistogramMetricFamily(f"{NAMESPACE}_kv_offload_{kind}_seconds",
-                                      f"Seconds per block {kind} of the disk tier.", labels=["model_name", "tier"])
-            cumulative, buckets = 0, []
-            for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            h.add_metric([name, "disk"], buckets, total)
+                                      f"Seconds per block {kind} of each lower KV tier.", labels=["model_name", "tier"])
+            for (k, tier), (counts, total) in latency.items():
+                if k != kind:
+                    continue
+                cumulative, buckets = 0, []
+                for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                h.add_metric([name, tier], buckets, total)
             yield h

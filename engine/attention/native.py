@@ -6,12 +6,15 @@ import torch
 from engine.attention.base import register
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_sdpa import TorchAttention
+from engine.kv_quant import Int8KV
 
 
 @register
 class NativeAttention(TorchAttention):
     """Decode rows go to ``torch.ops.kvserve.paged_decode_attention``, which reads the pool
-    in place instead of gathering a contiguous copy; prefill chunks use SDPA."""
+    in place instead of gathering a contiguous copy; prefill chunks use SDPA. int8 pools
+    (``Int8KV``, engine/kv_quant.py) go to ``paged_decode_attention_int8``, which folds the
+    per-token-per-head (step, minimum) into the dot products instead of dequantizing rows."""
 
     name = "native"
     reads_lengths_in_place = True
@@ -27,6 +30,10 @@ class NativeAttention(TorchAttention):
         return None
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+        if isinstance(k_cache, Int8KV):
+            return torch.ops.kvserve.paged_decode_attention_int8(
+                q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, g.block_table, g.context_lens,
+                q.shape[-1] ** -0.5).to(q.dtype)
         return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, g.block_table, g.context_lens,
                                                         q.shape[-1] ** -0.5)
 

@@ -188,6 +188,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const kvserve::Pool<float> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
   const float *in_w = input_norm.data_ptr<float>(), *post_w = post_norm.data_ptr<float>();
   // scratch, reused across calls (one decode step runs layer after layer on one thread)
   static thread_local std::vector<float> scratch;
@@ -233,7 +234,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
       std::copy(v, v + D, vp + (sp[b] * KVH + g) * D);
       const kvserve::Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
       scores.resize(G * lay.len);
-      kvserve::attend(qkvb + b * qkv.N, kp, vp, lay, g * G, (g + 1) * G, G, D, fscale, scores.data(), acc.data(),
+      kvserve::attend(qkvb + b * qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, fscale, scores.data(), acc.data(),
                       attn + b * q_size);
     }
     matmul(o, attn, B, tmp, add_residual(o_b));

@@ -1,10 +1,14 @@
 // The per-sequence decode attention of paged_attention.cpp, shared with decode_layer.cpp.
+// fp32 queries and outputs; the pools are fp32 or int8 codes with per-token-per-head
+// (step, minimum) scales (engine/kv_quant.py).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace kvserve {
 
@@ -12,8 +16,20 @@ struct Layout {
   const int64_t* table;  // this sequence's block ids
   int64_t len;           // cached tokens to attend to
   int64_t block_size;
-  int64_t token_stride;  // floats between consecutive tokens of a block (kv_heads * head_dim)
-  int64_t block_stride;  // floats between blocks
+  int64_t token_stride;  // elements between consecutive tokens of a block (kv_heads * head_dim)
+  int64_t block_stride;  // elements between blocks
+};
+
+// One K or V pool. fp32: ``data`` holds the values. int8 (engine/kv_quant.py): ``data`` holds
+// codes c in [-128, 127] and ``scale`` a (step, minimum) pair per token and kv head; the value
+// is (c + 128) * step + minimum. The kernels never dequantize a row into memory: the dot
+// product and the weighted sum are taken over the codes and the affine part is folded in
+// per (token, head) with two scalars.
+template <typename T>
+struct Pool {
+  const T* data;
+  const float* scale;  // int8 only: [num_blocks, block_size, kv_heads, 2]
+  int64_t kv_heads;
 };
 
 // exp for x <= 0 (softmax inputs after max subtraction): Cody-Waite range reduction and a
@@ -37,22 +53,24 @@ inline float exp_nonpositive(float x) {
 
 // Asks for one token row of the next block while the current one is processed: blocks sit
 // anywhere in the pool, so the hardware prefetcher cannot guess where the next one starts.
-inline void prefetch_row(const float* row, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-// Calls fn(row, t) for the sequence's cached tokens t = 0 .. len-1 in order, row pointing at
-// token t's entry in pool (keys or values of all kv heads), block by block as the table says.
-template <typename Fn>
-inline void for_each_row(const float* pool, const Layout& lay, Fn&& fn) {
+// Calls fn(slot, t) for the sequence's cached tokens t = 0 .. len-1 in order, slot being token
+// t's flat index in the pool (block id * block_size + offset), block by block as the table says.
+template <typename T, typename Fn>
+inline void for_each_row(const Pool<T>& pool, const Layout& lay, Fn&& fn) {
   const int64_t num_blocks = (lay.len + lay.block_size - 1) / lay.block_size;
+  const int64_t row_bytes = lay.token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
-    const float* block = pool + lay.table[j] * lay.block_stride;
-    const float* next = j + 1 < num_blocks ? pool + lay.table[j + 1] * lay.block_stride : nullptr;
+    const int64_t first = lay.table[j] * lay.block_size;
+    const T* next = j + 1 < num_blocks ? pool.data + lay.table[j + 1] * lay.block_stride : nullptr;
     const int64_t n = std::min(lay.block_size, lay.len - j * lay.block_size);
     for (int64_t i = 0; i < n; ++i, ++t) {
-      if (next) prefetch_row(next + i * lay.token_stride, lay.token_stride);
-      fn(block + i * lay.token_stride, t);
+      if (next) prefetch_row(next + i * lay.token_stride, row_bytes);
+      fn(first + i, t);
     }
   }
 }
@@ -61,16 +79,61 @@ inline void for_each_row(const float* pool, const Layout& lay, Fn&& fn) {
 // queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
 // out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
 // once, in block order.
-inline void attend(const float* q, const float* k, const float* v, const Layout& lay, int64_t h0, int64_t h1,
+template <typename T>
+inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
             int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
-  const int64_t L = lay.len, nh = h1 - h0;
-  for_each_row(k, lay, [&](const float* kt, int64_t t) {
+  constexpr bool quantized = std::is_same<T, int8_t>::value;
+  const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
+  // int8: q . ((c + 128) step + min) = step (q . c + 128 sum(q)) + min sum(q).
+  float qsum[quantized ? 64 : 1];
+  std::vector<float> qsum_big;
+  float* qs = qsum;
+  if (quantized) {
+    if (nh > 64) {
+      qsum_big.resize(nh);
+      qs = qsum_big.data();
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < D; ++i) s += qh[i];
+      qs[h - h0] = s;
+    }
+  }
+  // int8 rows are widened to fp32 once per token (the kv heads this job reads) into ``row``, so
+  // the G query heads sharing a kv head reuse them and the dot products stay plain fp32 loops.
+  const int64_t kv0 = h0 / G, kv1 = (h1 - 1) / G + 1;
+  float row_buf[quantized ? 1024 : 1];
+  std::vector<float> row_big;
+  float* row = row_buf;
+  if (quantized && (kv1 - kv0) * D > 1024) {
+    row_big.resize((kv1 - kv0) * D);
+    row = row_big.data();
+  }
+  auto widen = [&](const T* src) -> const float* {
+    if constexpr (quantized) {
+      const int8_t* p = src + kv0 * D;
+      const int64_t n = (kv1 - kv0) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(p[i]);
+      return row - kv0 * D;
+    } else {
+      return src;
+    }
+  };
+  for_each_row(k, lay, [&](int64_t slot, int64_t t) {
+    const float* kt = widen(k.data + slot * lay.token_stride);
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = q + h * D;
       const float* kh = kt + (h / G) * D;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t i = 0; i < D; ++i) s += qh[i] * kh[i];
+      if (quantized) {
+        const float* sc = k.scale + (slot * KVH + h / G) * 2;
+        s = sc[0] * (s + 128.f * qs[h - h0]) + sc[1] * qs[h - h0];
+      }
       scores[(h - h0) * L + t] = s * scale;
     }
   });
@@ -89,15 +152,34 @@ inline void attend(const float* q, const float* k, const float* v, const Layout&
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + nh * D, 0.f);
-  for_each_row(v, lay, [&](const float* vt, int64_t t) {
+  // int8: sum_t p_t ((c_t + 128) step_t + min_t) = sum_t (p_t step_t) c_t + sum_t p_t (128 step_t + min_t);
+  // the second term is the same for every channel, so it is one scalar per head.
+  float bias[quantized ? 64 : 1] = {};
+  std::vector<float> bias_big;
+  float* bs = bias;
+  if (quantized && nh > 64) {
+    bias_big.assign(nh, 0.f);
+    bs = bias_big.data();
+  }
+  for_each_row(v, lay, [&](int64_t slot, int64_t t) {
+    const float* vt = widen(v.data + slot * lay.token_stride);
     for (int64_t h = h0; h < h1; ++h) {
-      const float p = scores[(h - h0) * L + t];
+      float p = scores[(h - h0) * L + t];
+      if (quantized) {
+        const float* sc = v.scale + (slot * KVH + h / G) * 2;
+        bs[h - h0] += p * (128.f * sc[0] + sc[1]);
+        p *= sc[0];
+      }
       const float* vh = vt + (h / G) * D;
       float* a = acc + (h - h0) * D;
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) a[i] += p * vh[i];
     }
   });
+  if (quantized) {
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < D; ++i) acc[h * D + i] += bs[h];
+  }
   std::copy(acc, acc + nh * D, out + h0 * D);
 }
 

@@ -131,3 +131,24 @@ def test_pins_never_starve_a_request_that_needs_the_whole_pool(hf_model):
     clock.now += 10_000
     engine.generate([prompt(9, 5)], PLAIN)
     assert_idle(engine)
+
+
+def test_pin_is_taken_when_prefill_completes_not_at_finish(hf_model):
+    """A long generation's prompt is pinned (and counted as written) from its first token on, once."""
+    engine, _ = make(hf_model)
+    a = prompt(40, 20)
+    rid = engine.add_request(a, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                               cache_policy=CachePolicy(pin_tokens=16, pin_ttl_s=300.0)))
+    request = engine.scheduler.requests[rid]
+    while request.num_output_tokens == 0:
+        assert not engine.kv_cache.list_pins()
+        engine.step()
+    assert request.num_output_tokens == 1 and not request.status.is_finished
+    pins = engine.kv_cache.list_pins()
+    assert [p.num_tokens for p in pins] == [16] and request.num_cache_write_tokens == 16
+    while engine.has_unfinished():
+        engine.step()
+    assert [p.num_tokens for p in engine.kv_cache.list_pins()] == [16]  # not taken twice
+    engine.kv_cache.request_unpin(pins[0].hash)
+    engine.kv_cache.expire_pins()
+    assert_idle(engine)

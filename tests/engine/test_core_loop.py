@@ -125,7 +125,7 @@ def test_new_values_pickle_across_the_process_boundary():
                             cache_policy=CachePolicy(pin_tokens=32, pin_ttl_s=300.0, retention_s=None, cache_key="k"))
     assert pickle.loads(pickle.dumps(params)) == params
     message = EngineCoreOutputs([EngineCoreOutput("r", [3], num_cache_write_tokens=32, error="invalid grammar: x")],
-                                StepStats(tier_queries={"device": 40}, offload_read_seconds=[0.001],
+                                StepStats(tier_queries={"device": 40}, offload_read_seconds={"disk": [0.001]},
                                           pins=(PinSnapshot("ab" * 32, 32, 2, 300.0, 299.0),)))
     again = pickle.loads(pickle.dumps(message))
     assert again.outputs[0].num_cache_write_tokens == 32 and again.stats.pins == message.stats.pins

@@ -62,3 +62,70 @@ def test_rejects_bad_input():
     with pytest.raises(RuntimeError, match="longer than its block table"):
         torch.ops.kvserve.paged_decode_attention(q, k_cache, k_cache, torch.zeros(1, 2, dtype=torch.long),
                                                  torch.tensor([9]), 1.0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 8)])
+def test_int8_pools_match_the_torch_int8_reference(heads, kv_heads, head_dim, block_size):
+    """The int8 kernel against gather + dequantize + SDPA (the torch backend's int8 path) over the
+    same codes: ragged lengths, block edges, GQA/MHA/MQA, keys with a large one-signed channel."""
+    from engine.kv_quant import Int8KV, dequantize, write_int8
+
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    num_blocks = 64
+    k = Int8KV.zeros((num_blocks, block_size, kv_heads, head_dim), torch.float32, torch.device("cpu"))
+    v = Int8KV.zeros((num_blocks, block_size, kv_heads, head_dim), torch.float32, torch.device("cpu"))
+    keys = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    keys[..., 3] += 8.0  # an outlier channel of one sign, as real keys have
+    write_int8(k, keys, torch.arange(num_blocks * block_size))
+    write_int8(v, torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen) * 2 + 0.5,
+               torch.arange(num_blocks * block_size))
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size, 7])
+    width = 5
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    k_deq = dequantize(k.data, k.scale, torch.float32)
+    v_deq = dequantize(v.data, v.scale, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        # 1 thread: a job per sequence; as many threads as rows: a job per kv head of a sequence.
+        for n in (1, len(lens)):
+            torch.set_num_threads(n)
+            got = torch.ops.kvserve.paged_decode_attention_int8(q, k.data, k.scale, v.data, v.scale, tables, lens,
+                                                                head_dim ** -0.5)
+            torch.testing.assert_close(got, reference(q, k_deq, v_deq, tables, lens), atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
+    # It really read the codes: against the unquantized keys the answer differs.
+    assert not torch.allclose(got, reference(q, keys.view(k_deq.shape), v_deq, tables, lens), atol=1e-5)
+
+
+def test_int8_rejects_bad_scales():
+    codes = torch.zeros(8, 4, 2, 8, dtype=torch.int8)
+    q = torch.randn(1, 4, 8)
+    tables, lens = torch.zeros(1, 2, dtype=torch.long), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.kvserve.paged_decode_attention_int8(q, codes, torch.zeros(8, 4, 2, 1), codes,
+                                                      torch.zeros(8, 4, 2, 1), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="int8 codes"):
+        torch.ops.kvserve.paged_decode_attention_int8(q, codes.float(), torch.zeros(8, 4, 2, 2), codes.float(),
+                                                      torch.zeros(8, 4, 2, 2), tables, lens, 1.0)
+
+
+def test_native_int8_write_equals_the_torch_quantizer():
+    """``write_int8_kv`` stores exactly the codes and scales of ``kv_quant.quantize`` in the slots."""
+    from engine.kv_quant import Int8KV, quantize
+
+    gen = torch.Generator().manual_seed(3)
+    cache = Int8KV.zeros((6, 4, 3, 32), torch.float32, torch.device("cpu"))
+    x = torch.randn(7, 3, 32, generator=gen) * 3
+    x[2] = 1.5  # a constant row: zero range
+    slots = torch.tensor([0, 5, 23, 9, 10, 11, 17])
+    torch.ops.kvserve.write_int8_kv(x, cache.data, cache.scale, slots)
+    codes, scale = quantize(x)
+    assert torch.equal(cache.data.view(-1, 3, 32)[slots], codes)
+    assert torch.equal(cache.scale.view(-1, 3, 2)[slots], scale)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache.data.view(-1, 3, 32)[untouched].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.kvserve.write_int8_kv(x[:1], cache.data, cache.scale, torch.tensor([24]))
