@@ -4,7 +4,8 @@ default) and in a thread of the server process (``--engine-mode thread``, the ol
     python -m bench.engine_modes [--concurrency 1 32] [--rounds 1] [--quick] [--py-spy SECONDS]
 
 Each side is a fresh ``kvserve serve`` subprocess (the composition root), run alone, one after
-the other (order alternates between rounds: process, thread, thread, process, ...). Prints
+the other (order alternates between rounds: process, thread, thread, process, ...), after an
+untimed warm-up server. Prints
 output tokens/s and TTFT p50 per concurrency, the process/thread ratio, and writes the rows to
 ``bench/results/engine_modes.json``. ``--py-spy SECONDS`` samples the process-mode server's
 frontend process (every thread: event loop, tokenizer worker, sender, supervisor) with py-spy
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict[str, Any]]] = {"process": [], "thread": []}
+    # The first server of a run is measured slower (cold page cache and CPU caches, ~10% at one
+    # stream): an untimed warm-up side keeps that off whichever mode would go first.
+    run_side("thread", [1], argparse.Namespace(**{**vars(args), "quick": True}), RESULTS / "engine_modes_warmup.log",
+             None)
     for r in range(args.rounds):
         order = ("process", "thread") if r % 2 == 0 else ("thread", "process")
         for mode in order:
