@@ -44,6 +44,8 @@ from typing import Iterator, Sequence
 
 import httpx
 
+from bench.common import tree_cpu_seconds  # noqa: F401 - also part of this module's API
+
 ROOT = Path(__file__).resolve().parents[1]
 # Words of one length, so every tenant's prompt has the same number of characters: sglang-router's
 # cache_aware policy sends a prompt it has not seen to the worker with the smallest radix tree
@@ -314,34 +316,6 @@ def plan_cores(replicas: int, pin: str, cores: Sequence[int] | None = None) -> C
     if len(available) < replicas:
         raise ValueError(f"pinning {replicas} replicas needs {replicas} cores, got {available}")
     return CorePlan([{c} for c in available[:replicas]], set(available[replicas:]) or None)
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) of a live process (Linux /proc), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its live descendants (a server's frontend, engine
-    core and tensor-parallel ranks). Linux only; 0.0 elsewhere."""
-    if not Path("/proc").is_dir():
-        return 0.0
-    stats = {int(d): st for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d))) is not None}
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += stats[p][1]
-            todo += [c for c, (ppid, _) in stats.items() if ppid == p]
-    return total
 
 
 @dataclass

@@ -338,7 +338,8 @@ def prefix_hit_rate(before: dict[str, float] | None, after: dict[str, float] | N
 
 class LoadMonitor:
     """CPU used by *other* processes while a block ran, in cores: the whole machine's busy time
-    minus this process, its finished children (node) and ``pids`` (the server subprocess).
+    minus this process, its finished children (node) and ``pids`` (the server subprocess with its
+    live descendants: the engine core process and any tensor-parallel ranks).
     ``bench.common.CpuMonitor`` counts a server subprocess as foreign; this one does not."""
 
     def __init__(self, pids: Sequence[int | None] = ()) -> None:
@@ -348,13 +349,10 @@ class LoadMonitor:
     def _ours(self) -> float:
         t = os.times()
         total = t.user + t.system + t.children_user + t.children_system
-        for pid in self.pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except (OSError, IndexError, ValueError):
-                pass
-        return total
+        from bench.common import tree_cpu_seconds
+
+        # With the engine core in its own process (and its tensor-parallel ranks) the server is a tree.
+        return total + sum(tree_cpu_seconds(pid) for pid in self.pids)
 
     def __enter__(self) -> "LoadMonitor":
         from bench.common import _system_busy_s
