@@ -392,6 +392,11 @@ class HostTier:
         with self._lock:
             return block_hash in self._entries
 
+    def hashes(self) -> list[BlockHash]:
+        """The hashes held now, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
     def peek(self, block_hash: BlockHash) -> bytes | None:
         """The payload without counting a query or touching the LRU order (for the chain)."""
         with self._lock:

@@ -268,7 +268,7 @@ class LLMEngine:
             if disk is not None and disk is not self.offloader.tier:  # host -> disk: spill both to disk
                 for tier in tier_members(self.offloader.tier):
                     if isinstance(tier, HostTier):
-                        for block_hash in list(tier._entries):
+                        for block_hash in tier.hashes():
                             payload = tier.peek(block_hash)
                             if payload is not None and not disk.contains(block_hash):
                                 disk.put(block_hash, payload)
