@@ -103,7 +103,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and not request.cache_policy_applied:
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self._retain(request)
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
