@@ -162,9 +162,9 @@ class DecoderLayer(nn.Module):
         for attr, weight_name, bias_name in self.MATMULS:
             mm = getattr(self, attr)
             if isinstance(mm, BlockLinear):
-                weights = [data for data, _, _ in mm._parts]
-                rows = [n for _, n, _ in mm._parts]
-                formats = [f for _, _, f in mm._parts]
+                weights = [data for data, _, _ in mm.parts]
+                rows = [n for _, n, _ in mm.parts]
+                formats = [f for _, _, f in mm.parts]
                 bias = mm.bias
                 max_rows = min(max_rows, mm.max_rows)
             else:
@@ -183,7 +183,7 @@ class DecoderLayer(nn.Module):
             mm = getattr(self, attr)
             if isinstance(mm, BlockLinear):
                 offset = 0
-                for _, n, f in mm._parts:
+                for _, n, f in mm.parts:
                     if BlockFormat(f).strips and offset % 8:
                         return f"a {BlockFormat(f).name} part of {attr[:-3]} starts at row {offset}, not a multiple of 8"
                     offset += n

@@ -212,15 +212,16 @@ class BlockLinear:
         self.max_rows = min(self.MAX_ROWS[p.format] for p in self.blocks.parts)
         self.tile_rows = max(8, self.PANEL_BYTES // (4 * self.blocks.in_features) // 8 * 8)
         # (data, out_features, kernel format code) per group, converted once rather than per call
-        self._parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
+        # (block bytes, rows, format id) of each part: the arguments of the native ops
+        self.parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             if self.dense is not None:
                 return self.dense(x)
-            ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self._parts]
+            ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
         else:
-            ys = [torch.ops.kvserve.gguf_linear(x, d, n, f) for d, n, f in self._parts]
+            ys = [torch.ops.kvserve.gguf_linear(x, d, n, f) for d, n, f in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)
 
