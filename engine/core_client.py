@@ -4,7 +4,10 @@
   'spawn': torch and fork do not mix) and talks to it over two one-way
   ``multiprocessing`` pipes with pickle (chosen by measurement: ``python -m bench.ipc_transport``,
   numbers in docs/architecture.md). A sender thread writes the commands, so a full pipe never
-  blocks the event loop; a supervisor thread reads the step outputs and watches the process.
+  blocks the event loop. The step outputs are read by the server's event loop itself once
+  ``bind_loop`` gave it one (a reader on the pipe: no thread hop and no self-pipe wake-up per
+  step, the frontend's main per-token cost); before that, or without a loop, by the supervisor
+  thread, which also watches the process and restarts it. Exactly one of them reads at a time.
 - ``InprocEngineClient`` runs the same core loop (``EngineCore.run``) in a thread of this
   process (tests, benches).
 
@@ -43,6 +46,8 @@ from kvtypes.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 # Extra time a stopping core with a disk tier gets to write its pool out before it is killed.
 DISK_FLUSH_GRACE_S = 60.0
+# How often the supervisor looks for a newly bound (or closed) event loop to hand the pipe over.
+HANDOVER_POLL_S = 0.1
 
 
 class EngineDeadError(RuntimeError):
@@ -76,6 +81,7 @@ class EngineClient(Protocol):
     def stats(self) -> StepStats | None: ...
 
     def start(self) -> None: ...
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None: ...
     def shutdown(self, timeout: float = 10.0) -> None: ...
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None: ...
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -134,6 +140,9 @@ class _ClientBase:
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.info.validate(prompt_token_ids, params)
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Tell the client which event loop serves (process mode reads the outputs on it)."""
 
     # ---- generate ------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -206,7 +215,11 @@ class _ClientBase:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        here = _running_loop()
         for loop, items in by_loop.items():
+            if loop is here:  # read on that loop (bind_loop): hand over directly
+                _put_all(items)
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
@@ -226,6 +239,13 @@ class _ClientBase:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 # ==== in-process ===================================================================================
@@ -316,6 +336,8 @@ class MPEngineClient(_ClientBase):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._supervisor: threading.Thread | None = None
         self._sender: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # reads the outputs once bound (bind_loop)
+        self.outputs_read_on_loop = False  # whether a bound loop reads the outputs now (else the supervisor)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -354,6 +376,15 @@ class MPEngineClient(_ClientBase):
     def is_healthy(self) -> bool:
         return self._healthy and not self._stopping
 
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have ``loop`` read the core's outputs from now on (the server's event loop, at startup).
+
+        The supervisor hands the pipe over between two messages, so outputs keep their order. If
+        the loop closes while it reads, the supervisor reads again. ``shutdown`` must then not be
+        called on that loop's thread (the server calls it in a worker thread): the loop has to go
+        on running to read the core's last outputs."""
+        self._loop = loop
+
     # ---- the core process ------------------------------------------------------------------------
     def _launch(self) -> CoreReady:
         from engine.core import run_core_process
@@ -389,11 +420,7 @@ class MPEngineClient(_ClientBase):
 
     def _supervise(self) -> None:
         while True:
-            try:
-                while True:
-                    self._on_outputs(self._out_conn.recv())
-            except (EOFError, OSError):
-                pass
+            self._read_until_eof(self._out_conn)
             if self._stopping:
                 return
             self._on_core_death()
@@ -408,6 +435,50 @@ class MPEngineClient(_ClientBase):
                     self._record_failure()
             if self.fatal or self._stopping:
                 return
+
+    def _read_until_eof(self, conn: Any) -> None:
+        """Process the outputs of one core until its pipe ends: in this thread until a loop is
+        bound, then on that loop (see bind_loop), and back here if that loop closes."""
+        while True:
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                try:
+                    while self._loop is None or self._loop.is_closed():
+                        if conn.poll(HANDOVER_POLL_S):
+                            self._on_outputs(conn.recv())
+                except (EOFError, OSError):
+                    return
+                continue
+            ended = threading.Event()
+            try:
+                loop.call_soon_threadsafe(self._attach_reader, loop, conn, ended)
+            except RuntimeError:  # closed meanwhile: read here again
+                continue
+            while not ended.wait(HANDOVER_POLL_S):
+                if loop.is_closed():  # its reader died with it; nothing was read after the last message
+                    self.outputs_read_on_loop = False
+                    break
+            if ended.is_set():
+                return
+
+    def _attach_reader(self, loop: asyncio.AbstractEventLoop, conn: Any, ended: threading.Event) -> None:
+        def on_readable() -> None:
+            try:
+                while conn.poll(0):  # True at EOF as well: recv raises then
+                    self._on_outputs(conn.recv())
+            except (EOFError, OSError):
+                loop.remove_reader(fd)
+                self.outputs_read_on_loop = False
+                ended.set()
+
+        try:
+            fd = conn.fileno()
+        except OSError:  # closed already (shutdown)
+            ended.set()
+            return
+        loop.add_reader(fd, on_readable)
+        self.outputs_read_on_loop = True
+        on_readable()  # what arrived during the hand-over
 
     def _on_core_death(self) -> None:
         self._healthy = False

@@ -45,6 +45,7 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        engine.bind_loop(asyncio.get_running_loop())
         stats_task = None
         if metrics is not None and config.log_stats_interval_s > 0:
             stats_task = asyncio.create_task(log_stats_forever())
