@@ -119,15 +119,10 @@ class LLMEngine:
 
         device = resolve_device(config.model.device)
         int8_kv = config.cache.kv_cache_dtype == "int8"
-        attention_backend = config.model.attention_backend
-        if int8_kv:  # the torch reference and the native CPU kernel read int8 pools; the GPU kernels do not
-            if attention_backend not in ("auto", "torch", "native"):
-                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch or native attention backend (the "
-                                 f"{attention_backend} kernels read float pools only); use --attention-backend "
-                                 "torch, native or auto")
-            if attention_backend == "auto":
-                resolved = resolve_backend("auto", device, _DTYPES[config.model.dtype], config.cache.block_size)
-                attention_backend = resolved if resolved in ("torch", "native") else "torch"
+        # Resolved here, once, so that every tensor-parallel rank builds the same backend; with an
+        # int8 pool ``auto`` passes over the backends that read float pools only (flash_attn).
+        attention_backend = resolve_backend(config.model.attention_backend, device, _DTYPES[config.model.dtype],
+                                            config.cache.block_size, config.cache.kv_cache_dtype)
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
@@ -144,14 +139,16 @@ class LLMEngine:
             loaded.state_dict.clear()
         else:
             model = build_model(loaded, max_len, dtype, device)
-            model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size)
+            model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size,
+                                          cache_cfg.kv_cache_dtype)
             model.load_hf_state_dict(loaded.state_dict, loaded.blocks)
             model.eval()
             loaded.state_dict.clear()  # weights now live in the fused parameters only
             if loaded.blocks is not None:
                 loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
-        logger.info("Attention: %s on %s (%s)", model.attn.describe(), device, config.model.dtype)
+        logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
+                    ", int8 KV blocks" if int8_kv else "")
         self._select_decode_path(model, config.model.decode_path, int8_kv)
 
         # A GPU's budget holds one rank's pool (its own KV heads); host memory holds all ranks' pools.
