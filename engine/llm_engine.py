@@ -123,6 +123,14 @@ class LLMEngine:
         # int8 pool ``auto`` passes over the backends that read float pools only (flash_attn).
         attention_backend = resolve_backend(config.model.attention_backend, device, _DTYPES[config.model.dtype],
                                             config.cache.block_size, config.cache.kv_cache_dtype)
+        tiered = config.cache.enable_prefix_caching and (config.cache.kv_disk_dir is not None
+                                                        or config.cache.kv_offload_gib > 0)
+        if tiered and config.model.tensor_parallel_size > 1:
+            # BlockCopier reads and writes rank 0's pools only: a block restored from a tier would
+            # hold stale K/V for the other ranks' heads (measured: wrong greedy tokens at TP=2).
+            raise ValueError("kv_disk_dir and kv_offload_gib do not work with tensor_parallel_size > 1 yet: the "
+                             "KV tiers copy rank 0's KV heads only, so a block restored from them would be wrong "
+                             "on the other ranks; leave them unset with tensor parallelism")
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
@@ -157,7 +165,7 @@ class LLMEngine:
                                        torch.empty((), dtype=dtype).element_size())
         if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
             full = per_token
-            per_token = 2 * arch.num_layers * arch.num_kv_heads * (arch.head_dim + 8)
+            per_token = 2 * arch.num_layers * kv_heads * (arch.head_dim + 8)  # one rank's heads on a GPU
             logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
                         per_token, full, full / per_token)
         sched = self.config.scheduler

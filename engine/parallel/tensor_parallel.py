@@ -12,7 +12,9 @@ The split (Megatron-style), for ``N`` ranks, rank ``r``:
 - LM head: vocab-parallel. Each rank computes its slice of the logits, then an all-gather
   (zero rows pad the last slice; the padding is cut off).
 - KV pool: each rank allocates ``[num_blocks, block_size, KV/N, head_dim]`` per layer, its own
-  heads only, with the block ids rank 0's cache manager hands out.
+  heads only, with the block ids rank 0's cache manager hands out, in rank 0's layout (float,
+  or ``Int8KV`` codes plus per-token-per-head scales for ``--kv-cache-dtype int8``: the
+  quantization is per head, so a rank's share of the pool is exactly its heads' share).
 
 Rank 0 is the engine process: scheduler, KV cache manager and sampler run there only. Its
 model is a :class:`TensorParallelModel`, which broadcasts each step's inputs (token ids,
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 
 from engine.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
+from engine.kv_quant import Int8KV
 from engine.model import LlamaForCausalLM, apply_rope_signed
 from engine.parallel.comm import Group, backend_for
 
@@ -241,15 +244,24 @@ def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dt
         if kind == "stop":
             return
         if kind == "forward":
-            _, input_ids, positions, meta, kv_shape = to_device(msg, device)
-            if not kv_caches or tuple(kv_caches[0][0].shape) != tuple(kv_shape):
+            _, input_ids, positions, meta, kv_shape, int8_kv = to_device(msg, device)
+            if (not kv_caches or tuple(kv_caches[0][0].shape) != tuple(kv_shape)
+                    or isinstance(kv_caches[0][0], Int8KV) != int8_kv):
                 # First step, or rank 0 reallocated its pool (CUDA sizes it after a profiling run).
                 kv_caches = []
-                kv_caches = [(torch.zeros(kv_shape, dtype=dtype, device=device),
-                              torch.zeros(kv_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
+                kv_caches = [allocate_kv_pair(kv_shape, int8_kv, dtype, device) for _ in range(arch.num_layers)]
             tp_forward(model, group, input_ids, positions, meta, kv_caches)
         elif kind == "logits":
             tp_logits(model, group, to_device(msg[1], device), vocab_size)
+
+
+def allocate_kv_pair(shape: tuple[int, ...], int8_kv: bool, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor | Int8KV, torch.Tensor | Int8KV]:
+    """One layer's zeroed K and V pools of a rank, in the layout rank 0's runner chose: float
+    tensors of the model's dtype, or ``Int8KV`` (codes + per-token-per-head scales) for int8."""
+    if int8_kv:
+        return Int8KV.zeros(shape, dtype, device), Int8KV.zeros(shape, dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 # ---- rank 0 -------------------------------------------------------------------------------------
@@ -354,7 +366,8 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        self._broadcast(("forward", input_ids, positions, meta, tuple(kv_caches[0][0].shape)))
+        self._broadcast(("forward", input_ids, positions, meta, tuple(kv_caches[0][0].shape),
+                         isinstance(kv_caches[0][0], Int8KV)))
         return tp_forward(self.shard, self.group, input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

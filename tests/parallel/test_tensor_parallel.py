@@ -14,6 +14,7 @@ import torch
 
 from cache import CacheConfig
 from engine.config import ModelConfig
+from engine.kv_quant import Int8KV
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.arch import ModelArch
@@ -27,7 +28,7 @@ CONFIG = dict(vocab_size=131, num_attention_heads=4, num_key_value_heads=2)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
-def engine(hf, tp: int, attention_backend: str = "auto") -> LLMEngine:
+def engine(hf, tp: int, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> LLMEngine:
     """``auto``: the native decode kernel where it builds (each rank runs it on its own heads)."""
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf.config,
@@ -36,7 +37,7 @@ def engine(hf, tp: int, attention_backend: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(num_threads=1, attention_backend=attention_backend, tensor_parallel_size=tp,
                           device="cpu"),
-        cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True),
+        cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)), loaded)
 
 
@@ -99,9 +100,43 @@ def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
     assert not one.watch_ranks(lambda rank, code: None)  # a single rank: nothing to watch
 
 
-def test_refusals(hf):
+def test_tp2_int8_kv_equals_tp1_int8_kv(hf):
+    """``--kv-cache-dtype int8`` with two ranks: every rank holds int8 pools for its own KV heads
+    (they used to build float pools on ranks 1..N-1 whatever rank 0 had), so greedy tokens and
+    logprobs equal one rank's int8 run, through prefix hits and preemption; and they differ from
+    the float-KV run (the int8 path really ran on every rank)."""
+    ps = workload()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    expected = engine(hf, 1, kv_cache_dtype="int8").generate(ps, params)
+    float_kv = engine(hf, 1).generate(ps, params)
+    two = engine(hf, 2, kv_cache_dtype="int8")
+    try:
+        got = two.generate(ps, params)
+        k0 = two.runner.kv_caches[0][0]
+        assert isinstance(k0, Int8KV) and k0.shape[2] == 1  # rank 0: its own KV head, int8
+        assert two.scheduler.stats.num_preemptions > 0 and two.scheduler.stats.prefix_cache_hits > 0
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        deltas = [abs(a.logprob - b.logprob) for r, e in zip(got, expected) for a, b in zip(r.logprobs, e.logprobs)]
+        assert max(deltas) < 1e-4, max(deltas)
+        to_float = [abs(a.logprob - b.logprob) for r, e in zip(got, float_kv) for a, b in zip(r.logprobs, e.logprobs)]
+        assert max(to_float) > 10 * max(deltas)
+        two.kv_cache.check_invariants()
+        assert two.kv_cache.usage == 0
+    finally:
+        two.close()
+
+
+def test_refusals(hf, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ModelConfig(tensor_parallel_size=0)
+    # The KV tiers copy rank 0's heads only: refused before any rank starts, never wrong output.
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf.config,
+                         arch=ModelArch.from_hf_config(hf.config), state_dict=state, tokenizer=None)
+    for tier in ({"kv_disk_dir": str(tmp_path)}, {"kv_offload_gib": 0.01}):
+        with pytest.raises(ValueError, match="do not work with tensor_parallel_size > 1 yet: the KV tiers copy rank 0"):
+            LLMEngine(EngineConfig(model=ModelConfig(num_threads=1, tensor_parallel_size=2, device="cpu"),
+                                   cache=CacheConfig(block_size=4, num_blocks=14, **tier)), loaded)
 
 
 def test_step_messages_move_to_a_rank_device():
