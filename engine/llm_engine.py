@@ -123,14 +123,6 @@ class LLMEngine:
         # int8 pool ``auto`` passes over the backends that read float pools only (flash_attn).
         attention_backend = resolve_backend(config.model.attention_backend, device, _DTYPES[config.model.dtype],
                                             config.cache.block_size, config.cache.kv_cache_dtype)
-        tiered = config.cache.enable_prefix_caching and (config.cache.kv_disk_dir is not None
-                                                        or config.cache.kv_offload_gib > 0)
-        if tiered and config.model.tensor_parallel_size > 1:
-            # BlockCopier reads and writes rank 0's pools only: a block restored from a tier would
-            # hold stale K/V for the other ranks' heads (measured: wrong greedy tokens at TP=2).
-            raise ValueError("kv_disk_dir and kv_offload_gib do not work with tensor_parallel_size > 1 yet: the "
-                             "KV tiers copy rank 0's KV heads only, so a block restored from them would be wrong "
-                             "on the other ranks; leave them unset with tensor parallelism")
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
@@ -197,7 +189,9 @@ class LLMEngine:
                 and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len)):
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
-        copier = BlockCopier(self.runner.kv_caches)
+        # With tensor parallelism a block's K/V is spread over the ranks: the copier gathers it.
+        make_copier = getattr(self.runner.model, "block_copier", BlockCopier)
+        copier = make_copier(self.runner.kv_caches)
         self.disk_tier = tier
         host = self._make_host_tier(cache_cfg, copier.payload_bytes, device)
         if host is not None:

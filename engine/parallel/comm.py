@@ -77,6 +77,15 @@ class Group:
         self.comm_seconds += time.perf_counter() - t0
         return torch.cat(out, dim=dim)
 
+    def all_gather_cpu(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's CPU tensor ``t`` (same shape and dtype on every rank), in rank order, over
+        the gloo group (off the model's device collectives)."""
+        t0 = time.perf_counter()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.cpu_pg.allgather([out], [t.contiguous()]).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's ``obj`` on every rank (pickled; tensors inside must be on the CPU)."""
         t0 = time.perf_counter()
