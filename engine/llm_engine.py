@@ -271,9 +271,10 @@ class LLMEngine:
                             payload = tier.peek(block_hash)
                             if payload is not None and not disk.contains(block_hash):
                                 disk.put(block_hash, payload)
-                for block_hash, block in cached:
-                    if not disk.contains(block_hash):
-                        disk.put(block_hash, self.offloader.copier.read_block(block.block_id))
+                missing = [(h, block.block_id) for h, block in cached if not disk.contains(h)]
+                payloads = self.offloader.copier.read_blocks([b for _, b in missing]) if missing else []
+                for (block_hash, _), payload in zip(missing, payloads):
+                    disk.put(block_hash, payload)
             else:
                 self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
             self.offloader.close()

@@ -78,10 +78,18 @@ class RankBlockCopier:
         self.payload_bytes = sum(full_block_bytes(self.tensors, model.group.world_size))
 
     def read_block(self, block_id: int) -> bytes:
-        return self.model.read_kv_blocks(self.kv_caches, [block_id])[0]
+        return self.read_blocks([block_id])[0]
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """One broadcast and one gather for all of ``block_ids``."""
+        return self.model.read_kv_blocks(self.kv_caches, list(block_ids))
 
     def write_block(self, block_id: int, payload: bytes) -> None:
-        """ValueError (nothing written, on any rank) if the payload is not one full block."""
-        if len(payload) != self.payload_bytes:
-            raise ValueError(f"block payload has {len(payload)} bytes, expected {self.payload_bytes}")
-        self.model.write_kv_blocks(self.kv_caches, [block_id], [payload])
+        self.write_blocks([block_id], [payload])
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """ValueError (nothing written, on any rank) if a payload is not one full block."""
+        for payload in payloads:
+            if len(payload) != self.payload_bytes:
+                raise ValueError(f"block payload has {len(payload)} bytes, expected {self.payload_bytes}")
+        self.model.write_kv_blocks(self.kv_caches, list(block_ids), list(payloads))
