@@ -178,3 +178,28 @@ def test_engine_int8_on_triton_equals_the_torch_int8_path():
             # K/V; Triton reads every key from the pool. In this one-layer model that changes only
             # the first sampled token's logits; every decode step reads the same int8 pool.
             assert b.logprob == pytest.approx(a.logprob, abs=1e-4 if step else 1e-2)
+
+
+def test_padded_decode_path_on_int8_pools():
+    """The bucketed decode path CUDA graphs replay (padding rows quantized into the sink block,
+    a fixed split plan), run eagerly here: the same tokens and logprobs as unpadded steps."""
+    from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+
+    hf = tiny_hf_model(tiny_llama_config(num_hidden_layers=1, max_position_embeddings=64))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
+    plain = tiny_engine(hf, num_blocks=40, attention_backend="triton", kv_cache_dtype="int8").generate(prompts, params)
+    engine = tiny_engine(hf, num_blocks=40, attention_backend="triton", kv_cache_dtype="int8")
+    runner = engine.runner
+    runner.graphs = runner.padded_decode_runner(max_num_seqs=4, max_model_len=engine.max_model_len)
+    calls = []
+    real_run = runner.graphs.run
+    runner.graphs.run = lambda *a: calls.append(len(a[0])) or real_run(*a)
+    padded = engine.generate(prompts, params)
+    assert calls and set(calls) == {3}  # three decode rows, padded to the bucket of 4
+    assert runner.kv_caches[0][0].scale[40].abs().sum() > 0  # the padding row was quantized into the sink
+    for got, want in zip(padded, plain):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert engine.kv_cache.usage == 0
