@@ -375,12 +375,12 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        self._broadcast(("forward", input_ids, positions, meta, tuple(kv_caches[0][0].shape),
-                         isinstance(kv_caches[0][0], Int8KV)))
+        self._broadcast(("forward", input_ids, positions, meta, *self._pool_layout(kv_caches)))
         return tp_forward(self.shard, self.group, input_ids, positions, meta, kv_caches)
 
     @staticmethod
     def _pool_layout(kv_caches: list) -> tuple[tuple[int, ...], bool]:
+        """(shape, int8) of rank 0's pool: every message that touches the pool carries it last."""
         return tuple(kv_caches[0][0].shape), isinstance(kv_caches[0][0], Int8KV)
 
     def read_kv_blocks(self, kv_caches: list, block_ids: list[int]) -> list[bytes]:

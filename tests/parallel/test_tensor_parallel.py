@@ -182,7 +182,7 @@ def test_step_messages_move_to_a_rank_device():
     meta = AttentionMetadata(slot_mapping=long, decode_groups=[DecodeGroup(0, 1, 3, long, None, long[:1])],
                              prefills=[PrefillChunk(1, 4, 3, long, torch.ones(3, 3, dtype=torch.bool))],
                              paged=PagedLayout(long.int(), long.int(), long.int().view(2, 2), 1, 3, 4))
-    msg = ("forward", long, long, meta, (5, 16, 1, 16))
+    msg = ("forward", long, long, meta, (5, 16, 1, 16), False)  # pool shape, int8
     assert to_device(msg, torch.device("cpu")) is msg
     moved = to_device(msg, torch.device("meta"))
     tensors = [moved[1], moved[3].slot_mapping, moved[3].decode_groups[0].block_ids,
