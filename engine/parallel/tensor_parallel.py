@@ -16,7 +16,8 @@ The split (Megatron-style), for ``N`` ranks, rank ``r``:
   or ``Int8KV`` codes plus per-token-per-head scales for ``--kv-cache-dtype int8``: the
   quantization is per head, so a rank's share of the pool is exactly its heads' share).
 - KV tiers: a tier payload holds every head in the single-rank layout; rank 0 gathers the other
-  ranks' head slices to offload a block and broadcasts a restored one (``block_copy.py``).
+  ranks' head slices to offload blocks and scatters each rank its heads of restored ones
+  (``block_copy.py``).
 
 Rank 0 is the engine process: scheduler, KV cache manager and sampler run there only. Its
 model is a :class:`TensorParallelModel`, which broadcasts each step's inputs (token ids,
@@ -56,7 +57,8 @@ from engine.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
 from engine.kv_quant import Int8KV
 from engine.model import LlamaForCausalLM, apply_rope_signed
-from engine.parallel.block_copy import RankBlockCopier, assemble, pool_tensors, read_local, write_local
+from engine.parallel.block_copy import (RankBlockCopier, assemble, local_bytes, pool_tensors, read_local,
+                                       split_payloads, write_local)
 from engine.parallel.comm import Group, backend_for
 
 logger = logging.getLogger(__name__)
@@ -257,9 +259,11 @@ def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dt
             if kind == "forward":
                 tp_forward(model, group, msg[1], msg[2], msg[3], kv_caches)
             elif kind == "kv_read":
-                group.all_gather_cpu(read_local(pool_tensors(kv_caches), msg[1]))
+                group.gather_cpu(read_local(pool_tensors(kv_caches), msg[1]))
             else:
-                write_local(pool_tensors(kv_caches), msg[1], msg[2], rank, group.world_size)
+                tensors = pool_tensors(kv_caches)
+                like = torch.empty(local_bytes(tensors, len(msg[1])), dtype=torch.uint8)
+                write_local(tensors, msg[1], group.scatter_cpu(None, like))
         elif kind == "logits":
             tp_logits(model, group, to_device(msg[1], device), vocab_size)
 
@@ -387,12 +391,14 @@ class TensorParallelModel:
         """Full-head tier payloads of ``block_ids`` gathered from every rank (engine/parallel/block_copy.py)."""
         self._broadcast(("kv_read", list(block_ids), *self._pool_layout(kv_caches)))
         tensors = pool_tensors(kv_caches)
-        return assemble(self.group.all_gather_cpu(read_local(tensors, block_ids)), tensors, len(block_ids))
+        return assemble(self.group.gather_cpu(read_local(tensors, block_ids)), tensors, len(block_ids))
 
     def write_kv_blocks(self, kv_caches: list, block_ids: list[int], payloads: list[bytes]) -> None:
         """Every rank copies its heads of the full-head ``payloads`` into ``block_ids``."""
-        self._broadcast(("kv_write", list(block_ids), list(payloads), *self._pool_layout(kv_caches)))
-        write_local(pool_tensors(kv_caches), block_ids, payloads, 0, self.group.world_size)
+        self._broadcast(("kv_write", list(block_ids), *self._pool_layout(kv_caches)))
+        tensors = pool_tensors(kv_caches)
+        chunks = split_payloads(payloads, tensors, self.group.world_size)
+        write_local(tensors, block_ids, self.group.scatter_cpu(chunks, chunks[0]))
 
     def block_copier(self, kv_caches: list) -> RankBlockCopier:
         """The tiers' block copier over every rank's pool."""

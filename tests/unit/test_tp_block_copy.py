@@ -7,7 +7,8 @@ import torch
 
 from engine.kv_quant import Int8KV, quantize
 from engine.kv_transfer import BlockCopier
-from engine.parallel.block_copy import assemble, full_block_bytes, pool_tensors, read_local, write_local
+from engine.parallel.block_copy import (assemble, full_block_bytes, local_bytes, pool_tensors, read_local,
+                                       split_payloads, write_local)
 
 WORLD, LAYERS, BLOCKS, BS, HEADS, D = 2, 2, 6, 4, 4, 8
 
@@ -46,12 +47,14 @@ def test_gathered_payloads_equal_the_single_rank_layout(int8):
     assert sum(full_block_bytes(tensors, WORLD)) == single.payload_bytes
     payloads = assemble([read_local(pool_tensors(r), ids) for r in ranks], tensors, len(ids))
     assert payloads == [single.read_block(i) for i in ids]
-    # Written back into empty rank pools at other block ids: each rank gets its own heads.
+    # Split by heads and written back into empty rank pools at other block ids.
+    chunks = split_payloads(payloads, tensors, WORLD)
+    assert [c.numel() for c in chunks] == [local_bytes(tensors, len(ids))] * WORLD
     empty = [rank_slice(full_pool(int8), r) for r in range(WORLD)]
     for r, rank_pool in enumerate(empty):
         for t in pool_tensors(rank_pool):
             t.zero_()
-        write_local(pool_tensors(rank_pool), [0, 2, 5], payloads, r, WORLD)
+        write_local(pool_tensors(rank_pool), [0, 2, 5], chunks[r])
         for got, want in zip(pool_tensors(rank_pool), pool_tensors(ranks[r])):
             assert torch.equal(got[[0, 2, 5]], want[ids])
             assert not got[[1, 3, 4]].any()
