@@ -279,7 +279,9 @@ def scenario_kv_tier(ctx: Context) -> dict[str, Any]:
     a = ctx.args
     prefix = _q(a, "prefix_tokens", 2000, 2000)
     vocab, _ = ctx.vocab_and_eos()
-    return run_kv_tier(lambda folder: build_engine(folder, prefix + 16, num_threads=ctx.threads), vocab,
+    tp = getattr(a, "tensor_parallel_size", None) or 1  # absent under `bench all`
+    return run_kv_tier(lambda folder: build_engine(folder, prefix + 16, num_threads=ctx.threads,
+                                                   tensor_parallel_size=tp), vocab,
                        prefix_tokens=prefix, rounds=_q(a, "rounds", 3, 1), progress=not a.no_progress)
 
 
@@ -571,6 +573,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                        help="TTFT of a long prefix restored from the disk tier (evicted; after a restart) vs a miss")
     p.add_argument("--prefix-tokens", type=int, help="default 2000")
     p.add_argument("--rounds", type=int, help="miss/hit pairs (default 3; quick 1)")
+    p.add_argument("--tensor-parallel-size", type=int, help="ranks the model is split over (default 1; SmolLM2: 1 or 3)")
 
     p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 16")

@@ -45,8 +45,9 @@ def _ttft(engine: Any, prompt: list[int], salt: str | None) -> tuple[float, int]
 
 
 def build_engine(folder: str, prompt_tokens: int, block_size: int = 16, num_threads: int | None = None,
-                 loaded: Any = None) -> Any:
-    """The default model with a disk tier in ``folder`` and a pool of one prompt (+ slack)."""
+                 loaded: Any = None, tensor_parallel_size: int = 1) -> Any:
+    """The default model with a disk tier in ``folder`` and a pool of one prompt (+ slack);
+    ``tensor_parallel_size`` > 1 splits it over ranks (the tier copies gather every rank's heads)."""
     from cache import CacheConfig
     from engine.config import ModelConfig
     from engine.llm_engine import EngineConfig, LLMEngine
@@ -54,7 +55,8 @@ def build_engine(folder: str, prompt_tokens: int, block_size: int = 16, num_thre
 
     num_blocks = -(-(prompt_tokens + 64) // block_size)
     return LLMEngine(EngineConfig(
-        model=ModelConfig(num_threads=num_threads, max_model_len=num_blocks * block_size),
+        model=ModelConfig(num_threads=num_threads, max_model_len=num_blocks * block_size,
+                          tensor_parallel_size=tensor_parallel_size),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_disk_dir=folder, kv_disk_gib=2.0),
         scheduler=SchedulerConfig(max_num_batched_tokens=512)), loaded)
 

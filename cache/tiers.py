@@ -27,8 +27,9 @@ not away; volatile (gone with the process); no retention protection of its own.
 
 ``TierChain`` puts the lower tiers in order (host -> disk) behind the one ``KVTier`` interface
 the cache manager and the offloader see: a lookup finds a block in any member, a read tries them
-in order, a put lands in the first and trickles down by LRU, and a retention deadline is
-written through to the last (persistent) member.
+in order (and promotes a block found lower down into the members above: a disk hit is also
+written to the host tier), a put lands in the first and trickles down by LRU, and a retention
+deadline is written through to the last (persistent) member.
 """
 from __future__ import annotations
 
@@ -483,10 +484,16 @@ class TierChain:
         return any(t.contains(block_hash) for t in self.members)
 
     def get(self, block_hash: BlockHash) -> bytes | None:
-        for tier in self.members:
+        """The payload from the first member that holds it; a block served from a lower member
+        (disk) is promoted into the members above it (host), so that after the device pool
+        evicts it again the next hit is served from the faster tier: the offloader skips a
+        block the chain already holds, so without this it would stay on disk only."""
+        for index, tier in enumerate(self.members):
             if tier.contains(block_hash):
                 payload = tier.get(block_hash)
                 if payload is not None:
+                    for upper in self.members[:index]:
+                        upper.put(block_hash, payload)
                     return payload
         return None
 

@@ -42,6 +42,13 @@ class BlockCopier:
         parts = [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
         return torch.cat(parts).cpu().numpy().tobytes()
 
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        return [self.read_block(b) for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        for block_id, payload in zip(block_ids, payloads):
+            self.write_block(block_id, payload)
+
     def write_block(self, block_id: int, payload: bytes) -> None:
         """ValueError (nothing written) if the payload does not have this pool's block size."""
         if len(payload) != self.payload_bytes:
@@ -83,15 +90,18 @@ class KVOffloader:
     def offload(self, items: list[tuple[int, BlockHash, float]]) -> int:
         """Copy ``(block_id, hash, expires_at)`` blocks out now and queue them for the tier;
         blocks already in the tier are only re-dated. Returns the blocks queued."""
-        queued = 0
+        todo = []
         for block_id, block_hash, expires_at in items:
             if self.tier.contains(block_hash):
                 if expires_at > 0:
                     self.tier.retain(block_hash, expires_at)
                 continue
-            self.tier.put(block_hash, self.copier.read_block(block_id), expires_at)
-            queued += 1
-        return queued
+            todo.append((block_id, block_hash, expires_at))
+        # One batched copy (with tensor parallelism: one gather over the ranks, not one per block).
+        payloads = self.copier.read_blocks([block_id for block_id, _, _ in todo]) if todo else []
+        for (_, block_hash, expires_at), payload in zip(todo, payloads):
+            self.tier.put(block_hash, payload, expires_at)
+        return len(todo)
 
     def submit_load(self, request_id: str, blocks: list[tuple[int, BlockHash]]) -> None:
         hashes = [h for _, h in blocks]
@@ -132,8 +142,8 @@ class KVOffloader:
                 payloads = []
             if not is_live(request_id):
                 continue
-            for block_id, payload in zip(block_ids, payloads):
-                self.copier.write_block(block_id, payload)
+            if payloads:
+                self.copier.write_blocks(block_ids[:len(payloads)], payloads)
             finished.append((request_id, len(payloads)))
         return finished
 

@@ -119,15 +119,10 @@ class LLMEngine:
 
         device = resolve_device(config.model.device)
         int8_kv = config.cache.kv_cache_dtype == "int8"
-        attention_backend = config.model.attention_backend
-        if int8_kv:  # the torch reference and the native CPU kernel read int8 pools; the GPU kernels do not
-            if attention_backend not in ("auto", "torch", "native"):
-                raise ValueError(f"kv_cache_dtype 'int8' runs on the torch or native attention backend (the "
-                                 f"{attention_backend} kernels read float pools only); use --attention-backend "
-                                 "torch, native or auto")
-            if attention_backend == "auto":
-                resolved = resolve_backend("auto", device, _DTYPES[config.model.dtype], config.cache.block_size)
-                attention_backend = resolved if resolved in ("torch", "native") else "torch"
+        # Resolved here, once, so that every tensor-parallel rank builds the same backend; with an
+        # int8 pool ``auto`` passes over the backends that read float pools only (flash_attn).
+        attention_backend = resolve_backend(config.model.attention_backend, device, _DTYPES[config.model.dtype],
+                                            config.cache.block_size, config.cache.kv_cache_dtype)
         tier = self._make_tier(config.cache, loaded, config.model.dtype, arch)
         cache_cfg = config.cache
         if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
@@ -144,14 +139,16 @@ class LLMEngine:
             loaded.state_dict.clear()
         else:
             model = build_model(loaded, max_len, dtype, device)
-            model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size)
+            model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size,
+                                          cache_cfg.kv_cache_dtype)
             model.load_hf_state_dict(loaded.state_dict, loaded.blocks)
             model.eval()
             loaded.state_dict.clear()  # weights now live in the fused parameters only
             if loaded.blocks is not None:
                 loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
-        logger.info("Attention: %s on %s (%s)", model.attn.describe(), device, config.model.dtype)
+        logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
+                    ", int8 KV blocks" if int8_kv else "")
         self._select_decode_path(model, config.model.decode_path, int8_kv)
 
         # A GPU's budget holds one rank's pool (its own KV heads); host memory holds all ranks' pools.
@@ -160,7 +157,7 @@ class LLMEngine:
                                        torch.empty((), dtype=dtype).element_size())
         if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
             full = per_token
-            per_token = 2 * arch.num_layers * arch.num_kv_heads * (arch.head_dim + 8)
+            per_token = 2 * arch.num_layers * kv_heads * (arch.head_dim + 8)  # one rank's heads on a GPU
             logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
                         per_token, full, full / per_token)
         sched = self.config.scheduler
@@ -192,7 +189,9 @@ class LLMEngine:
                 and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len)):
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
-        copier = BlockCopier(self.runner.kv_caches)
+        # With tensor parallelism a block's K/V is spread over the ranks: the copier gathers it.
+        make_copier = getattr(self.runner.model, "block_copier", BlockCopier)
+        copier = make_copier(self.runner.kv_caches)
         self.disk_tier = tier
         host = self._make_host_tier(cache_cfg, copier.payload_bytes, device)
         if host is not None:
@@ -272,9 +271,10 @@ class LLMEngine:
                             payload = tier.peek(block_hash)
                             if payload is not None and not disk.contains(block_hash):
                                 disk.put(block_hash, payload)
-                for block_hash, block in cached:
-                    if not disk.contains(block_hash):
-                        disk.put(block_hash, self.offloader.copier.read_block(block.block_id))
+                missing = [(h, block.block_id) for h, block in cached if not disk.contains(h)]
+                payloads = self.offloader.copier.read_blocks([b for _, b in missing]) if missing else []
+                for (block_hash, _), payload in zip(missing, payloads):
+                    disk.put(block_hash, payload)
             else:
                 self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
             self.offloader.close()

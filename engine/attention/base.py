@@ -31,6 +31,8 @@ class AttentionBackend(ABC):
     # The forward is free of host synchronisation and data-dependent shapes for a pure
     # decode step, so it may be captured in a CUDA graph.
     graph_safe_decode: ClassVar[bool] = False
+    # The backend reads int8 pools (``engine.kv_quant.Int8KV``, ``--kv-cache-dtype int8``).
+    reads_int8_kv: ClassVar[bool] = False
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
@@ -66,25 +68,43 @@ def check_backend_name(name: str) -> None:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """The concrete backend ``name`` stands for on this device; ValueError with the reason
-    when an explicitly named backend cannot run here."""
+def int8_kv_backends() -> list[str]:
+    """The backends that read int8 KV pools, in registry order."""
+    return [name for name, cls in BACKENDS.items() if cls.reads_int8_kv]
+
+
+def _unavailable(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                 kv_cache_dtype: str) -> str | None:
+    why = BACKENDS[name].unavailable(device, dtype, block_size)
+    if why is None and kv_cache_dtype == "int8" and not BACKENDS[name].reads_int8_kv:
+        why = (f"its kernels read float KV pools only; kv_cache_dtype int8 runs on "
+               f"{', '.join(int8_kv_backends())}")
+    return why
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                    kv_cache_dtype: str = "auto") -> str:
+    """The concrete backend ``name`` stands for on this device with this KV dtype; ValueError
+    with the reason when an explicitly named backend cannot run here (``auto`` skips the ones
+    that cannot, e.g. flash-attn for an int8 pool, and takes the next in ``AUTO_ORDER``)."""
     check_backend_name(name)
     if name == "auto":
         reasons = []
         for candidate in AUTO_ORDER.get(device.type, ("torch",)):
-            why = BACKENDS[candidate].unavailable(device, dtype, block_size)
+            why = _unavailable(candidate, device, dtype, block_size, kv_cache_dtype)
             if why is None:
                 return candidate
             reasons.append(f"{candidate}: {why}")
         raise ValueError("no attention backend can run here: " + "; ".join(reasons))
-    why = BACKENDS[name].unavailable(device, dtype, block_size)
+    why = _unavailable(name, device, dtype, block_size, kv_cache_dtype)
     if why is not None:
+        kv = " with an int8 KV pool" if kv_cache_dtype == "int8" else ""
         raise ValueError(f"attention_backend {name!r} cannot run on {device.type} in {str(dtype).removeprefix('torch.')}"
-                         f" with block_size {block_size}: {why}")
+                         f" with block_size {block_size}{kv}: {why}")
     return name
 
 
-def select_attention(name: str, device: torch.device, dtype: torch.dtype, block_size: int = 16) -> AttentionBackend:
+def select_attention(name: str, device: torch.device, dtype: torch.dtype, block_size: int = 16,
+                     kv_cache_dtype: str = "auto") -> AttentionBackend:
     """Build the backend for ``ModelConfig.attention_backend`` (see ``resolve_backend``)."""
-    return BACKENDS[resolve_backend(name, device, dtype, block_size)]()
+    return BACKENDS[resolve_backend(name, device, dtype, block_size, kv_cache_dtype)]()

@@ -17,6 +17,7 @@ class TorchAttention(AttentionBackend):
     """
 
     name = "torch"
+    reads_int8_kv = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

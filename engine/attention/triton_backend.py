@@ -12,12 +12,14 @@ class TritonAttention(AttentionBackend):
     """Decode rows through ``paged_decode`` (split-K planned from the decode group's longest
     context, which the CUDA-graph runner fixes to the model's context length so that a
     captured graph's split count never changes); prefill chunks through ``paged_extend``
-    over their cached prefix blocks plus themselves."""
+    over their cached prefix blocks plus themselves. int8 pools (``Int8KV``) are read as codes
+    and dequantized inside both kernels."""
 
     name = "triton"
     reads_lengths_in_place = True
     uses_paged_layout = True
     graph_safe_decode = True
+    reads_int8_kv = True
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

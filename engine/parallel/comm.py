@@ -77,6 +77,28 @@ class Group:
         self.comm_seconds += time.perf_counter() - t0
         return torch.cat(out, dim=dim)
 
+    def gather_cpu(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's CPU tensor ``t`` (same shape and dtype on every rank) on rank 0, in rank
+        order, over the gloo group; None on the other ranks."""
+        t0 = time.perf_counter()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        out = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
+        self.cpu_pg.gather([out] if out is not None else [], [t.contiguous()], opts).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
+    def scatter_cpu(self, chunks: list[torch.Tensor] | None, like: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``chunks[r]`` on rank ``r`` (CPU tensors shaped as ``like``, an empty tensor
+        of the size every rank expects), over the gloo group; ``chunks`` only on rank 0."""
+        t0 = time.perf_counter()
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        out = torch.empty_like(like)
+        self.cpu_pg.scatter([out], [[c.contiguous() for c in chunks]] if self.rank == 0 else [], opts).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's ``obj`` on every rank (pickled; tensors inside must be on the CPU)."""
         t0 = time.perf_counter()

@@ -12,7 +12,12 @@ The split (Megatron-style), for ``N`` ranks, rank ``r``:
 - LM head: vocab-parallel. Each rank computes its slice of the logits, then an all-gather
   (zero rows pad the last slice; the padding is cut off).
 - KV pool: each rank allocates ``[num_blocks, block_size, KV/N, head_dim]`` per layer, its own
-  heads only, with the block ids rank 0's cache manager hands out.
+  heads only, with the block ids rank 0's cache manager hands out, in rank 0's layout (float,
+  or ``Int8KV`` codes plus per-token-per-head scales for ``--kv-cache-dtype int8``: the
+  quantization is per head, so a rank's share of the pool is exactly its heads' share).
+- KV tiers: a tier payload holds every head in the single-rank layout; rank 0 gathers the other
+  ranks' head slices to offload blocks and scatters each rank its heads of restored ones
+  (``block_copy.py``).
 
 Rank 0 is the engine process: scheduler, KV cache manager and sampler run there only. Its
 model is a :class:`TensorParallelModel`, which broadcasts each step's inputs (token ids,
@@ -50,7 +55,10 @@ import torch.nn.functional as F
 
 from engine.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
+from engine.kv_quant import Int8KV
 from engine.model import LlamaForCausalLM, apply_rope_signed
+from engine.parallel.block_copy import (RankBlockCopier, assemble, local_bytes, pool_tensors, read_local,
+                                       split_payloads, write_local)
 from engine.parallel.comm import Group, backend_for
 
 logger = logging.getLogger(__name__)
@@ -240,16 +248,33 @@ def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dt
         kind = msg[0]
         if kind == "stop":
             return
-        if kind == "forward":
-            _, input_ids, positions, meta, kv_shape = to_device(msg, device)
-            if not kv_caches or tuple(kv_caches[0][0].shape) != tuple(kv_shape):
-                # First step, or rank 0 reallocated its pool (CUDA sizes it after a profiling run).
+        if kind in ("forward", "kv_read", "kv_write"):
+            msg = to_device(msg, device)
+            kv_shape, int8_kv = msg[-2], msg[-1]  # rank 0's pool layout travels with each message
+            if (not kv_caches or tuple(kv_caches[0][0].shape) != tuple(kv_shape)
+                    or isinstance(kv_caches[0][0], Int8KV) != int8_kv):
+                # First use, or rank 0 reallocated its pool (CUDA sizes it after a profiling run).
                 kv_caches = []
-                kv_caches = [(torch.zeros(kv_shape, dtype=dtype, device=device),
-                              torch.zeros(kv_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
-            tp_forward(model, group, input_ids, positions, meta, kv_caches)
+                kv_caches = [allocate_kv_pair(kv_shape, int8_kv, dtype, device) for _ in range(arch.num_layers)]
+            if kind == "forward":
+                tp_forward(model, group, msg[1], msg[2], msg[3], kv_caches)
+            elif kind == "kv_read":
+                group.gather_cpu(read_local(pool_tensors(kv_caches), msg[1]))
+            else:
+                tensors = pool_tensors(kv_caches)
+                like = torch.empty(local_bytes(tensors, len(msg[1])), dtype=torch.uint8)
+                write_local(tensors, msg[1], group.scatter_cpu(None, like))
         elif kind == "logits":
             tp_logits(model, group, to_device(msg[1], device), vocab_size)
+
+
+def allocate_kv_pair(shape: tuple[int, ...], int8_kv: bool, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor | Int8KV, torch.Tensor | Int8KV]:
+    """One layer's zeroed K and V pools of a rank, in the layout rank 0's runner chose: float
+    tensors of the model's dtype, or ``Int8KV`` (codes + per-token-per-head scales) for int8."""
+    if int8_kv:
+        return Int8KV.zeros(shape, dtype, device), Int8KV.zeros(shape, dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 # ---- rank 0 -------------------------------------------------------------------------------------
@@ -354,8 +379,30 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        self._broadcast(("forward", input_ids, positions, meta, tuple(kv_caches[0][0].shape)))
+        self._broadcast(("forward", input_ids, positions, meta, *self._pool_layout(kv_caches)))
         return tp_forward(self.shard, self.group, input_ids, positions, meta, kv_caches)
+
+    @staticmethod
+    def _pool_layout(kv_caches: list) -> tuple[tuple[int, ...], bool]:
+        """(shape, int8) of rank 0's pool: every message that touches the pool carries it last."""
+        return tuple(kv_caches[0][0].shape), isinstance(kv_caches[0][0], Int8KV)
+
+    def read_kv_blocks(self, kv_caches: list, block_ids: list[int]) -> list[bytes]:
+        """Full-head tier payloads of ``block_ids`` gathered from every rank (engine/parallel/block_copy.py)."""
+        self._broadcast(("kv_read", list(block_ids), *self._pool_layout(kv_caches)))
+        tensors = pool_tensors(kv_caches)
+        return assemble(self.group.gather_cpu(read_local(tensors, block_ids)), tensors, len(block_ids))
+
+    def write_kv_blocks(self, kv_caches: list, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Every rank copies its heads of the full-head ``payloads`` into ``block_ids``."""
+        self._broadcast(("kv_write", list(block_ids), *self._pool_layout(kv_caches)))
+        tensors = pool_tensors(kv_caches)
+        chunks = split_payloads(payloads, tensors, self.group.world_size)
+        write_local(tensors, block_ids, self.group.scatter_cpu(chunks, chunks[0]))
+
+    def block_copier(self, kv_caches: list) -> RankBlockCopier:
+        """The tiers' block copier over every rank's pool."""
+        return RankBlockCopier(self, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self._broadcast(("logits", hidden))

@@ -13,6 +13,10 @@ per sequence) and each sequence's context length:
   keys (the cached prefix and the chunk itself, already written to the pool) are read from
   the blocks with a causal mask.
 
+int8 pools (``Int8KV``, engine/kv_quant.py: codes plus a float32 (step, minimum) per token
+and head) are read as codes and dequantized in registers by ``_load_kv_tile`` (``KV_INT8``),
+a quarter of fp32's (half of bf16's) bytes per key instead of a dequantized copy.
+
 Softmax runs online in float32; dots take the pool's dtype (bf16/fp16 on tensor cores,
 float32 with IEEE precision). Every launch is free of host synchronisation, so a decode step
 can be captured in a CUDA graph when its split count is fixed (``num_splits``). Tile sizes
@@ -28,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv_quant import Int8KV
+
 # Below this many tokens per split a split does not pay for its partial write and merge.
 MIN_SPLIT_TOKENS = 256
 # Enough programs to fill an H100/H200 (132 SMs) about twice.
@@ -35,30 +41,45 @@ TARGET_PROGRAMS = 256
 
 
 @triton.jit
-def _load_kv_tile(K, V, bt_row, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                  stride_vh, BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
+def _load_kv_tile(K, V, KS, VS, bt_row, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh, stride_vb,
+                  stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                  BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr):
     """Keys and values ``[BLOCK_N, HEAD_DIM_P]`` of token positions ``n`` of one sequence (its
-    block-table row at ``bt_row``), read in place from the paged pool; masked entries are 0."""
+    block-table row at ``bt_row``), read in place from the paged pool; masked entries are 0.
+
+    ``KV_INT8``: ``K``/``V`` hold int8 codes and ``KS``/``VS`` float32 ``(step, minimum)`` per
+    token and head (engine/kv_quant.py); the tile is dequantized here, in registers, to float32
+    (the caller casts it to the query's dtype). Otherwise ``KS``/``VS`` are never read."""
     blk = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = n % BLOCK_SIZE
     kv_mask = nmask[:, None] & dmask[None, :]
     k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                mask=kv_mask, other=0.0)
+                mask=kv_mask, other=0)
     v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                mask=kv_mask, other=0.0)
-    if DOT_F32:
+                mask=kv_mask, other=0)
+    if KV_INT8:
+        ks = KS + blk * stride_ksb + off * stride_kst + kvh * stride_ksh
+        vs = VS + blk * stride_vsb + off * stride_vst + kvh * stride_vsh
+        k_step = tl.load(ks, mask=nmask, other=0.0)
+        k_min = tl.load(ks + 1, mask=nmask, other=0.0)
+        v_step = tl.load(vs, mask=nmask, other=0.0)
+        v_min = tl.load(vs + 1, mask=nmask, other=0.0)
+        # Masked entries (past the context, past head_dim) must stay 0, not the row's minimum.
+        k = tl.where(kv_mask, (k.to(tl.float32) + 128.0) * k_step[:, None] + k_min[:, None], 0.0)
+        v = tl.where(kv_mask, (v.to(tl.float32) + 128.0) * v_step[:, None] + v_min[:, None], 0.0)
+    elif DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, BT, LENS, OUT, LSE, scale,
+def _decode_kernel(Q, K, V, KS, VS, BT, LENS, OUT, LSE, scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, split_tokens,
+                   stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, split_tokens,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -80,8 +101,11 @@ def _decode_kernel(Q, K, V, BT, LENS, OUT, LSE, scale,
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        k, v = _load_kv_tile(K, V, BT + b * stride_bt, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, BLOCK_SIZE, DOT_F32)
+        k, v = _load_kv_tile(K, V, KS, VS, BT + b * stride_bt, n, nmask, d, dmask, kvh, stride_kb, stride_kt,
+                             stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh,
+                             stride_vsb, stride_vst, stride_vsh, BLOCK_SIZE, DOT_F32, KV_INT8)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -99,12 +123,12 @@ def _decode_kernel(Q, K, V, BT, LENS, OUT, LSE, scale,
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, BT, QSTART, LENS, OUT, scale, seq_offset,
+def _extend_kernel(Q, K, V, KS, VS, BT, QSTART, LENS, OUT, scale, seq_offset,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_bt, stride_ot, stride_oh,
+                   stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr):
     sid = tl.program_id(0) + seq_offset
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -131,8 +155,11 @@ def _extend_kernel(Q, K, V, BT, QSTART, LENS, OUT, scale, seq_offset,
     for n0 in range(0, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
-        k, v = _load_kv_tile(K, V, BT + sid.to(tl.int64) * stride_bt, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, BLOCK_SIZE, DOT_F32)
+        k, v = _load_kv_tile(K, V, KS, VS, BT + sid.to(tl.int64) * stride_bt, n, nmask, d, dmask, kvh, stride_kb,
+                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst,
+                             stride_ksh, stride_vsb, stride_vst, stride_vsh, BLOCK_SIZE, DOT_F32, KV_INT8)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         # Key 0 is visible to every row, so no row's maximum stays -inf after the first tile.
         scores = tl.where(nmask[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
@@ -164,6 +191,29 @@ def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
         raise ValueError(f"{q.shape[1]} query heads do not split into {k_cache.shape[2]} KV head groups")
 
 
+def _pool_args(q: torch.Tensor, k_cache: torch.Tensor | Int8KV,
+               v_cache: torch.Tensor | Int8KV) -> tuple[list, dict, torch.Tensor]:
+    """The kernels' pool arguments: ``(K, V, KS, VS)`` pointers followed by their 12 strides,
+    the ``KV_INT8`` constexpr, and the K data tensor (for its shape). Float pools pass their
+    own tensors as the (never read) scale pointers and zero strides."""
+    if isinstance(k_cache, Int8KV) != isinstance(v_cache, Int8KV):
+        raise ValueError("K and V pools must both be int8 or both float")
+    int8 = isinstance(k_cache, Int8KV)
+    k, v = (k_cache.data, v_cache.data) if int8 else (k_cache, v_cache)
+    _check_pool(q, k, v)
+    if int8:
+        ks, vs = k_cache.scale, v_cache.scale
+        if ks.stride(-1) != 1 or vs.stride(-1) != 1:
+            raise ValueError("int8 KV scales need a contiguous last (step, minimum) dimension")
+        scale_strides = [ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2)]
+    else:
+        ks, vs = k, v
+        scale_strides = [0] * 6
+    args = [k, v, ks, vs]
+    strides = [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *scale_strides]
+    return args + strides, {"KV_INT8": int8}, k
+
+
 def plan_splits(max_len: int, num_programs: int, block_n: int = 64) -> tuple[int, int]:
     """``(num_splits, split_tokens)`` for a decode batch whose longest context is ``max_len``
     and which has ``num_programs`` (sequence, KV head) pairs: enough splits to fill the GPU,
@@ -187,17 +237,18 @@ def combine_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (partial * (weights / total).unsqueeze(-1)).sum(2)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, max_len: int, num_splits: int | None = None,
-                 block_n: int = 64) -> torch.Tensor:
-    """q ``[B, H, d]`` (one token per sequence) -> ``[B, H, d]`` in q's dtype.
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch.Tensor | Int8KV,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int,
+                 num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q ``[B, H, d]`` (one token per sequence) -> ``[B, H, d]`` in q's dtype. The pools are
+    float tensors of q's dtype or ``Int8KV`` (dequantized in the kernel, to q's dtype).
 
     ``block_table`` ``[B, W]`` int32 and ``seq_lens`` ``[B]`` int32 (every length >= 1 and
     <= ``max_len``). ``num_splits`` None plans them with :func:`plan_splits`.
     """
-    _check_pool(q, k_cache, v_cache)
+    pool, flags, k_data = _pool_args(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    num_blocks, block_size, kv_heads, _ = k_data.shape
     group = num_heads // kv_heads
     if num_splits is None:
         num_splits, split_tokens = plan_splits(max_len, batch * kv_heads, block_n)
@@ -205,36 +256,36 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         split_tokens = math.ceil(math.ceil(max_len / num_splits) / block_n) * block_n
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    k, v, ks, vs, *pool_strides = pool
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, partial, lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        q, k, v, ks, vs, block_table, seq_lens, partial, lse, scale,
+        q.stride(0), q.stride(1), *pool_strides, block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), split_tokens,
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype))
+        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype), **flags)
     out = partial[:, :, 0] if num_splits == 1 else combine_splits(partial, lse)
     return out.to(q.dtype)
 
 
-def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 query_start: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
-                 seq_offset: int, num_seqs: int, max_query_len: int, block_m: int = 64,
+def paged_extend(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch.Tensor | Int8KV,
+                 block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+                 scale: float, seq_offset: int, num_seqs: int, max_query_len: int, block_m: int = 64,
                  block_n: int = 64) -> None:
     """Causal attention of sequences ``seq_offset .. seq_offset + num_seqs - 1`` of a varlen
     batch: q/out ``[T, H, d]`` (rows ``query_start[i]:query_start[i + 1]``), each sequence's
     ``seq_lens[i]`` keys read from the pool (the chunk's own keys already written there).
     Writes ``out`` rows of those sequences only."""
-    _check_pool(q, k_cache, v_cache)
+    pool, flags, k_data = _pool_args(q, k_cache, v_cache)
     if num_seqs == 0:
         return
     _, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = k_data.shape
+    k, v, ks, vs, *pool_strides = pool
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_kernel[grid](
-        q, k_cache, v_cache, block_table, query_start, seq_lens, out, scale, seq_offset,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
+        q, k, v, ks, vs, block_table, query_start, seq_lens, out, scale, seq_offset,
+        q.stride(0), q.stride(1), *pool_strides, block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype))
+        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype), **flags)

@@ -47,8 +47,13 @@ def test_chain_orders_host_before_disk(tmp_path):
         chain.put(h(i), payload(i))
     chain.flush(10)
     assert chain.locate(h(0)) == "disk" and chain.locate(h(2)) == "host"  # 0 fell out of the host tier
-    assert [chain.get(h(i)) for i in range(3)] == [payload(i) for i in range(3)]
-    assert disk.stats.hits == 1 and host.stats.hits == 2
+    assert chain.get(h(2)) == payload(2) and host.stats.hits == 1 and disk.stats.hits == 0
+    # A disk hit is promoted into the host tier (evicting its LRU entry, 1, down to disk).
+    assert chain.get(h(0)) == payload(0) and disk.stats.hits == 1
+    assert chain.locate(h(0)) == "host" and chain.locate(h(1)) == "disk" and host.hashes() == [h(2), h(0)]
+    assert chain.get(h(0)) == payload(0) and host.stats.hits == 2 and disk.stats.hits == 1
+    chain.flush(10)
+    assert disk.contains(h(1)) and disk.contains(h(0))  # promotion copies, it does not move
     # Retention goes to the persistent tier, also for a block only the host tier holds.
     assert chain.retain(h(2), expires_at=2e9) and disk.contains(h(2))
     assert not chain.retain(h(7), expires_at=2e9)
@@ -128,3 +133,43 @@ def test_host_then_disk_chain_serves_a_prefix_pushed_down_to_disk(hf_model, tmp_
     assert_same(third, reference)
     assert_idle(restarted)
     restarted.close()
+
+
+def test_disk_hit_is_promoted_so_the_next_eviction_then_hit_is_served_from_host(hf_model, tmp_path):
+    """A restarted engine (empty host tier) serves a prefix from disk; that read also writes the
+    blocks into the host tier, so after the pool evicts them again the next hit comes from host
+    (the offloader does not re-offload a block the chain already holds, so without promotion it
+    would be read from disk every time). Tokens and logprobs equal recompute; nothing leaks."""
+    p = prompt(0)
+    reference = tiny_engine(hf_model, block_size=BS, num_blocks=64, enable_prefix_caching=False).generate([p], PARAMS)[0]
+    seed = tiny_engine(hf_model, block_size=BS, num_blocks=24, kv_disk_dir=str(tmp_path), kv_disk_gib=0.01)
+    seed.generate([p], PARAMS)
+    seed.close()  # spills the pool to disk
+    engine = tiny_engine(hf_model, block_size=BS, num_blocks=24, kv_disk_dir=str(tmp_path), kv_disk_gib=0.01,
+                         kv_offload_gib=128 * block_bytes(hf_model) / 2**30)
+    host, disk = engine.offloader.tier.members
+    assert host.num_entries() == 0
+    stats = engine.scheduler.stats
+    first = engine.generate([p], PARAMS)[0]
+    assert first.num_cached_tokens == 40 and stats.tier_hits["disk"] == 40 and stats.tier_hits["host"] == 0
+    promoted = host.hashes()
+    assert len(promoted) == 10 and all(disk.contains(x) for x in promoted)
+    flood(engine)  # 60 blocks: the arena (128 slots) keeps p's 10
+    assert engine.kv_cache.get_computed_blocks(p)[1] == 0  # gone from the device pool
+    assert all(engine.offloader.tier.locate(x) == "host" for x in promoted)
+    disk_reads = disk.stats.hits
+    again = engine.generate([p], PARAMS)[0]
+    assert again.num_cached_tokens == 40
+    assert stats.tier_hits["host"] == 40 and stats.tier_hits["disk"] == 40  # the second hit: host only
+    assert disk.stats.hits == disk_reads
+    from server.cache_metrics import KVTierCollector
+    collector = KVTierCollector("m", engine.info)
+    collector.update(engine.stats())
+    samples = {(s.name, s.labels.get("tier")): s.value for f in collector.collect() for s in f.samples}
+    assert samples[("kvserve_kv_tier_hits_total", "host")] == 40
+    assert samples[("kvserve_kv_tier_hits_total", "disk")] == 40
+    assert samples[("kvserve_kv_tier_read_bytes_total", "disk")] == 10 * host.block_bytes
+    assert_same(first, reference)
+    assert_same(again, reference)
+    assert_idle(engine)
+    engine.close()

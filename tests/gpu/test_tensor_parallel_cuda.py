@@ -23,15 +23,16 @@ CONFIG = dict(vocab_size=131, num_attention_heads=4, num_key_value_heads=2)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
-def engine(hf, tp: int) -> LLMEngine:
+def engine(hf, tp: int, attention_backend: str = "torch", kv_cache_dtype: str = "auto", **cache_options) -> LLMEngine:
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf.config,
                          arch=ModelArch.from_hf_config(hf.config), state_dict=state, tokenizer=None)
     # float32 on the torch backend: only the summation order differs between TP=1 and TP=2.
     return LLMEngine(EngineConfig(
-        model=ModelConfig(num_threads=1, attention_backend="torch", tensor_parallel_size=tp, device="cuda",
-                          dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True),
+        model=ModelConfig(num_threads=1, attention_backend=attention_backend, tensor_parallel_size=tp,
+                          device="cuda", dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype,
+                          **cache_options),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)), loaded)
 
 
@@ -72,6 +73,43 @@ def test_tp2_nccl_equals_tp1(hf):
     finally:
         two.close()
     assert all(not p.is_alive() for p in model.procs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")
+def test_tp2_int8_kv_on_triton_equals_tp1(hf):
+    """Each rank holds int8 pools of its own heads and reads them in the Triton kernels."""
+    from engine.kv_quant import Int8KV
+
+    ps = workload()
+    expected = engine(hf, 1, "triton", "int8").generate(ps, PARAMS)
+    two = engine(hf, 2, "triton", "int8")
+    try:
+        assert isinstance(two.runner.kv_caches[0][0], Int8KV) and two.runner.model.attn.name == "triton"
+        got = two.generate(ps, PARAMS)
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        assert two.kv_cache.usage == 0
+    finally:
+        two.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")
+def test_tp2_disk_and_host_tiers_on_cuda(hf, tmp_path):
+    """Tier copies gather both GPUs' KV heads (over the gloo group) and scatter them back: a TP=2
+    engine restarted on a TP=1 engine's disk folder serves the prefix with TP=1's tokens."""
+    p = [random.Random(5).randrange(3, 131) for _ in range(30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    seed = engine(hf, 1, kv_disk_dir=str(tmp_path), kv_disk_gib=0.01)
+    seed.generate([p], params)
+    reference = seed.generate([p], params)[0]
+    seed.close()
+    two = engine(hf, 2, kv_disk_dir=str(tmp_path), kv_disk_gib=0.01, kv_offload_gib=0.01)
+    try:
+        got = two.generate([p], params)[0]
+        assert got.num_cached_tokens == 28 and got.token_ids == reference.token_ids
+        assert two.scheduler.stats.tier_hits["disk"] == 28
+        assert two.kv_cache.usage == 0
+    finally:
+        two.close()
 
 
 def test_more_ranks_than_gpus_is_refused(hf):

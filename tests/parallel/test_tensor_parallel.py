@@ -14,6 +14,7 @@ import torch
 
 from cache import CacheConfig
 from engine.config import ModelConfig
+from engine.kv_quant import Int8KV
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.arch import ModelArch
@@ -27,7 +28,7 @@ CONFIG = dict(vocab_size=131, num_attention_heads=4, num_key_value_heads=2)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
-def engine(hf, tp: int, attention_backend: str = "auto") -> LLMEngine:
+def engine(hf, tp: int, attention_backend: str = "auto", kv_cache_dtype: str = "auto", **cache_options) -> LLMEngine:
     """``auto``: the native decode kernel where it builds (each rank runs it on its own heads)."""
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf.config,
@@ -36,7 +37,8 @@ def engine(hf, tp: int, attention_backend: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(num_threads=1, attention_backend=attention_backend, tensor_parallel_size=tp,
                           device="cpu"),
-        cache=CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True),
+        cache=CacheConfig(block_size=4, num_blocks=14, kv_cache_dtype=kv_cache_dtype,
+                          **{"enable_prefix_caching": True, **cache_options}),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)), loaded)
 
 
@@ -99,6 +101,70 @@ def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
     assert not one.watch_ranks(lambda rank, code: None)  # a single rank: nothing to watch
 
 
+def test_tp2_int8_kv_equals_tp1_int8_kv(hf):
+    """``--kv-cache-dtype int8`` with two ranks: every rank holds int8 pools for its own KV heads
+    (they used to build float pools on ranks 1..N-1 whatever rank 0 had), so greedy tokens and
+    logprobs equal one rank's int8 run, through prefix hits and preemption; and they differ from
+    the float-KV run (the int8 path really ran on every rank)."""
+    ps = workload()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    expected = engine(hf, 1, kv_cache_dtype="int8").generate(ps, params)
+    float_kv = engine(hf, 1).generate(ps, params)
+    two = engine(hf, 2, kv_cache_dtype="int8")
+    try:
+        got = two.generate(ps, params)
+        k0 = two.runner.kv_caches[0][0]
+        assert isinstance(k0, Int8KV) and k0.shape[2] == 1  # rank 0: its own KV head, int8
+        assert two.scheduler.stats.num_preemptions > 0 and two.scheduler.stats.prefix_cache_hits > 0
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        deltas = [abs(a.logprob - b.logprob) for r, e in zip(got, expected) for a, b in zip(r.logprobs, e.logprobs)]
+        assert max(deltas) < 1e-4, max(deltas)
+        to_float = [abs(a.logprob - b.logprob) for r, e in zip(got, float_kv) for a, b in zip(r.logprobs, e.logprobs)]
+        assert max(to_float) > 10 * max(deltas)
+        two.kv_cache.check_invariants()
+        assert two.kv_cache.usage == 0
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_tp2_kv_tiers_carry_every_ranks_heads(hf, tmp_path, kv_cache_dtype):
+    """The host and disk tiers with two ranks: a block's payload gathers both ranks' KV heads in
+    the single-rank layout, so a TP=2 engine restarted on a TP=1 engine's disk folder serves the
+    prefix from disk, and after the pool evicts it again from the host tier (promoted there),
+    with one rank's tokens and logprobs each time. (They used to copy rank 0's heads only: the
+    other rank's restored blocks were stale and greedy tokens went wrong.)"""
+    p = [random.Random(5).randrange(3, 131) for _ in range(30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    seed = engine(hf, 1, kv_cache_dtype=kv_cache_dtype, kv_disk_dir=str(tmp_path), kv_disk_gib=0.01)
+    seed.generate([p], params)
+    # One rank reading the same 28 cached tokens from its pool (int8: a fresh prompt attends to
+    # its unquantized K/V, a cached prefix to the quantized blocks, so compare like with like).
+    reference = seed.generate([p], params)[0]
+    assert reference.num_cached_tokens == 28
+    single_payload = seed.offloader.copier.payload_bytes
+    seed.close()  # spills the pool to disk
+    two = engine(hf, 2, kv_cache_dtype=kv_cache_dtype, kv_disk_dir=str(tmp_path), kv_disk_gib=0.01,
+                 kv_offload_gib=64 * single_payload / 2**30)
+    try:
+        assert two.offloader.copier.payload_bytes == single_payload
+        runs = [two.generate([p], params)[0]]
+        two.generate([[random.Random(6 + i).randrange(3, 131) for _ in range(40)] for i in range(3)],
+                     SamplingParams(temperature=0.0, max_tokens=2))
+        assert two.kv_cache.get_computed_blocks(p)[1] == 0  # gone from the pool
+        runs.append(two.generate([p], params)[0])
+        stats = two.scheduler.stats
+        assert stats.tier_hits["disk"] == 28 and stats.tier_hits["host"] == 28
+        for run in runs:
+            assert run.num_cached_tokens == 28
+            assert run.token_ids == reference.token_ids
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(run.logprobs, reference.logprobs)) < 1e-4
+        two.kv_cache.check_invariants()
+        assert two.kv_cache.usage == 0
+    finally:
+        two.close()
+
+
 def test_refusals(hf):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ModelConfig(tensor_parallel_size=0)
@@ -116,7 +182,7 @@ def test_step_messages_move_to_a_rank_device():
     meta = AttentionMetadata(slot_mapping=long, decode_groups=[DecodeGroup(0, 1, 3, long, None, long[:1])],
                              prefills=[PrefillChunk(1, 4, 3, long, torch.ones(3, 3, dtype=torch.bool))],
                              paged=PagedLayout(long.int(), long.int(), long.int().view(2, 2), 1, 3, 4))
-    msg = ("forward", long, long, meta, (5, 16, 1, 16))
+    msg = ("forward", long, long, meta, (5, 16, 1, 16), False)  # pool shape, int8
     assert to_device(msg, torch.device("cpu")) is msg
     moved = to_device(msg, torch.device("meta"))
     tensors = [moved[1], moved[3].slot_mapping, moved[3].decode_groups[0].block_ids,

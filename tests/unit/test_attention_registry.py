@@ -54,6 +54,24 @@ def test_auto_on_cuda_prefers_flash_attn_then_triton(flash_attn_installed):
     assert resolve_backend("auto", CUDA, torch.float32, 256) == "triton"  # flash-attn is fp16/bf16 only
 
 
+def test_int8_kv_on_cuda_stays_on_triton(flash_attn_installed):
+    """flash-attn reads float pools only: ``auto`` with an int8 pool takes Triton, which
+    dequantizes inside its kernels; naming flash_attn says why not and what does run int8."""
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 256) == "flash_attn"
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 256, kv_cache_dtype="int8") == "triton"
+    assert resolve_backend("triton", CUDA, torch.bfloat16, 16, kv_cache_dtype="int8") == "triton"
+    with pytest.raises(ValueError, match="'flash_attn' cannot run on cuda in bfloat16 with block_size 256 with an "
+                                         "int8 KV pool: its kernels read float KV pools only; kv_cache_dtype int8 "
+                                         "runs on torch, native, triton"):
+        resolve_backend("flash_attn", CUDA, torch.bfloat16, 256, kv_cache_dtype="int8")
+    assert [n for n, c in BACKENDS.items() if c.reads_int8_kv] == ["torch", "native", "triton"]
+
+
+def test_int8_kv_on_cuda_without_triton(triton_missing, monkeypatch):
+    monkeypatch.setattr(FlashAttention, "unavailable", classmethod(lambda cls, *a: None))
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 256, kv_cache_dtype="int8") == "torch"
+
+
 def test_auto_on_cuda_without_flash_attn_or_triton(triton_missing):
     if importlib.util.find_spec("flash_attn") is None:
         assert resolve_backend("auto", CUDA, torch.bfloat16, 256) == "torch"
