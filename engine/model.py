@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
     FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
-    def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16) -> None:
+    def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16, int8_activations: bool = False) -> None:
         """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
         wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks; a weight in
         ``blocks_only`` runs from its blocks alone whatever ``use_blocks`` says."""
@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
             if weight_name not in self.blocks_only:
                 mm = dense_linear(weight, bias, dense, batch_hint)
             if (use_blocks or mm is None) and weight_name in self.blocks:
-                mm = BlockLinear(self.blocks[weight_name], bias, mm)
+                mm = BlockLinear(self.blocks[weight_name], bias, mm, int8_activations)
             setattr(self, attr, mm)
 
     # Rows up to which a dense (no blocks) matrix runs in the native decode path: its plain fp32
@@ -228,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_path = "python"  # see select_decode_path
         self._native_layers: list[tuple] = []  # decode_layer's constant arguments per layer
         self.native_max_rows = 0
+        # "none" | "int8" (ModelConfig.activation_quant): read by select_linear_backend
+        self.activation_quant = "none"
 
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
         """Bind the matmul kernels once the weights are loaded; return the backend in use.
@@ -255,18 +257,37 @@ class LlamaForCausalLM(nn.Module):
         if backend == "onednn":
             backend = dense
         use_blocks = backend == "gguf"
+        if self.activation_quant == "int8" and not use_blocks:
+            raise ValueError("activation_quant 'int8' needs the gguf linear backend (a GGUF model's blocks on the "
+                             f"CPU in float32), and the backend is {backend!r}; use activation_quant 'none'")
+        int8 = self.activation_quant == "int8"
         for layer in self.layers:
-            layer.use_linear(dense, use_blocks, batch_hint)
+            layer.use_linear(dense, use_blocks, batch_hint, int8)
         if self.lm_head_blocks_only:
-            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None)
+            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None, int8)
         else:
             self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
             if use_blocks and self.lm_head_blocks is not None:
-                self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
+                self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm, int8)
         self.linear_backend = backend
         if self.decode_path == "native":  # its arguments name the matmuls just bound
             self._bind_native_decode()
         return backend
+
+    def describe_activation_quant(self) -> str:
+        """``activation_quant`` as bound: which block matrices multiply int8 activations."""
+        if self.activation_quant != "int8":
+            return "none (fp32 activations)"
+        mms = [mm for layer in self.layers for attr, _, _ in layer.MATMULS
+               if isinstance(mm := getattr(layer, attr), BlockLinear)]
+        if isinstance(self.lm_head_mm, BlockLinear):
+            mms.append(self.lm_head_mm)
+        parts = [(f, op is torch.ops.kvserve.gguf_linear_q8) for mm in mms for op, (_, _, f) in zip(mm._ops, mm.parts)]
+        int8 = sorted({BlockFormat(f).name for f, q in parts if q})
+        fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
+        return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "
+                f"({', '.join(int8) or 'no format with an int8 kernel on this CPU'}); "
+                f"fp32 activations for {', '.join(fp32) or 'none'}, prefill and dense matmuls")
 
     DECODE_PATHS = ("auto", "native", "python")
 
@@ -326,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         heads, scale = self.arch.num_heads, self.arch.head_dim ** -0.5
         for args, (k_cache, v_cache) in zip(self._native_layers, kv_caches):
             torch.ops.kvserve.decode_layer(x, *args, cos, sin, k_cache, v_cache, meta.slot_mapping, table, lens,
-                                           heads, scale)
+                                           heads, scale, self.activation_quant == "int8")
         return x
 
     @torch.no_grad()

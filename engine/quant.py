@@ -205,7 +205,7 @@ class BlockLinear:
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
-                 dense: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+                 dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
         self.blocks = blocks if isinstance(blocks, BlockMatrix) else BlockMatrix([blocks])
         self.bias = bias
         self.dense = dense
@@ -214,6 +214,12 @@ class BlockLinear:
         # (data, out_features, kernel format code) per group, converted once rather than per call
         # (block bytes, rows, format id) of each part: the arguments of the native ops
         self.parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
+        # int8_activations (ModelConfig.activation_quant): calls of up to max_rows rows run the
+        # int8-activation kernel for the parts that have one on this CPU, the fp32 kernel otherwise
+        self.int8_activations = int8_activations
+        self._ops = [torch.ops.kvserve.gguf_linear_q8
+                     if int8_activations and torch.ops.kvserve.gguf_q8_supported(f) else torch.ops.kvserve.gguf_linear
+                     for _, _, f in self.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -221,7 +227,7 @@ class BlockLinear:
                 return self.dense(x)
             ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
         else:
-            ys = [torch.ops.kvserve.gguf_linear(x, d, n, f) for d, n, f in self.parts]
+            ys = [op(x, d, n, f) for op, (d, n, f) in zip(self._ops, self.parts)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)
 
