@@ -1,7 +1,8 @@
 // Block matmuls on int8 activations (ModelConfig.activation_quant "int8"): y[M, N] = x[M, K] @ W^T
 // with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) and W
-// the strip-packed Q4_1 / Q8_0 blocks of quant_linear.cpp, read as they are (the same bytes the
-// fp32 kernel reads; no second copy).
+// the strip-packed Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads,
+// as they are (the same bytes the fp32 kernel reads; no second copy). Other formats, and CPUs
+// without AVX2, have no int8 kernel here (q8_supported): callers multiply fp32 activations.
 //
 // Why: the fp32 kernel expands every 4-bit code to fp32 and FMAs it, ~5 vector ops per 8
 // multiply-adds, which makes decode compute bound on AVX2 (no AVX-512) at ~1/3 of the memory
@@ -30,6 +31,7 @@
 // Many rows: each strip-block is unpacked once and dotted with up to kRows rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "quant_linear.h"
@@ -51,7 +53,23 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kStrip = 8;
 constexpr int kRows = 8;  // rows per pass over a strip
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;                // engine/quant.py BlockFormat codes
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 3, kQ6_K = 5;  // engine/quant.py BlockFormat codes
+constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;          // GGUF super-blocks of 256 weights
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (as gguf's dequantize reads them).
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
 
 bool cpu_has_avx2() {
 #ifdef KVSERVE_X86
@@ -152,8 +170,118 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
   for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
 }
 
-template <template <int> class Kernel>
-struct Dispatch;
+// ---- Row formats (GGUF rows as stored, super-blocks of 256 along K: 8 of the activations'
+// 32-blocks). Per output feature n and row: for each 32 weights an integer dot product of the
+// codes (maddubs of unsigned codes by the int8 activations), scaled in fp32 by the weight's
+// sub-block scale times the activations' block scale; the offsets (Q4_K's mins, Q6_K's -32)
+// through the activations' block sums.
+//   Q4_K: w = (d sc_j) q - (dmin m_j), sub-block j of 32: dot = d sc_j dx_j I_j - dmin m_j s_j.
+//   Q6_K: w = (d sc_i) (q - 32), sub-blocks of 16 (two per 32-block, the scales applied by madd):
+//         dot = d dx (sc_a I_a + sc_b I_b) - 32 d dx (sc_a S_a + sc_b S_b), S the code sums of 16.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct Q4_KRows {
+  static constexpr int64_t kBytes = kQ4_KBytes;
+  template <int R>
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
+                           float* corr) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    float dsc[8], dm[8];
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k_scale_min(b + 4, j, sc, m);
+      dsc[j] = d * static_cast<float>(sc), dm[j] = dmin * static_cast<float>(m);
+    }
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i q[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      q[2 * c] = _mm256_and_si256(v, mask);
+      q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
+      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
+      for (int j = 0; j < 8; ++j) {
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j))), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dsc[j] * x.d[xb + j]), acc[r]);
+        corr[r] += dm[j] * x.s[xb + j];
+      }
+    }
+  }
+};
+
+struct Q6_KRows {
+  static constexpr int64_t kBytes = kQ6_KBytes;
+  template <int R>
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
+                           float* corr) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    __m256i q[8], scv[8];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const auto high = [&](int shift) {
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
+      };
+      q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+      for (int g = 0; g < 4; ++g)  // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1]
+        scv[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
+      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
+      const int32_t* s16 = x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb;
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, i = 8 * h + 2 * (g % 4);
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(q[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * g))), scv[g]);
+        const float ddx = d * x.d[xb + g];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddx), acc[r]);
+        corr[r] += ddx * static_cast<float>(32 * (sc[i] * s16[2 * g] + sc[i + 1] * s16[2 * g + 1]));
+      }
+    }
+  }
+};
+
+// Output features [n0, n1) for rows [r0, r0 + R): out[r * ldo + n].
+template <typename Format, int R>
+void rows_q8(const kvserve::Q8Act& x, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 256;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R];
+    float corr[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    const uint8_t* row = w + n * nb * Format::kBytes;
+    for (int64_t sb = 0; sb < nb; ++sb) Format::template block<R>(row + sb * Format::kBytes, x, r0, sb, acc, corr);
+    for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
+  }
+}
+
+template <typename Format>
+void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < x.M; r += 4) {
+    float* o = out + r * ldo;
+    switch (std::min<int64_t>(4, x.M - r)) {
+      case 4: rows_q8<Format, 4>(x, r, w, n0, n1, o, ldo); break;
+      case 3: rows_q8<Format, 3>(x, r, w, n0, n1, o, ldo); break;
+      case 2: rows_q8<Format, 2>(x, r, w, n0, n1, o, ldo); break;
+      default: rows_q8<Format, 1>(x, r, w, n0, n1, o, ldo); break;
+    }
+  }
+}
 
 template <int R>
 struct Q4_1Kernel {
@@ -200,9 +328,13 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
   TORCH_CHECK(kvserve::q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t strip_bytes = K / kBlock * (format == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes);
-  TORCH_CHECK(N >= 1 && K >= kBlock && K % kBlock == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous() && packed.size(0) == (N + kStrip - 1) / kStrip && packed.size(1) == strip_bytes,
+  const bool strips = format == kQ4_1 || format == kQ8_0;
+  const int64_t per = strips ? kBlock : 256;
+  const int64_t width = K / per * (format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes
+                                   : format == kQ4_K ? kQ4_KBytes : kQ6_KBytes);
+  TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
+                  packed.size(1) == width,
               "packed weights do not hold ", N, " x ", K, " weights of this format");
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
@@ -211,9 +343,15 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
   q.quantize(xc.data_ptr<float>(), M, K);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
-    kvserve::gguf_linear_q8_range(q, wp, N, format, s0 * kStrip, std::min(N, s1 * kStrip), op + s0 * kStrip, N);
-  });
+  if (strips) {
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
+      kvserve::gguf_linear_q8_range(q, wp, N, format, s0 * kStrip, std::min(N, s1 * kStrip), op + s0 * kStrip, N);
+    });
+  } else {
+    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+      kvserve::gguf_linear_q8_range(q, wp, N, format, n0, n1, op + n0, N);
+    });
+  }
   return out;
 }
 
@@ -238,7 +376,8 @@ bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
   M = rows, K = width;
   const int64_t nb = K / kBlock;
-  q16.resize(M * K), pairs.resize(M * nb * 256), d.resize(M * nb), s.resize(M * nb);
+  q8.resize(M * K), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
+      s.resize(M * nb);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * kBlock;
@@ -246,12 +385,16 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
       for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
       const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
       int16_t* qb = q16.data() + r * K + b * kBlock;
-      int sum = 0;
+      int8_t* q8b = q8.data() + r * K + b * kBlock;
+      int32_t* s16 = sum16.data() + (r * K + b * kBlock) / 16;
+      s16[0] = s16[1] = 0;
       for (int k = 0; k < kBlock; ++k) {
         const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
         qb[k] = static_cast<int16_t>(v);
-        sum += qb[k];
+        q8b[k] = static_cast<int8_t>(v);
+        s16[k / 16] += qb[k];
       }
+      const int sum = s16[0] + s16[1];
       d[r * nb + b] = db;
       s[r * nb + b] = db * static_cast<float>(sum);
       // pairs: for octet o, vector A = [(q8o, q8o+1) x 8 | (q8o+4, q8o+5) x 8], B = the same for +2, +6
@@ -268,13 +411,17 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
     }
 }
 
-bool kvserve::q8_supported(int64_t format) { return (format == kQ4_1 || format == kQ8_0) && cpu_has_avx2(); }
+bool kvserve::q8_supported(int64_t format) {
+  return (format == kQ4_1 || format == kQ8_0 || format == kQ4_K || format == kQ6_K) && cpu_has_avx2();
+}
 
 void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0,
                                    int64_t n1, float* out, int64_t ldo) {
   if (n1 <= n0 || x.M == 0) return;
   TORCH_CHECK(q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
 #ifdef KVSERVE_X86
+  if (format == kQ4_K) return rows_q8_all<Q4_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ6_K) return rows_q8_all<Q6_KRows>(x, w, n0, n1, out - n0, ldo);
   const int64_t s0 = n0 / kStrip, s1 = (n1 + kStrip - 1) / kStrip, n_end = std::min(n1, N);
   // strips_q8 writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
   if (format == kQ4_1)
