@@ -52,6 +52,10 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kStrip = 8;
 constexpr int kRows = 8;  // rows per pass over a strip
+#ifndef KVSERVE_Q8_PREFETCH
+#define KVSERVE_Q8_PREFETCH 1024
+#endif
+constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weights being read
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 3, kQ6_K = 5;  // engine/quant.py BlockFormat codes
 constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;          // GGUF super-blocks of 256 weights
@@ -84,6 +88,13 @@ bool cpu_has_avx2() {
 #ifdef KVSERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+
+// Software prefetch of the cache lines kPrefetch bytes past a block about to be read: the weights
+// stream from DRAM once per step, and with integer dot products the kernel outruns the hardware
+// prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s, `sum` ~7).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+}
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -119,6 +130,7 @@ void strip_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb = strip + b * kQ4_1Bytes;
+    prefetch_ahead(sb, kQ4_1Bytes);
     __m256i w[8];
     for (int o = 0; o < 4; ++o) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
@@ -147,6 +159,7 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb = strip + b * kQ8_0Bytes;
+    prefetch_ahead(sb, kQ8_0Bytes);
     __m256i w[16];
     for (int j = 0; j < 8; ++j) {
       const __m256i q = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)));
@@ -185,6 +198,7 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// (prefetch_ahead: the weights kPrefetch bytes on; rows n, n + 1, ... are contiguous)
 struct Q4_KRows {
   static constexpr int64_t kBytes = kQ4_KBytes;
   template <int R>
@@ -265,7 +279,10 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, const uint8_t* w, int64_t n0, 
     float corr[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
     const uint8_t* row = w + n * nb * Format::kBytes;
-    for (int64_t sb = 0; sb < nb; ++sb) Format::template block<R>(row + sb * Format::kBytes, x, r0, sb, acc, corr);
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
+      Format::template block<R>(row + sb * Format::kBytes, x, r0, sb, acc, corr);
+    }
     for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
   }
 }
