@@ -274,15 +274,30 @@ class LlamaForCausalLM(nn.Module):
             self._bind_native_decode()
         return backend
 
+    def _block_linears(self) -> list[BlockLinear]:
+        mms = [mm for layer in self.layers for attr, _, _ in layer.MATMULS
+               if isinstance(mm := getattr(layer, attr), BlockLinear)]
+        return mms + ([self.lm_head_mm] if isinstance(self.lm_head_mm, BlockLinear) else [])
+
+    def set_activation_quant(self, mode: str) -> None:
+        """Switch ``activation_quant`` on the matmuls as bound (cheap: no weight is touched; the
+        benches alternate steps between the modes). The gguf backend must be in use for int8."""
+        if mode not in ("none", "int8"):
+            raise ValueError(f"activation_quant must be none or int8, got {mode!r}")
+        if mode == "int8" and self.linear_backend != "gguf":
+            raise ValueError("activation_quant 'int8' needs the gguf linear backend")
+        self.activation_quant = mode
+        for mm in self._block_linears():
+            mm.use_int8_activations(mode == "int8")
+        if self.decode_path == "native":  # native_max_rows follows the kernels' max_rows
+            self._bind_native_decode()
+
     def describe_activation_quant(self) -> str:
         """``activation_quant`` as bound: which block matrices multiply int8 activations."""
         if self.activation_quant != "int8":
             return "none (fp32 activations)"
-        mms = [mm for layer in self.layers for attr, _, _ in layer.MATMULS
-               if isinstance(mm := getattr(layer, attr), BlockLinear)]
-        if isinstance(self.lm_head_mm, BlockLinear):
-            mms.append(self.lm_head_mm)
-        parts = [(f, op is torch.ops.kvserve.gguf_linear_q8) for mm in mms for op, (_, _, f) in zip(mm._ops, mm.parts)]
+        parts = [(f, op is torch.ops.kvserve.gguf_linear_q8)
+                 for mm in self._block_linears() for op, (_, _, f) in zip(mm._ops, mm.parts)]
         int8 = sorted({BlockFormat(f).name for f, q in parts if q})
         fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
         return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "

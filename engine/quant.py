@@ -218,8 +218,13 @@ class BlockLinear:
         self.parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
         # int8_activations (ModelConfig.activation_quant): calls of up to max_rows rows run the
         # int8-activation kernel for the parts that have one on this CPU, the fp32 kernel otherwise
-        self.int8_activations = int8_activations
-        int8 = [int8_activations and torch.ops.kvserve.gguf_q8_supported(f) for _, _, f in self.parts]
+        self.use_int8_activations(int8_activations)
+
+    def use_int8_activations(self, on: bool) -> None:
+        """Bind the kernel of each part: int8 activations where ``on`` and the part's format has
+        an int8 kernel on this CPU, else fp32; and ``max_rows`` to match."""
+        self.int8_activations = on
+        int8 = [on and torch.ops.kvserve.gguf_q8_supported(f) for _, _, f in self.parts]
         self._ops = [torch.ops.kvserve.gguf_linear_q8 if q else torch.ops.kvserve.gguf_linear for q in int8]
         self.max_rows = min(self.INT8_MAX_ROWS if q else self.MAX_ROWS[p.format]
                             for q, p in zip(int8, self.blocks.parts))

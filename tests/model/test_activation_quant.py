@@ -151,6 +151,11 @@ def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypa
                                                                              ignore_eos=True))
         logits[mode] = (seen, [o.token_ids for o in out])
         native_calls[mode] = calls[0]
+        if mode == "int8":  # every block matrix of these formats takes the int8 kernel; switching is cheap
+            assert model.describe_activation_quant().startswith("int8 for ")
+            assert all(op is torch.ops.kvserve.gguf_linear_q8 for mm in model._block_linears() for op in mm._ops)
+            model.set_activation_quant("none")
+            assert all(op is torch.ops.kvserve.gguf_linear for mm in model._block_linears() for op in mm._ops)
     assert native_calls["int8"] > 0 and native_calls["none"] > 0  # decode steps ran the native layer
     (ref, ref_tokens), (got, got_tokens) = logits["none"], logits["int8"]
     compared = 0
