@@ -37,9 +37,9 @@ class ModelConfig:
     decode_path: str = "auto"
     # "none" | "int8": int8 quantizes the activations (per 32-block, fp32 scale, as llama.cpp's
     # Q8 activations) of the decode matmuls that run from GGUF blocks with an int8 kernel (Q4_1,
-    # Q8_0 on AVX2; engine/kernels/quant_linear_q8.cpp): ~2-3x faster matmuls, NOT the same
-    # numerics (see docs/architecture.md for the measured agreement). Opt-in; needs the gguf
-    # linear backend. Prefill and the other formats stay fp32.
+    # Q8_0, Q4_K, Q6_K on AVX2; engine/kernels/quant_linear_q8.cpp): ~1.4-1.5x faster decode
+    # steps, NOT the same numerics (docs/architecture.md has the measured agreement). Opt-in;
+    # needs the gguf linear backend. Prefill, dense matrices and the other formats stay fp32.
     activation_quant: str = "none"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.arch import ModelArch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from engine.config import ACTIVATION_QUANTS
 from engine.quant import BlockFormat, BlockLinear, BlockMatrix, GGUFMatrix
 
 logger = logging.getLogger(__name__)
@@ -274,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
             self._bind_native_decode()
         return backend
 
-    def _block_linears(self) -> list[BlockLinear]:
+    def block_linears(self) -> list[BlockLinear]:
+        """The matmuls bound to GGUF blocks now (layers', then the LM head's)."""
         mms = [mm for layer in self.layers for attr, _, _ in layer.MATMULS
                if isinstance(mm := getattr(layer, attr), BlockLinear)]
         return mms + ([self.lm_head_mm] if isinstance(self.lm_head_mm, BlockLinear) else [])
@@ -282,12 +284,12 @@ class LlamaForCausalLM(nn.Module):
     def set_activation_quant(self, mode: str) -> None:
         """Switch ``activation_quant`` on the matmuls as bound (cheap: no weight is touched; the
         benches alternate steps between the modes). The gguf backend must be in use for int8."""
-        if mode not in ("none", "int8"):
+        if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant must be none or int8, got {mode!r}")
         if mode == "int8" and self.linear_backend != "gguf":
             raise ValueError("activation_quant 'int8' needs the gguf linear backend")
         self.activation_quant = mode
-        for mm in self._block_linears():
+        for mm in self.block_linears():
             mm.use_int8_activations(mode == "int8")
         if self.decode_path == "native":  # native_max_rows follows the kernels' max_rows
             self._bind_native_decode()
@@ -297,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         if self.activation_quant != "int8":
             return "none (fp32 activations)"
         parts = [(f, op is torch.ops.kvserve.gguf_linear_q8)
-                 for mm in self._block_linears() for op, (_, _, f) in zip(mm._ops, mm.parts)]
+                 for mm in self.block_linears() for op, (_, _, f) in zip(mm.kernels, mm.parts)]
         int8 = sorted({BlockFormat(f).name for f, q in parts if q})
         fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
         return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "

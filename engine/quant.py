@@ -225,7 +225,7 @@ class BlockLinear:
         an int8 kernel on this CPU, else fp32; and ``max_rows`` to match."""
         self.int8_activations = on
         int8 = [on and torch.ops.kvserve.gguf_q8_supported(f) for _, _, f in self.parts]
-        self._ops = [torch.ops.kvserve.gguf_linear_q8 if q else torch.ops.kvserve.gguf_linear for q in int8]
+        self.kernels = [torch.ops.kvserve.gguf_linear_q8 if q else torch.ops.kvserve.gguf_linear for q in int8]
         self.max_rows = min(self.INT8_MAX_ROWS if q else self.MAX_ROWS[p.format]
                             for q, p in zip(int8, self.blocks.parts))
 
@@ -235,7 +235,7 @@ class BlockLinear:
                 return self.dense(x)
             ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
         else:
-            ys = [op(x, d, n, f) for op, (d, n, f) in zip(self._ops, self.parts)]
+            ys = [op(x, d, n, f) for op, (d, n, f) in zip(self.kernels, self.parts)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)
 

@@ -94,11 +94,11 @@ def test_formats_without_an_int8_kernel_keep_fp32_activations():
                       BlockFormat.Q4_1, 256)
     q5_k = GGUFMatrix(torch.zeros(8, 176, dtype=torch.uint8), BlockFormat.Q5_K, 256)  # d = 0: valid blocks
     linear = BlockLinear(BlockMatrix.stack([q4_1, q5_k]), None, None, int8_activations=True)
-    assert linear._ops == [torch.ops.kvserve.gguf_linear_q8, torch.ops.kvserve.gguf_linear]
+    assert linear.kernels == [torch.ops.kvserve.gguf_linear_q8, torch.ops.kvserve.gguf_linear]
     x = torch.randn(2, 256)
     torch.testing.assert_close(linear(x)[:, :8], torch.ops.kvserve.gguf_linear_q8(x, linear.parts[0][0], 8, 0))
     assert torch.equal(linear(x)[:, 8:], torch.zeros(2, 8))
-    assert BlockLinear(BlockMatrix.stack([q4_1]), None, None)._ops == [torch.ops.kvserve.gguf_linear]  # flag off
+    assert BlockLinear(BlockMatrix.stack([q4_1]), None, None).kernels == [torch.ops.kvserve.gguf_linear]  # flag off
     with pytest.raises(RuntimeError, match="no int8-activation kernel for format 4"):
         torch.ops.kvserve.gguf_linear_q8(torch.randn(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 1, 4)
 
@@ -153,9 +153,9 @@ def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypa
         native_calls[mode] = calls[0]
         if mode == "int8":  # every block matrix of these formats takes the int8 kernel; switching is cheap
             assert model.describe_activation_quant().startswith("int8 for ")
-            assert all(op is torch.ops.kvserve.gguf_linear_q8 for mm in model._block_linears() for op in mm._ops)
+            assert all(op is torch.ops.kvserve.gguf_linear_q8 for mm in model.block_linears() for op in mm.kernels)
             model.set_activation_quant("none")
-            assert all(op is torch.ops.kvserve.gguf_linear for mm in model._block_linears() for op in mm._ops)
+            assert all(op is torch.ops.kvserve.gguf_linear for mm in model.block_linears() for op in mm.kernels)
     assert native_calls["int8"] > 0 and native_calls["none"] > 0  # decode steps ran the native layer
     (ref, ref_tokens), (got, got_tokens) = logits["none"], logits["int8"]
     compared = 0
