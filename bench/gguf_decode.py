@@ -6,10 +6,13 @@ token, then each decode step timed on its own (tok/s over all steps, and the med
 
 With several ``--decode-path`` choices the decode steps of one request take them in turn
 (step 1 python, step 2 native, ...), so both are measured side by side under the same load
-and context; ``native_over_python`` is the ratio of their tok/s.
+and context; ``native_over_python`` is the ratio of their tok/s. ``--activation-quant none int8``
+alternates the same way (``int8_over_none``; ``LlamaForCausalLM.set_activation_quant``).
 
     python -m bench.gguf_decode [--model FILE.gguf] [--resident dense blocks] [--ctx 50 1000]
     python -m bench.gguf_decode --decode-path python native   # the default model, both paths
+    python -m bench.gguf_decode --model ~/.cache/kvserve-bench/random-1b-16l-Q4_K_M.gguf --resident blocks \
+        --activation-quant none int8                            # fp32 vs int8 activations, side by side
     python -m bench.gguf_decode --model "$(python -m bench.make_gguf | cut -d' ' -f1)" --resident blocks
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ def _rss_mb() -> float:
 
 
 def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, threads: int,
-            kv_gib: float, decode_paths: Sequence[str] = ("auto",)) -> dict[str, Any]:
+            kv_gib: float, decode_paths: Sequence[str] = ("auto",),
+            activation_quants: Sequence[str] = ("none",)) -> dict[str, Any]:
     """One mode, in this process."""
     import random
 
@@ -65,21 +69,29 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
         while produced == 0:  # prefill (in chunks of max_num_batched_tokens) up to the first token
             produced += sum(len(o.new_token_ids) for o in engine.step())
         t1 = time.perf_counter()
-        steps: dict[str, list[float]] = {p: [] for p in decode_paths}
+        variants = [(p, q) for p in decode_paths for q in activation_quants]
+        steps: dict[str, list[float]] = {}
+        done = 0
         while engine.has_unfinished():
-            path = decode_paths[sum(map(len, steps.values())) % len(decode_paths)]
+            path, quant = variants[done % len(variants)]
             lm.select_decode_path(path)
+            if len(activation_quants) > 1:
+                lm.set_activation_quant(quant)
             s0 = time.perf_counter()
             engine.step()
-            steps[path].append(time.perf_counter() - s0)
+            key = "_".join(([path] if len(decode_paths) > 1 else []) + ([quant] if len(activation_quants) > 1 else []))
+            steps.setdefault(key, []).append(time.perf_counter() - s0)
+            done += 1
         run: dict[str, Any] = {"ctx": ctx, "prefill_s": round(t1 - t0, 2)}
         for path, times in steps.items():
             times.sort()
-            key = "" if len(decode_paths) == 1 else f"{path}_"
+            key = f"{path}_" if path else ""
             run[f"{key}decode_tok_s"] = round(len(times) / sum(times), 1)
             run[f"{key}decode_median_ms"] = round(times[len(times) // 2] * 1e3, 1)
         if {"native", "python"} <= set(decode_paths):
             run["native_over_python"] = round(run["native_decode_tok_s"] / run["python_decode_tok_s"], 2)
+        if set(activation_quants) == {"none", "int8"} and len(decode_paths) == 1:
+            run["int8_over_none"] = round(run["int8_decode_tok_s"] / run["none_decode_tok_s"], 2)
         out["runs"].append(run)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return out
@@ -93,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--decode-path", nargs="+", default=["auto"], choices=["auto", "native", "python"],
                         help="several: the decode steps take them in turn (see above)")
+    parser.add_argument("--activation-quant", nargs="+", default=["none"], choices=["none", "int8"],
+                        help="several: the decode steps take them in turn (see above)")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -103,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         args.model = str(default_gguf_path())
     if args.child:
         result = measure(args.model, args.resident[0], args.ctx, args.tokens, args.num_threads, args.kv_cache_memory,
-                         args.decode_path)
+                         args.decode_path, args.activation_quant)
         print(json.dumps(result))
         return [result]
     results = []
@@ -111,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for mode in args.resident:
         cmd = [sys.executable, "-m", "bench.gguf_decode", "--child", "--model", args.model, "--resident", mode,
                "--ctx", *map(str, args.ctx), "--tokens", str(args.tokens), "--num-threads", str(args.num_threads),
-               "--kv-cache-memory", str(args.kv_cache_memory), "--decode-path", *args.decode_path]
+               "--kv-cache-memory", str(args.kv_cache_memory), "--decode-path", *args.decode_path,
+               "--activation-quant", *args.activation_quant]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"{mode}: failed\n{done.stderr[-3000:]}")

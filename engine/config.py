@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+ACTIVATION_QUANTS = ("none", "int8")
+
+
 @dataclass
 class ModelConfig:
     """Where the weights come from and how the model runs.
@@ -32,6 +35,12 @@ class ModelConfig:
     # native: one C++ call per layer (engine/kernels/decode_layer.cpp); auto: native where it can
     # run (CPU, float32, native attention, float KV pool), else python (DecoderLayer.forward)
     decode_path: str = "auto"
+    # "none" | "int8": int8 quantizes the activations (per 32-block, fp32 scale, as llama.cpp's
+    # Q8 activations) of the decode matmuls that run from GGUF blocks with an int8 kernel (Q4_1,
+    # Q8_0, Q4_K, Q6_K on AVX2; engine/kernels/quant_linear_q8.cpp): ~1.4-1.5x faster decode
+    # steps, NOT the same numerics (docs/architecture.md has the measured agreement). Opt-in;
+    # needs the gguf linear backend. Prefill, dense matrices and the other formats stay fp32.
+    activation_quant: str = "none"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
@@ -57,6 +66,8 @@ class ModelConfig:
             raise ValueError(f"linear_backend must be auto, gguf, onednn or aten, got {self.linear_backend!r}")
         if self.decode_path not in ("auto", "native", "python"):
             raise ValueError(f"decode_path must be auto, native or python, got {self.decode_path!r}")
+        if self.activation_quant not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant must be none or int8, got {self.activation_quant!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):
             raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         from engine.attention.base import check_backend_name

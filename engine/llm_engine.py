@@ -130,6 +130,9 @@ class LLMEngine:
                              "a KV dtype of its own is not implemented (leave cache_dtype unset; kv_cache_dtype "
                              "int8 quantizes the pool)")
         if config.model.tensor_parallel_size > 1:  # engine/parallel: this process is rank 0
+            if config.model.activation_quant != "none":
+                raise ValueError("activation_quant 'int8' runs on GGUF blocks, which tensor parallel ranks do not "
+                                 "use; use activation_quant 'none'")
             from engine.parallel.tensor_parallel import TensorParallelModel
 
             model = TensorParallelModel.launch(
@@ -146,6 +149,7 @@ class LLMEngine:
             loaded.state_dict.clear()  # weights now live in the fused parameters only
             if loaded.blocks is not None:
                 loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
+            model.activation_quant = config.model.activation_quant
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
         logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
                     ", int8 KV blocks" if int8_kv else "")
@@ -326,6 +330,7 @@ class LLMEngine:
                     " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
         logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
                     model.decode_weight_bytes() / 1e6)
+        logger.info("Activation quantization: %s", model.describe_activation_quant())
 
     @staticmethod
     def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:

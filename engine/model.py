@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.arch import ModelArch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from engine.config import ACTIVATION_QUANTS
 from engine.quant import BlockFormat, BlockLinear, BlockMatrix, GGUFMatrix
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class DecoderLayer(nn.Module):
     FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
-    def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16) -> None:
+    def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16, int8_activations: bool = False) -> None:
         """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
         wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks; a weight in
         ``blocks_only`` runs from its blocks alone whatever ``use_blocks`` says."""
@@ -145,7 +146,7 @@ class DecoderLayer(nn.Module):
             if weight_name not in self.blocks_only:
                 mm = dense_linear(weight, bias, dense, batch_hint)
             if (use_blocks or mm is None) and weight_name in self.blocks:
-                mm = BlockLinear(self.blocks[weight_name], bias, mm)
+                mm = BlockLinear(self.blocks[weight_name], bias, mm, int8_activations)
             setattr(self, attr, mm)
 
     # Rows up to which a dense (no blocks) matrix runs in the native decode path: its plain fp32
@@ -228,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_path = "python"  # see select_decode_path
         self._native_layers: list[tuple] = []  # decode_layer's constant arguments per layer
         self.native_max_rows = 0
+        # "none" | "int8" (ModelConfig.activation_quant): read by select_linear_backend
+        self.activation_quant = "none"
 
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
         """Bind the matmul kernels once the weights are loaded; return the backend in use.
@@ -255,18 +258,53 @@ class LlamaForCausalLM(nn.Module):
         if backend == "onednn":
             backend = dense
         use_blocks = backend == "gguf"
+        if self.activation_quant == "int8" and not use_blocks:
+            raise ValueError("activation_quant 'int8' needs the gguf linear backend (a GGUF model's blocks on the "
+                             f"CPU in float32), and the backend is {backend!r}; use activation_quant 'none'")
+        int8 = self.activation_quant == "int8"
         for layer in self.layers:
-            layer.use_linear(dense, use_blocks, batch_hint)
+            layer.use_linear(dense, use_blocks, batch_hint, int8)
         if self.lm_head_blocks_only:
-            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None)
+            self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None, int8)
         else:
             self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
             if use_blocks and self.lm_head_blocks is not None:
-                self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm)
+                self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm, int8)
         self.linear_backend = backend
         if self.decode_path == "native":  # its arguments name the matmuls just bound
             self._bind_native_decode()
         return backend
+
+    def block_linears(self) -> list[BlockLinear]:
+        """The matmuls bound to GGUF blocks now (layers', then the LM head's)."""
+        mms = [mm for layer in self.layers for attr, _, _ in layer.MATMULS
+               if isinstance(mm := getattr(layer, attr), BlockLinear)]
+        return mms + ([self.lm_head_mm] if isinstance(self.lm_head_mm, BlockLinear) else [])
+
+    def set_activation_quant(self, mode: str) -> None:
+        """Switch ``activation_quant`` on the matmuls as bound (cheap: no weight is touched; the
+        benches alternate steps between the modes). The gguf backend must be in use for int8."""
+        if mode not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant must be none or int8, got {mode!r}")
+        if mode == "int8" and self.linear_backend != "gguf":
+            raise ValueError("activation_quant 'int8' needs the gguf linear backend")
+        self.activation_quant = mode
+        for mm in self.block_linears():
+            mm.use_int8_activations(mode == "int8")
+        if self.decode_path == "native":  # native_max_rows follows the kernels' max_rows
+            self._bind_native_decode()
+
+    def describe_activation_quant(self) -> str:
+        """``activation_quant`` as bound: which block matrices multiply int8 activations."""
+        if self.activation_quant != "int8":
+            return "none (fp32 activations)"
+        parts = [(f, op is torch.ops.kvserve.gguf_linear_q8)
+                 for mm in self.block_linears() for op, (_, _, f) in zip(mm.kernels, mm.parts)]
+        int8 = sorted({BlockFormat(f).name for f, q in parts if q})
+        fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
+        return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "
+                f"({', '.join(int8) or 'no format with an int8 kernel on this CPU'}); "
+                f"fp32 activations for {', '.join(fp32) or 'none'}, prefill and dense matmuls")
 
     DECODE_PATHS = ("auto", "native", "python")
 
@@ -326,7 +364,7 @@ class LlamaForCausalLM(nn.Module):
         heads, scale = self.arch.num_heads, self.arch.head_dim ** -0.5
         for args, (k_cache, v_cache) in zip(self._native_layers, kv_caches):
             torch.ops.kvserve.decode_layer(x, *args, cos, sin, k_cache, v_cache, meta.slot_mapping, table, lens,
-                                           heads, scale)
+                                           heads, scale, self.activation_quant == "int8")
         return x
 
     @torch.no_grad()

@@ -202,18 +202,32 @@ class BlockLinear:
 
     MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4, BlockFormat.Q4_0: 16, BlockFormat.Q4_K: 16,
                 BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8, BlockFormat.Q5_0: 16, BlockFormat.Q5_1: 16}
+    # int8 activations: integer dot products keep the block kernel ahead of dense fp32 GEMM up to
+    # 16 rows for every format that has one (bench.activation_quant speed, 16 streams)
+    INT8_MAX_ROWS = 16
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
-                 dense: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+                 dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
         self.blocks = blocks if isinstance(blocks, BlockMatrix) else BlockMatrix([blocks])
         self.bias = bias
         self.dense = dense
-        self.max_rows = min(self.MAX_ROWS[p.format] for p in self.blocks.parts)
         self.tile_rows = max(8, self.PANEL_BYTES // (4 * self.blocks.in_features) // 8 * 8)
         # (data, out_features, kernel format code) per group, converted once rather than per call
         # (block bytes, rows, format id) of each part: the arguments of the native ops
         self.parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
+        # int8_activations (ModelConfig.activation_quant): calls of up to max_rows rows run the
+        # int8-activation kernel for the parts that have one on this CPU, the fp32 kernel otherwise
+        self.use_int8_activations(int8_activations)
+
+    def use_int8_activations(self, on: bool) -> None:
+        """Bind the kernel of each part: int8 activations where ``on`` and the part's format has
+        an int8 kernel on this CPU, else fp32; and ``max_rows`` to match."""
+        self.int8_activations = on
+        int8 = [on and torch.ops.kvserve.gguf_q8_supported(f) for _, _, f in self.parts]
+        self.kernels = [torch.ops.kvserve.gguf_linear_q8 if q else torch.ops.kvserve.gguf_linear for q in int8]
+        self.max_rows = min(self.INT8_MAX_ROWS if q else self.MAX_ROWS[p.format]
+                            for q, p in zip(int8, self.blocks.parts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -221,7 +235,7 @@ class BlockLinear:
                 return self.dense(x)
             ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
         else:
-            ys = [torch.ops.kvserve.gguf_linear(x, d, n, f) for d, n, f in self.parts]
+            ys = [op(x, d, n, f) for op, (d, n, f) in zip(self.kernels, self.parts)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)
 

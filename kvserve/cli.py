@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-path", dest="decode_path", choices=["auto", "native", "python"],
                    help="all-decode steps as one C++ call per layer (native) or torch ops (python); "
                         "auto: native on the CPU in float32 with the native attention backend")
+    g.add_argument("--activation-quant", dest="activation_quant", choices=["none", "int8"],
+                   help="int8: quantize the activations of the decode matmuls on GGUF Q4_1/Q8_0 blocks "
+                        "(llama.cpp's Q8 activations; faster, approximate: see docs/configuration.md). Default none")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")

@@ -80,14 +80,24 @@ void dense_range(const float* x, int64_t M, int64_t K, const float* w, int64_t n
   }
 }
 
-// Features [n0, n1) of y = x @ W^T into y (row stride ldy, column n at y[n]).
-void matmul_range(const Matrix& m, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+// Whether some part of m has an int8-activation kernel (quant_linear_q8.cpp) on this CPU.
+bool any_q8(const Matrix& m) {
+  return std::any_of(m.parts.begin(), m.parts.end(), [](const Part& p) { return kvserve::q8_supported(p.format); });
+}
+
+// Features [n0, n1) of y = x @ W^T into y (row stride ldy, column n at y[n]). With qx (x
+// quantized, int8_activations) the parts that have an int8 kernel multiply qx, the others x.
+void matmul_range(const Matrix& m, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                  const kvserve::Q8Act* qx = nullptr) {
   int64_t off = 0;
   for (const Part& p : m.parts) {
     const int64_t a = std::max(n0, off), b = std::min(n1, off + p.rows);
     if (a < b) {
       if (p.format == kDense)
         dense_range(x, M, m.K, static_cast<const float*>(p.data), a - off, b - off, y + a, ldy);
+      else if (qx && kvserve::q8_supported(p.format))
+        kvserve::gguf_linear_q8_range(*qx, static_cast<const uint8_t*>(p.data), p.rows, p.format, a - off, b - off,
+                                      y + a, ldy);
       else
         kvserve::gguf_linear_range(x, M, m.K, static_cast<const uint8_t*>(p.data), p.rows, p.format, a - off,
                                    b - off, y + a, ldy);
@@ -100,12 +110,13 @@ void matmul_range(const Matrix& m, const float* x, int64_t M, int64_t n0, int64_
 // thread runs epilogue(n0, n1) on those columns (no barrier needed: nobody else touches them).
 // Ends with the worksharing loop's barrier.
 template <typename Epilogue>
-void matmul(const Matrix& m, const float* x, int64_t M, float* y, Epilogue&& epilogue) {
+void matmul(const Matrix& m, const float* x, int64_t M, float* y, Epilogue&& epilogue,
+            const kvserve::Q8Act* qx = nullptr) {
   const int64_t chunks = (m.N + kChunk - 1) / kChunk;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = c * kChunk, n1 = std::min(m.N, n0 + kChunk);
-    matmul_range(m, x, M, n0, n1, y, m.N);
+    matmul_range(m, x, M, n0, n1, y, m.N, qx);
     epilogue(n0, n1);
   }
 }
@@ -147,7 +158,8 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
                   at::IntArrayRef gate_up_rows, at::IntArrayRef gate_up_formats, at::TensorList down_w,
                   at::IntArrayRef down_rows, at::IntArrayRef down_formats, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, double scale) {
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, double scale,
+                  bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -199,6 +211,10 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   float* gu = tmp + B * hidden;       // [B, 2I]
   float* act = gu + B * 2 * I;        // [B, I]
   const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
+  // int8_activations: each matmul input is quantized once per thread (a few microseconds;
+  // cheaper than another barrier) for the parts that have an int8 kernel
+  const bool q_qkv = int8_activations && any_q8(qkv), q_o = int8_activations && any_q8(o),
+             q_gate_up = int8_activations && any_q8(gate_up), q_down = int8_activations && any_q8(down);
   const auto add_residual = [&](const float* bias) {
     return [&, bias](int64_t n0, int64_t n1) {
       for (int64_t r = 0; r < B; ++r)
@@ -221,8 +237,14 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> y(B * hidden), head(D), scores, acc(G * D);
+    static thread_local kvserve::Q8Act qx;
+    const auto quantized = [&](bool on, const float* in, int64_t K) -> const kvserve::Q8Act* {
+      if (!on) return nullptr;
+      qx.quantize(in, B, K);
+      return &qx;
+    };
     rms_norm(xp, in_w, B, hidden, feps, y.data());
-    matmul(qkv, y.data(), B, qkvb, [](int64_t, int64_t) {});
+    matmul(qkv, y.data(), B, qkvb, [](int64_t, int64_t) {}, quantized(q_qkv, y.data(), hidden));
     // attention: one job per (row, kv head): its G query heads, its key and value
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < B * KVH; ++job) {
@@ -237,21 +259,22 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
       kvserve::attend(qkvb + b * qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, fscale, scores.data(), acc.data(),
                       attn + b * q_size);
     }
-    matmul(o, attn, B, tmp, add_residual(o_b));
+    matmul(o, attn, B, tmp, add_residual(o_b), quantized(q_o, attn, q_size));
     rms_norm(xp, post_w, B, hidden, feps, y.data());
+    const kvserve::Q8Act* qy = quantized(q_gate_up, y.data(), hidden);
     // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < (I + kChunk - 1) / kChunk; ++c) {
       const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
-      matmul_range(gate_up, y.data(), B, j0, j1, gu, 2 * I);
-      matmul_range(gate_up, y.data(), B, I + j0, I + j1, gu, 2 * I);
+      matmul_range(gate_up, y.data(), B, j0, j1, gu, 2 * I, qy);
+      matmul_range(gate_up, y.data(), B, I + j0, I + j1, gu, 2 * I, qy);
       for (int64_t r = 0; r < B; ++r)
         for (int64_t j = j0; j < j1; ++j) {
           const float gate = gu[r * 2 * I + j];
           act[r * I + j] = gate / (1.f + std::exp(-gate)) * gu[r * 2 * I + I + j];
         }
     }
-    matmul(down, act, B, tmp, add_residual(nullptr));
+    matmul(down, act, B, tmp, add_residual(nullptr), quantized(q_down, act, I));
   }
 }
 
@@ -264,7 +287,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "Tensor[] gate_up, int[] gate_up_rows, int[] gate_up_formats, "
         "Tensor[] down, int[] down_rows, int[] down_formats, "
         "Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, float scale) -> ()");
+        "Tensor context_lens, int num_heads, float scale, bool int8_activations=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layer", &decode_layer); }

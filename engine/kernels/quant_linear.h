@@ -1,8 +1,10 @@
 // The block matmul of quant_linear.cpp as a plain function, for other kernels of the library
-// (decode_layer.cpp) that split the output features over their own threads.
+// (decode_layer.cpp) that split the output features over their own threads; and the int8
+// activation matmul of quant_linear_q8.cpp (ModelConfig.activation_quant "int8").
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace kvserve {
 
@@ -12,5 +14,30 @@ namespace kvserve {
 // a multiple of 8 or N.
 void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
                        int64_t n0, int64_t n1, float* out, int64_t ldo);
+
+// Rows of activations quantized to int8 in blocks of 32 along K, as llama.cpp's Q8_0/Q8_1 do:
+// block b of row r has the fp32 scale d = max|x| / 127, codes q = round-half-even(x * (1 / d))
+// in [-127, 127] (all 0 when the block is 0), and s = d * sum(q) (the block sum the offset
+// formats need). The value the kernels multiply by is d * q. The codes are held in the two
+// layouts the kernels read (see quant_linear_q8.cpp): `pairs` (int8, for Q4_1) and `q16`.
+struct Q8Act {
+  int64_t M = 0, K = 0;
+  std::vector<int8_t> q8;    // [M, K] the codes
+  std::vector<int16_t> q16;  // [M, K] the codes as int16
+  std::vector<int32_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32)
+  std::vector<int8_t> pairs; // [M, K / 32, 8, 32] the codes as maddubs operands (see quant_linear_q8.cpp)
+  std::vector<float> d, s;   // [M, K / 32]
+  // Quantize x [M, K] (row stride K, K a multiple of 32) into this buffer, reusing its memory.
+  void quantize(const float* x, int64_t M, int64_t K);
+};
+
+// Whether gguf_linear_q8_range runs `format` on this CPU (AVX2 and a format it has a kernel
+// for); where not, callers multiply the fp32 activations (gguf_linear_range).
+bool q8_supported(int64_t format);
+
+// As gguf_linear_range, with the activations quantized (Q8Act) and integer dot products per
+// block; requires q8_supported(format).
+void gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0, int64_t n1,
+                          float* out, int64_t ldo);
 
 }  // namespace kvserve

@@ -1,0 +1,515 @@
+// Block matmuls on int8 activations (ModelConfig.activation_quant "int8"): y[M, N] = x[M, K] @ W^T
+// with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) and W
+// the strip-packed Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads,
+// as they are (the same bytes the fp32 kernel reads; no second copy). Other formats, and CPUs
+// without AVX2, have no int8 kernel here (q8_supported): callers multiply fp32 activations.
+//
+// Why: the fp32 kernel expands every 4-bit code to fp32 and FMAs it, ~5 vector ops per 8
+// multiply-adds, which makes decode compute bound on AVX2 (no AVX-512) at ~1/3 of the memory
+// bandwidth. Integer dot products do 32 multiply-adds per `_mm256_maddubs_epi16` (Q4_1) or 16 per
+// `_mm256_madd_epi16` (Q8_0), and the scales are applied once per block of 32.
+//
+// What it computes: per row r, strip column c and block b, an exact integer dot product
+// I = sum_k q_x[k] * q_w[k] (int16 / int32 lanes, no overflow: |q_w| <= 15 or 128, |q_x| <= 127),
+// then acc += (d_w * d_x) * I (+ m_w * s_x for Q4_1) in fp32. So the result equals
+// F.linear(dequant(quant(x)), dequant(W)) up to fp32 rounding of those per-block terms; the
+// only approximation against the fp32 kernel is the activations' rounding to 8 bits.
+//
+// Layouts (quant_linear.cpp's strips, 8 output columns per strip, 32 k per strip-block):
+//   Q4_1 (160 bytes): d[8], m[8] fp16, then 8 groups of 16 bytes; group g byte i holds column
+//     i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8 (high nibble). A 32-byte load
+//     at group 2o is, after masking, lo = [cols@8o, cols@8o+1 | cols@8o+4, cols@8o+5] and
+//     hi = [cols@8o+2, cols@8o+3 | cols@8o+6, cols@8o+7] (| = 128-bit lane). One in-lane byte
+//     shuffle interleaves each lane into (column, k pair) pairs, which maddubs multiplies by
+//     Q8Act::pairs' vectors A = [(x8o, x8o+1) x 8 | (x8o+4, x8o+5) x 8] and B (the hi k's): 16
+//     int16 lanes = 8 columns x 2 k-pairs. Summed over a block's 4 loads (<= 8 * 2 * 15 * 127 =
+//     30480, no saturation), the two lanes are widened and added: 8 int32 column sums.
+//   Q8_0 (272 bytes): d[8] fp16, then byte 16 + 8k + c = column c at k. A 32-byte load at quad j
+//     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; shuffled and sign-extended to int16 as
+//     above, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
+//     column sums.
+// Many rows: each strip-block is unpacked once and dotted with up to kRows rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "quant_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSERVE_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kStrip = 8;
+constexpr int kRows = 8;  // rows per pass over a strip
+#ifndef KVSERVE_Q8_PREFETCH
+#define KVSERVE_Q8_PREFETCH 1024
+#endif
+constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weights being read
+constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 3, kQ6_K = 5;  // engine/quant.py BlockFormat codes
+constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;          // GGUF super-blocks of 256 weights
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (as gguf's dequantize reads them).
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+bool cpu_has_avx2() {
+#ifdef KVSERVE_X86
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c") && !std::getenv("KVSERVE_PORTABLE_KERNELS");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+#ifdef KVSERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// Software prefetch of the cache lines kPrefetch bytes past a block about to be read: the weights
+// stream from DRAM once per step, and with integer dot products the kernel outruns the hardware
+// prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s, `sum` ~7).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+}
+
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Per 128-bit lane: bytes [a0..a7, b0..b7] -> [a0, b0, a1, b1, ..., a7, b7].
+inline __m256i interleave_halves(__m256i v) {
+  const __m256i idx = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                       0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_shuffle_epi8(v, idx);
+}
+
+// 16 int16 lanes [8 columns | the same 8 columns] -> 8 int32 column sums.
+inline __m256i fold_lanes16(__m256i v) {
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+inline void store_cols(__m256 v, float* out, int64_t cols) {
+  if (cols == kStrip) {
+    _mm256_storeu_ps(out, v);
+  } else {
+    alignas(32) float tmp[kStrip];
+    _mm256_store_ps(tmp, v);
+    std::copy(tmp, tmp + cols, out);
+  }
+}
+
+// Rows [r0, r0 + R) against one Q4_1 strip.
+template <int R>
+void strip_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = x.K / kBlock;
+  const __m256i mask = _mm256_set1_epi8(15);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = strip + b * kQ4_1Bytes;
+    prefetch_ahead(sb, kQ4_1Bytes);
+    __m256i w[8];
+    for (int o = 0; o < 4; ++o) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
+      w[2 * o] = interleave_halves(_mm256_and_si256(q, mask));
+      w[2 * o + 1] = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+    }
+    const __m256 d = halves8(sb), m = halves8(sb + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const __m256i* p = reinterpret_cast<const __m256i*>(x.pairs.data() + rb * 256);
+      __m256i s = _mm256_maddubs_epi16(w[0], _mm256_loadu_si256(p));
+      for (int v = 1; v < 8; ++v) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], _mm256_loadu_si256(p + v)));
+      const __m256 dot = _mm256_cvtepi32_ps(fold_lanes16(s));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+// Rows [r0, r0 + R) against one Q8_0 strip.
+template <int R>
+void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = x.K / kBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = strip + b * kQ8_0Bytes;
+    prefetch_ahead(sb, kQ8_0Bytes);
+    __m256i w[16];
+    for (int j = 0; j < 8; ++j) {
+      const __m256i q = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)));
+      w[2 * j] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+      w[2 * j + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    }
+    const __m256 d = halves8(sb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const int16_t* q = x.q16.data() + (r0 + r) * x.K + b * kBlock;
+      int32_t pair;
+      std::memcpy(&pair, q, 4);
+      __m256i s = _mm256_madd_epi16(w[0], _mm256_set1_epi32(pair));
+      for (int v = 1; v < 16; ++v) {
+        std::memcpy(&pair, q + 2 * v, 4);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(w[v], _mm256_set1_epi32(pair)));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+// ---- Row formats (GGUF rows as stored, super-blocks of 256 along K: 8 of the activations'
+// 32-blocks). Per output feature n and row: for each 32 weights an integer dot product of the
+// codes (maddubs of unsigned codes by the int8 activations), scaled in fp32 by the weight's
+// sub-block scale times the activations' block scale; the offsets (Q4_K's mins, Q6_K's -32)
+// through the activations' block sums.
+//   Q4_K: w = (d sc_j) q - (dmin m_j), sub-block j of 32: dot = d sc_j dx_j I_j - dmin m_j s_j.
+//   Q6_K: w = (d sc_i) (q - 32), sub-blocks of 16 (two per 32-block, the scales applied by madd):
+//         dot = d dx (sc_a I_a + sc_b I_b) - 32 d dx (sc_a S_a + sc_b S_b), S the code sums of 16.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// (prefetch_ahead: the weights kPrefetch bytes on; rows n, n + 1, ... are contiguous)
+struct Q4_KRows {
+  static constexpr int64_t kBytes = kQ4_KBytes;
+  template <int R>
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
+                           float* corr) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    float dsc[8], dm[8];
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k_scale_min(b + 4, j, sc, m);
+      dsc[j] = d * static_cast<float>(sc), dm[j] = dmin * static_cast<float>(m);
+    }
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i q[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      q[2 * c] = _mm256_and_si256(v, mask);
+      q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
+      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
+      for (int j = 0; j < 8; ++j) {
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j))), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dsc[j] * x.d[xb + j]), acc[r]);
+        corr[r] += dm[j] * x.s[xb + j];
+      }
+    }
+  }
+};
+
+struct Q6_KRows {
+  static constexpr int64_t kBytes = kQ6_KBytes;
+  template <int R>
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
+                           float* corr) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    __m256i q[8], scv[8];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const auto high = [&](int shift) {
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
+      };
+      q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+      for (int g = 0; g < 4; ++g)  // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1]
+        scv[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
+      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
+      const int32_t* s16 = x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb;
+      for (int g = 0; g < 8; ++g) {
+        const int h = g / 4, i = 8 * h + 2 * (g % 4);
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(q[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * g))), scv[g]);
+        const float ddx = d * x.d[xb + g];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddx), acc[r]);
+        corr[r] += ddx * static_cast<float>(32 * (sc[i] * s16[2 * g] + sc[i + 1] * s16[2 * g + 1]));
+      }
+    }
+  }
+};
+
+// Output features [n0, n1) for rows [r0, r0 + R): out[r * ldo + n].
+template <typename Format, int R>
+void rows_q8(const kvserve::Q8Act& x, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 256;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R];
+    float corr[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    const uint8_t* row = w + n * nb * Format::kBytes;
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
+      Format::template block<R>(row + sb * Format::kBytes, x, r0, sb, acc, corr);
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
+  }
+}
+
+template <typename Format>
+void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < x.M; r += 4) {
+    float* o = out + r * ldo;
+    switch (std::min<int64_t>(4, x.M - r)) {
+      case 4: rows_q8<Format, 4>(x, r, w, n0, n1, o, ldo); break;
+      case 3: rows_q8<Format, 3>(x, r, w, n0, n1, o, ldo); break;
+      case 2: rows_q8<Format, 2>(x, r, w, n0, n1, o, ldo); break;
+      default: rows_q8<Format, 1>(x, r, w, n0, n1, o, ldo); break;
+    }
+  }
+}
+
+template <int R>
+struct Q4_1Kernel {
+  static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
+    strip_q4_1<R>(x, r0, s, o, ldo, cols);
+  }
+};
+template <int R>
+struct Q8_0Kernel {
+  static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
+    strip_q8_0<R>(x, r0, s, o, ldo, cols);
+  }
+};
+
+// One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
+// loop, so the same codes): scale, codes in their three layouts, the code sums.
+inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int32_t* s16,
+                                int8_t* pairs) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)  // round half to even, as nearbyint in the default rounding mode
+    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(
+        hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8), bytes);
+  const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+  const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), w0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), w1);
+  const auto hsum_i32 = [](__m256i x) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+  };
+  const __m256i ones = _mm256_set1_epi16(1);
+  s16[0] = hsum_i32(_mm256_madd_epi16(w0, ones)), s16[1] = hsum_i32(_mm256_madd_epi16(w1, ones));
+  d_out = d, s_out = d * static_cast<float>(s16[0] + s16[1]);
+  const auto pair = [&](int k) {
+    int16_t p;
+    std::memcpy(&p, q8 + k, 2);
+    return _mm_set1_epi16(p);
+  };
+  for (int o = 0; o < 4; ++o)
+    for (int v2 = 0; v2 < 2; ++v2) {
+      const int k = 8 * o + 2 * v2;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (2 * o + v2) * 32), _mm256_set_m128i(pair(k + 4), pair(k)));
+    }
+}
+
+// Strips [s0, s1): strip s writes columns s * 8 .. of out.
+template <template <int> class Kernel>
+void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, int64_t s0, int64_t s1, int64_t N,
+               float* out, int64_t ldo) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* strip = w + s * strip_bytes;
+    const int64_t cols = std::min(kStrip, N - s * kStrip);
+    for (int64_t r = 0; r < x.M; r += kRows) {
+      float* o = out + r * ldo + s * kStrip;
+      switch (std::min<int64_t>(kRows, x.M - r)) {
+        case 8: Kernel<8>::run(x, r, strip, o, ldo, cols); break;
+        case 7: Kernel<7>::run(x, r, strip, o, ldo, cols); break;
+        case 6: Kernel<6>::run(x, r, strip, o, ldo, cols); break;
+        case 5: Kernel<5>::run(x, r, strip, o, ldo, cols); break;
+        case 4: Kernel<4>::run(x, r, strip, o, ldo, cols); break;
+        case 3: Kernel<3>::run(x, r, strip, o, ldo, cols); break;
+        case 2: Kernel<2>::run(x, r, strip, o, ldo, cols); break;
+        default: Kernel<1>::run(x, r, strip, o, ldo, cols); break;
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
+// x [M, K] fp32, packed strips [ceil(N / 8), ...] -> [M, N] fp32 through int8 activations;
+// callers check gguf_q8_supported(format) first (engine/quant.py BlockLinear).
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
+  TORCH_CHECK(kvserve::q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool strips = format == kQ4_1 || format == kQ8_0;
+  const int64_t per = strips ? kBlock : 256;
+  const int64_t width = K / per * (format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes
+                                   : format == kQ4_K ? kQ4_KBytes : kQ6_KBytes);
+  TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
+                  packed.size(1) == width,
+              "packed weights do not hold ", N, " x ", K, " weights of this format");
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const auto xc = x.contiguous();
+  kvserve::Q8Act q;
+  q.quantize(xc.data_ptr<float>(), M, K);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (strips) {
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
+      kvserve::gguf_linear_q8_range(q, wp, N, format, s0 * kStrip, std::min(N, s1 * kStrip), op + s0 * kStrip, N);
+    });
+  } else {
+    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+      kvserve::gguf_linear_q8_range(q, wp, N, format, n0, n1, op + n0, N);
+    });
+  }
+  return out;
+}
+
+// The activation quantization alone, for tests: (codes int8 [M, K], scales fp32 [M, K / 32]).
+std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0,
+              "x must be a 2-D float32 tensor whose width is a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto xc = x.contiguous();
+  kvserve::Q8Act q;
+  q.quantize(xc.data_ptr<float>(), M, K);
+  at::Tensor codes = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / kBlock}, x.options());
+  std::copy(q.q16.begin(), q.q16.end(), codes.data_ptr<int8_t>());
+  std::copy(q.d.begin(), q.d.end(), d.data_ptr<float>());
+  return {codes, d};
+}
+
+bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
+
+}  // namespace
+
+void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
+  M = rows, K = width;
+  const int64_t nb = K / kBlock;
+  q8.resize(M * K), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
+      s.resize(M * nb);
+#ifdef KVSERVE_X86
+  if (cpu_has_avx2()) {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block_avx2(x + r * K + b * kBlock, d[r * nb + b], s[r * nb + b], q8.data() + r * K + b * kBlock,
+                            q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16,
+                            pairs.data() + (r * nb + b) * 256);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      float amax = 0.f;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+      int16_t* qb = q16.data() + r * K + b * kBlock;
+      int8_t* q8b = q8.data() + r * K + b * kBlock;
+      int32_t* s16 = sum16.data() + (r * K + b * kBlock) / 16;
+      s16[0] = s16[1] = 0;
+      for (int k = 0; k < kBlock; ++k) {
+        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
+        qb[k] = static_cast<int16_t>(v);
+        q8b[k] = static_cast<int8_t>(v);
+        s16[k / 16] += qb[k];
+      }
+      const int sum = s16[0] + s16[1];
+      d[r * nb + b] = db;
+      s[r * nb + b] = db * static_cast<float>(sum);
+      // pairs: for octet o, vector A = [(q8o, q8o+1) x 8 | (q8o+4, q8o+5) x 8], B = the same for +2, +6
+      int8_t* p = pairs.data() + (r * nb + b) * 256;
+      for (int o = 0; o < 4; ++o)
+        for (int v = 0; v < 2; ++v)
+          for (int lane = 0; lane < 2; ++lane) {
+            const int k = 8 * o + 2 * v + 4 * lane;
+            for (int i = 0; i < 8; ++i) {
+              p[(2 * o + v) * 32 + 16 * lane + 2 * i] = static_cast<int8_t>(qb[k]);
+              p[(2 * o + v) * 32 + 16 * lane + 2 * i + 1] = static_cast<int8_t>(qb[k + 1]);
+            }
+          }
+    }
+}
+
+bool kvserve::q8_supported(int64_t format) {
+  return (format == kQ4_1 || format == kQ8_0 || format == kQ4_K || format == kQ6_K) && cpu_has_avx2();
+}
+
+void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0,
+                                   int64_t n1, float* out, int64_t ldo) {
+  if (n1 <= n0 || x.M == 0) return;
+  TORCH_CHECK(q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
+#ifdef KVSERVE_X86
+  if (format == kQ4_K) return rows_q8_all<Q4_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ6_K) return rows_q8_all<Q6_KRows>(x, w, n0, n1, out - n0, ldo);
+  const int64_t s0 = n0 / kStrip, s1 = (n1 + kStrip - 1) / kStrip, n_end = std::min(n1, N);
+  // strips_q8 writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
+  if (format == kQ4_1)
+    strips_q8<Q4_1Kernel>(x, w, x.K / kBlock * kQ4_1Bytes, s0, s1, n_end, out - n0, ldo);
+  else
+    strips_q8<Q8_0Kernel>(x, w, x.K / kBlock * kQ8_0Bytes, s0, s1, n_end, out - n0, ldo);
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("gguf_q8_supported(int format) -> bool", &gguf_q8_supported);
+  m.def("gguf_linear_q8(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("gguf_linear_q8", &gguf_linear_q8);
+  m.impl("quantize_q8", &quantize_q8);
+}

@@ -1,0 +1,173 @@
+"""int8 activations (``activation_quant: int8``, engine/kernels/quant_linear_q8.cpp).
+
+Kernel: its output must equal an independent oracle: the activations quantized by the tiny
+Python quantizer below (per 32-block: d = max|x| / 127, q = round-half-even(x / d) as x * (1/d)
+in fp32), dequantized, times gguf's own dequantization of the weights, in float64. The kernel's
+integer dot products are exact, so only fp32 rounding of the per-block terms remains (~1e-6
+relative; a mis-paired code or scale is O(1)). Against F.linear on the fp32 activations the
+error is bounded by the activations' rounding, |x - d q| <= d / 2 per element, so
+|y_int8 - y_fp32| <= sum_k |W[n, k]| d_k / 2 (plus the fp32 slack): a bound that holds for any
+correct kernel and that a wrong one misses by orders of magnitude.
+
+Engine: the flag on, the native decode path serves a tiny random GGUF model; its logits at
+every step are within the activations' rounding of the flag-off engine's, and not equal to them
+(the flag must change the numerics it claims to).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.quant import BlockFormat, BlockLinear, BlockMatrix, GGUFMatrix
+from tests.helpers import require_native_kernel
+
+GGML = {BlockFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1, BlockFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    require_native_kernel()
+    if not torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q4_1)):
+        pytest.skip("no AVX2: the int8-activation kernels do not run on this CPU (the flag falls back to fp32)")
+
+
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] as float, scales [M, K / 32]): the contract of kvserve::Q8Act in torch."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return q.reshape(m, k), d.reshape(m, k // 32)
+
+
+# the formats with an int8 kernel: Q4_1 / Q8_0 strips (8 rows per pass), Q4_K / Q6_K rows (4 per pass)
+INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K]
+
+
+def random_matrix(fmt: BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed data, gguf's own dequantization) of random valid blocks (random codes and
+    sub-scales, finite scales: bench.make_gguf, as the format tests use)."""
+    from bench.make_gguf import random_blocks
+
+    raw = random_blocks(fmt, rows, cols, np.random.default_rng(seed))
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(rows, cols)).float()
+    return GGUFMatrix(torch.from_numpy(raw.copy()), fmt, cols).pack().data, dense
+
+
+def test_quantizer_matches_the_reference():
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
+    x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    x[2, :32] = torch.linspace(-1, 1, 32)  # exact halves after scaling: round half to even
+    codes, scales = torch.ops.kvserve.quantize_q8(x)
+    want_q, want_d = quantize_reference(x)
+    assert torch.equal(codes.float(), want_q) and torch.equal(scales, want_d)
+    assert codes.abs().max() == 127 and torch.all(codes[1, 32:64] == 0)
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])  # rows per pass 8 (strips) / 4 (rows), and remainders
+@pytest.mark.parametrize("out_features", [37, 64])  # 37: the last strip of 8 columns is partial
+def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(fmt, rows, out_features):
+    packed, dense = random_matrix(fmt, out_features, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    got = torch.ops.kvserve.gguf_linear_q8(x, packed, out_features, int(fmt))
+    q, d = quantize_reference(x)
+    x_deq = (q.reshape(rows, -1, 32) * d[..., None]).reshape(rows, 512)
+    oracle = F.linear(x_deq.double(), dense.double())
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
+    # against fp32 activations: within the rounding bound, and not equal (the int8 path ran)
+    exact = F.linear(x.double(), dense.double())
+    bound = F.linear(d.repeat_interleave(32, dim=1).double() / 2, dense.abs().double())
+    assert torch.all((got.double() - exact).abs() <= bound + 1e-4)
+    assert (got.double() - exact).abs().max() > 1e-5 * exact.abs().max()
+
+
+def test_formats_without_an_int8_kernel_keep_fp32_activations():
+    assert torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q8_0))
+    assert not torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q5_K))
+    q4_1 = GGUFMatrix(torch.from_numpy(gguf.quants.quantize(np.ones((8, 256), np.float32), GGML[BlockFormat.Q4_1])),
+                      BlockFormat.Q4_1, 256)
+    q5_k = GGUFMatrix(torch.zeros(8, 176, dtype=torch.uint8), BlockFormat.Q5_K, 256)  # d = 0: valid blocks
+    linear = BlockLinear(BlockMatrix.stack([q4_1, q5_k]), None, None, int8_activations=True)
+    assert linear.kernels == [torch.ops.kvserve.gguf_linear_q8, torch.ops.kvserve.gguf_linear]
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(linear(x)[:, :8], torch.ops.kvserve.gguf_linear_q8(x, linear.parts[0][0], 8, 0))
+    assert torch.equal(linear(x)[:, 8:], torch.zeros(2, 8))
+    assert BlockLinear(BlockMatrix.stack([q4_1]), None, None).kernels == [torch.ops.kvserve.gguf_linear]  # flag off
+    with pytest.raises(RuntimeError, match="no int8-activation kernel for format 4"):
+        torch.ops.kvserve.gguf_linear_q8(torch.randn(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 1, 4)
+
+
+def test_flag_is_validated():
+    from engine.config import ModelConfig
+    from tests.helpers import tiny_engine, tiny_hf_model
+
+    with pytest.raises(ValueError, match="activation_quant must be none or int8"):
+        ModelConfig(activation_quant="fp8")
+    model = tiny_engine(tiny_hf_model()).runner.model  # dense safetensors-style weights: no blocks
+    model.activation_quant = "int8"
+    with pytest.raises(ValueError, match="activation_quant 'int8' needs the gguf linear backend"):
+        model.select_linear_backend("auto")
+
+
+def _engine(path, mode: str):
+    from cache import CacheConfig
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from scheduler.config import SchedulerConfig
+
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(path), num_threads=1, activation_quant=mode),
+        cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4)))
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, "Q4_K_M"])
+def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypatch):
+    """Greedy decode of 3 streams on both engines; logits compared step by step while the
+    tokens agree. Tolerance 5% of the largest logit: 2 layers of 8-bit activations (relative
+    rounding <= 1/254 per element, ~0.3% per matmul on random weights) through 7 matmuls."""
+    from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
+    from engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    shape = GGUFShape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=512, context=256)
+    formats = q4_k_m if fmt == "Q4_K_M" else (lambda name, layer, layers: fmt)  # Q4_K_M: Q4_K and Q6_K parts
+    path = write_gguf(tmp_path / "tiny.gguf", shape, formats, seed=3)
+    logits, native_calls = {}, {}
+    for mode in ("none", "int8"):
+        engine = _engine(path, mode)
+        model = engine.runner.model
+        assert model.decode_path == "native" and model.activation_quant == mode
+        seen, calls = [], [0]
+        compute, native = model.compute_logits, model._native_decode
+        model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]
+        model._native_decode = lambda *a, f=native: calls.__setitem__(0, calls[0] + 1) or f(*a)
+        out = engine.generate([[5, 6, 7], [9, 3, 4, 8], [11]], SamplingParams(temperature=0, max_tokens=6,
+                                                                             ignore_eos=True))
+        logits[mode] = (seen, [o.token_ids for o in out])
+        native_calls[mode] = calls[0]
+        if mode == "int8":  # every block matrix of these formats takes the int8 kernel; switching is cheap
+            assert model.describe_activation_quant().startswith("int8 for ")
+            assert all(op is torch.ops.kvserve.gguf_linear_q8 for mm in model.block_linears() for op in mm.kernels)
+            model.set_activation_quant("none")
+            assert all(op is torch.ops.kvserve.gguf_linear for mm in model.block_linears() for op in mm.kernels)
+    assert native_calls["int8"] > 0 and native_calls["none"] > 0  # decode steps ran the native layer
+    (ref, ref_tokens), (got, got_tokens) = logits["none"], logits["int8"]
+    compared = 0
+    for a, b in zip(ref, got):
+        if a.shape != b.shape:
+            break
+        torch.testing.assert_close(b, a, rtol=0, atol=0.05 * a.abs().max().item())
+        compared += 1
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break  # the next inputs differ: nothing more to compare
+    assert compared >= 2
+    print(f"{fmt}: {compared} steps compared, tokens equal: {ref_tokens == got_tokens}, max |diff| "
+          f"{max((a - b).abs().max().item() for a, b in zip(ref[:compared], got[:compared])):.4f} of "
+          f"{max(a.abs().max().item() for a in ref):.2f}")
+    assert max((a - b).abs().max().item() for a, b in zip(ref[:compared], got[:compared])) > 0
