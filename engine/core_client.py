@@ -406,6 +406,8 @@ class MPEngineClient(_ClientBase):
                 raise RuntimeError(f"the engine core did not start within {self.core_config.startup_timeout_s:.0f}s")
             ready = out_recv.recv()
         except (EOFError, OSError, RuntimeError) as exc:
+            if isinstance(exc, EOFError):  # it is exiting on its own: report its status, not our kill's
+                proc.join(5)
             proc.kill()
             proc.join(5)
             out_recv.close()
