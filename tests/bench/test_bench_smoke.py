@@ -85,3 +85,17 @@ def test_quant_linear_bench_smoke():
     for r in result["results"]:
         assert r["shape"] == [40, 64] and r["format"] == "Q4_1"
         assert r["block_us"] > 0 and r["onednn_us"] > 0 and r["mkl_us"] > 0 and r["onednn_over_block"] > 0
+
+
+def test_step_profile_times_every_piece_of_a_step(pair):
+    from bench.step_profile import profile
+
+    engine, _ = pair
+    rows = profile(engine, [1, 3], prompt_len=6, tokens=5)
+    for row in rows:
+        assert row["steps"] == 5  # one prefill step, then one decode step per further token
+        pieces = row["pieces"]
+        for label in ("model forward", "LM head", "sampler", "prepare inputs", "schedule", "scheduler update"):
+            assert pieces[label][1] == 5, (label, pieces)
+        assert 0 < pieces["LM head"][0] < row["step_ms"] and pieces["model forward"][0] < row["step_ms"]
+    engine.kv_cache.check_invariants()

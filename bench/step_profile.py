@@ -1,0 +1,103 @@
+"""Where an engine step's time goes: the step's pieces timed in-thread, no HTTP.
+
+    python -m bench.step_profile [--streams 1 16] [--tokens 128] [--prompt-len 50] [kvserve engine flags]
+
+Builds one ``LLMEngine`` from the engine flags (``--num-threads``, ``--activation-quant``,
+``--decode-path``, ``--model``...), then for each stream count runs an untimed warm-up round and a
+timed round of ``streams`` greedy requests (``--prompt-len``-token prompts, ``--tokens`` output
+tokens, ``ignore_eos``) stepped to the end. Prints ms per step for the whole step and for each
+piece, which it times by wrapping the methods that do it: the model's forward pass (and inside it
+the native decoder layers and the embedding), the LM head, the sampler, the runner's input
+preparation, and the scheduler's planning and update. The prefill step is included in the
+averages (one step of ``tokens``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from typing import Any, Callable
+
+PIECES = (  # (label, owner attribute path, method)
+    ("model forward", "runner.model", "forward"),
+    ("  native layers", "runner.model", "_native_decode"),
+    ("  embedding", "runner.model", "embed_tokens"),
+    ("LM head", "runner.model", "compute_logits"),
+    ("sampler", "runner", "sampler"),
+    ("prepare inputs", "runner", "_prepare"),
+    ("schedule", "scheduler", "schedule"),
+    ("scheduler update", "scheduler", "update"),
+)
+
+
+def instrument(engine: Any, seconds: dict[str, float], calls: collections.Counter) -> None:
+    """Replace each piece's method on its owner instance with a timed wrapper."""
+    def timed(label: str, fn: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - t
+                calls[label] += 1
+        return wrapper
+
+    for label, path, method in PIECES:
+        owner = engine
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        setattr(owner, method, timed(label, getattr(owner, method)))
+
+
+def run_round(engine: Any, streams: int, prompt_len: int, tokens: int, tag: str) -> tuple[int, float]:
+    from kvtypes.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for s in range(streams):
+        engine.add_request([100 + s + i for i in range(prompt_len)], params, request_id=f"{tag}-{s}")
+    steps, t = 0, time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps, time.perf_counter() - t
+
+
+def profile(engine: Any, streams_levels: list[int], prompt_len: int, tokens: int) -> list[dict[str, Any]]:
+    """One row per stream count: steps, ms per step, and ms per step of each piece that ran."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    instrument(engine, seconds, calls)
+    rows = []
+    for streams in streams_levels:
+        run_round(engine, streams, prompt_len, tokens, f"warm{streams}")
+        seconds.clear()
+        calls.clear()
+        steps, elapsed = run_round(engine, streams, prompt_len, tokens, f"run{streams}")
+        rows.append({"streams": streams, "steps": steps, "step_ms": 1000 * elapsed / steps,
+                     "pieces": {label: (1000 * seconds[label] / steps, calls[label])
+                                for label, _, _ in PIECES if calls[label]}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.cli import add_engine_args, build_engine_config
+
+    p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.splitlines()[0])
+    add_engine_args(p)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=50)
+    args = p.parse_args(argv)
+    config, _ = build_engine_config(args)
+    from engine.llm_engine import LLMEngine
+
+    for row in profile(LLMEngine(config), args.streams, args.prompt_len, args.tokens):
+        print(f"\n{row['streams']} stream(s): {row['steps']} steps, {row['step_ms']:.2f} ms/step "
+              f"(activation_quant={config.model.activation_quant}, threads={config.model.num_threads})")
+        for label, (ms, n) in row["pieces"].items():
+            print(f"  {label:18s} {ms:8.3f} ms/step  ({n} calls)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
