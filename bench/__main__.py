@@ -195,15 +195,27 @@ def scenario_peers(ctx: Context) -> dict[str, Any]:
                      progress=not a.no_progress, out_dir=ctx.out, quiet_wait_s=ctx.quiet_wait(), engine=engine)
 
 
+def served_model(serve_args: list[str]) -> str | None:
+    """The ``--model`` among the ``--serve-arg``s (``--model=PATH`` or ``--model`` then ``PATH``), if any."""
+    for i, arg in enumerate(serve_args):
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+        if arg == "--model" and i + 1 < len(serve_args):
+            return serve_args[i + 1]
+    return None
+
+
 def scenario_llama_server(ctx: Context) -> dict[str, Any]:
     from bench.vs_llama_server import DEFAULT_CONTEXTS, DEFAULT_LEVELS, run_vs_llama_server
 
     a = ctx.args
     vocab, _ = ctx.vocab_and_eos()
     agreement = not getattr(a, "no_agreement", False)
+    served = served_model(a.serve_arg or [])
     hf = ctx.hf if agreement else None
-    engine = ctx.engine if agreement else None
-    return run_vs_llama_server(ctx.server, engine, hf, ctx.tokenizer, vocab, ctx.threads,
+    # The in-process engine is the default model: it stands for the server only when that serves the default.
+    engine = ctx.engine if agreement and served is None else None
+    return run_vs_llama_server(ctx.server, engine, hf, ctx.tokenizer, vocab, ctx.threads, served_gguf=served,
                                contexts=_q(a, "contexts", DEFAULT_CONTEXTS, DEFAULT_CONTEXTS),
                                levels=_q(a, "concurrency", DEFAULT_LEVELS, DEFAULT_LEVELS),
                                output_len=_q(a, "output_len", 128, 32),

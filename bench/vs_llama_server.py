@@ -76,7 +76,8 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
                         contexts: Sequence[int] = DEFAULT_CONTEXTS, levels: Sequence[int] = DEFAULT_LEVELS,
                         output_len: int = 128, stream_prompt_len: int = 50, single_requests: int = 3,
                         waves: int = 2, gguf: str | None = None, seed: int = 0, progress: bool = True,
-                        out_dir: Path | None = None, agreement: bool = True) -> dict[str, Any]:
+                        out_dir: Path | None = None, agreement: bool = True,
+                        served_gguf: str | None = None) -> dict[str, Any]:
     skipped: str | None = None
     llama_path: Path | None = None
     try:
@@ -87,7 +88,7 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
     log = (out_dir / "llama-server.log") if out_dir else None
     if skipped is not None:  # nothing to compare with: no kvserve-only minutes in `all`
         return _result(server, engine, hf_model, threads, {}, {}, None, None, skipped, contexts, levels,
-                       output_len, stream_prompt_len, single_requests, waves, out_dir)
+                       output_len, stream_prompt_len, single_requests, waves, out_dir, served_gguf)
 
     _warm(server, vocab_size)
     single: dict[int, dict[str, Any]] = {}
@@ -133,7 +134,7 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
             ll.close()
 
     return _result(server, engine, hf_model, threads, single, streams, sanity, llama_path, skipped,
-                   contexts, levels, output_len, stream_prompt_len, single_requests, waves, out_dir)
+                   contexts, levels, output_len, stream_prompt_len, single_requests, waves, out_dir, served_gguf)
 
 
 def _agreement(ll: Server, engine: Any, hf_model: Any, tokenizer: Any) -> dict[str, Any]:
@@ -154,13 +155,19 @@ def _agreement(ll: Server, engine: Any, hf_model: Any, tokenizer: Any) -> dict[s
     return {"text_tokens": len(ids), "positions": len(ids) - 1, "pairs": pairs}
 
 
-def _weights(engine: Any, hf_model: Any, llama_path: Path | None) -> dict[str, dict[str, Any]]:
+def _weights(engine: Any, hf_model: Any, llama_path: Path | None,
+             served_gguf: str | None = None) -> dict[str, dict[str, Any]]:
+    """Format and decode bytes per side. ``served_gguf``: the GGUF the server was told to serve
+    (``--serve-arg=--model=...``), whose blocks it decodes from; else the in-process ``engine``, else
+    the server's default (the shipped file)."""
     from engine.loader import default_gguf_path
 
     out: dict[str, dict[str, Any]] = {}
-    shipped = gguf_weights(default_gguf_path())
+    shipped = gguf_weights(Path(served_gguf) if served_gguf else default_gguf_path())
     blocks = f"{shipped['file_type']} GGUF blocks ({shipped['label'].split('(', 1)[-1]}"
-    if engine is not None:
+    if served_gguf:
+        out["kvserve"] = {"label": blocks, "decode_bytes": shipped["decode_bytes"], "path": served_gguf}
+    elif engine is not None:
         model = engine.runner.model
         label = blocks if model.linear_backend == "gguf" else f"dense {str(model.norm.dtype).removeprefix('torch.')}"
         out["kvserve"] = {"label": label, "decode_bytes": model.decode_weight_bytes()}
@@ -181,8 +188,9 @@ def _mb(w: dict[str, Any] | None) -> str:
 def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: dict[int, Any],
             streams: dict[int, Any], sanity: dict[str, Any] | None, llama_path: Path | None, skipped: str | None,
             contexts: Sequence[int], levels: Sequence[int], output_len: int, stream_prompt_len: int,
-            single_requests: int, waves: int, out_dir: Path | None) -> dict[str, Any]:
-    weights = _weights(engine, hf_model, llama_path)
+            single_requests: int, waves: int, out_dir: Path | None,
+            served_gguf: str | None = None) -> dict[str, Any]:
+    weights = _weights(engine, hf_model, llama_path, served_gguf)
     version = package_version()
     ratios: dict[str, Any] = {}
     checks = []

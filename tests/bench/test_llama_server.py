@@ -279,3 +279,30 @@ def test_scenario_without_the_tree_skips_every_target_with_the_build_command(tmp
     assert sum(v == "SKIPPED" for v in verdicts.values()) == 5, verdicts
     assert not result["single"] and not result["streams"]
     assert write_scenario(result, tmp_path).exists()
+
+
+def test_a_served_gguf_names_kvserves_weights_and_drops_the_default_models_agreement(tmp_path):
+    """With ``--serve-arg=--model=PATH`` kvserve's row names that file's format and bytes, not the
+    shipped default's, and the in-process (default-model) engine no longer stands for the server."""
+    import gguf
+    import numpy as np
+
+    from bench.__main__ import served_model
+    from bench.vs_llama_server import _weights
+
+    assert served_model(["--model=/a.gguf", "--max-model-len=4096"]) == "/a.gguf"
+    assert served_model(["--activation-quant", "int8", "--model", "/b.gguf"]) == "/b.gguf"
+    assert served_model(["--num-threads=2"]) is None
+    path = tmp_path / "q8.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    served = _weights(None, None, None, str(path))["kvserve"]
+    default = _weights(None, None, None)["kvserve"]
+    assert served["label"].endswith("GGUF blocks (Q8_0 100%)") and "default" not in served["label"]
+    assert served["decode_bytes"] == raw.nbytes != default["decode_bytes"]
