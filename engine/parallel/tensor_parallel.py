@@ -433,12 +433,16 @@ class TensorParallelModel:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._broadcast(("stop",))
-        except Exception:  # noqa: BLE001 - a dead worker: nothing to stop
-            pass
+        # With a rank dead the group is broken: a broadcast to it may block (gloo has no short
+        # timeout, since idle ranks wait in one), so the live ranks are killed below instead.
+        stopping = all(p.is_alive() for p in self.procs)
+        if stopping:
+            try:
+                self._broadcast(("stop",))
+            except Exception:  # noqa: BLE001 - a worker died meanwhile: nothing to stop
+                pass
         for p in self.procs:
-            p.join(10)
+            p.join(10 if stopping else 0)
             if p.is_alive():
                 p.kill()
                 p.join(5)
