@@ -198,19 +198,28 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Lane j of v in all 8 lanes (one shuffle; the scalar product it replaces rounds the same way).
+inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+
+// One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
+// scales are unpacked once and every row is dotted from registers, so a pass over the weights
+// serves up to kKRows rows. acc / corr hold each row's running sums (the same operations in the
+// same order for any row count, so a row's result does not depend on its neighbours).
 // (prefetch_ahead: the weights kPrefetch bytes on; rows n, n + 1, ... are contiguous)
 struct Q4_KRows {
   static constexpr int64_t kBytes = kQ4_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
                            float* corr) {
+    const int nr = R ? R : rn;
     const float d = half_at(b), dmin = half_at(b + 2);
-    float dsc[8], dm[8];
+    alignas(32) float dsc[8], dm[8];
     for (int j = 0; j < 8; ++j) {
       int sc, m;
       k_scale_min(b + 4, j, sc, m);
       dsc[j] = d * static_cast<float>(sc), dm[j] = dmin * static_cast<float>(m);
     }
+    const __m256 dscv = _mm256_load_ps(dsc);
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256i q[8];
     for (int c = 0; c < 4; ++c) {
@@ -218,15 +227,20 @@ struct Q4_KRows {
       q[2 * c] = _mm256_and_si256(v, mask);
       q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
+    const int64_t nbx = x.K / kBlock;
+    for (int r = 0; r < nr; ++r) {
+      const int64_t xb = (r0 + r) * nbx + 8 * sb;
       const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
+      const __m256 scale = _mm256_mul_ps(dscv, _mm256_loadu_ps(x.d.data() + xb));  // dsc[j] * dx[j]
+      __m256 a = acc[r];
+      float c = corr[r];
       for (int j = 0; j < 8; ++j) {
         const __m256i p = _mm256_madd_epi16(
             _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j))), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dsc[j] * x.d[xb + j]), acc[r]);
-        corr[r] += dm[j] * x.s[xb + j];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(scale, j), a);
+        c += dm[j] * x.s[xb + j];
       }
+      acc[r] = a, corr[r] = c;
     }
   }
 };
@@ -234,8 +248,9 @@ struct Q4_KRows {
 struct Q6_KRows {
   static constexpr int64_t kBytes = kQ6_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
                            float* corr) {
+    const int nr = R ? R : rn;
     const float d = half_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
@@ -254,49 +269,61 @@ struct Q6_KRows {
       for (int g = 0; g < 4; ++g)  // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1]
         scv[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
+    const __m256 dv = _mm256_set1_ps(d);
+    const int64_t nbx = x.K / kBlock;
+    for (int r = 0; r < nr; ++r) {
+      const int64_t xb = (r0 + r) * nbx + 8 * sb;
       const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
       const int32_t* s16 = x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb;
+      alignas(32) float ddx[8];  // d * dx[g]
+      _mm256_store_ps(ddx, _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)));
+      const __m256 ddxv = _mm256_load_ps(ddx);
+      __m256 a = acc[r];
+      float c = corr[r];
       for (int g = 0; g < 8; ++g) {
-        const int h = g / 4, i = 8 * h + 2 * (g % 4);
+        const int i = 8 * (g / 4) + 2 * (g % 4);
         const __m256i p = _mm256_madd_epi16(
             _mm256_maddubs_epi16(q[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * g))), scv[g]);
-        const float ddx = d * x.d[xb + g];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddx), acc[r]);
-        corr[r] += ddx * static_cast<float>(32 * (sc[i] * s16[2 * g] + sc[i + 1] * s16[2 * g + 1]));
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(ddxv, g), a);
+        c += ddx[g] * static_cast<float>(32 * (sc[i] * s16[2 * g] + sc[i + 1] * s16[2 * g + 1]));
       }
+      acc[r] = a, corr[r] = c;
     }
   }
 };
 
-// Output features [n0, n1) for rows [r0, r0 + R): out[r * ldo + n].
+constexpr int kKRows = 16;  // rows per pass over the K-quant rows: the weights leave DRAM once per 16 rows
+
+// Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
+// or 0): out[r * ldo + n]. Feature n's row of super-blocks (<= a few KB) is read once from
+// memory and each super-block serves every row.
 template <typename Format, int R>
-void rows_q8(const kvserve::Q8Act& x, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+             int64_t ldo) {
+  const int nr = R ? R : rn;
   const int64_t nb = x.K / 256;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];
-    float corr[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    __m256 acc[R ? R : kKRows];
+    float corr[R ? R : kKRows];
+    for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
     const uint8_t* row = w + n * nb * Format::kBytes;
     for (int64_t sb = 0; sb < nb; ++sb) {
       prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
-      Format::template block<R>(row + sb * Format::kBytes, x, r0, sb, acc, corr);
+      Format::template block<R>(row + sb * Format::kBytes, x, r0, nr, sb, acc, corr);
     }
-    for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
   }
 }
 
 template <typename Format>
 void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  for (int64_t r = 0; r < x.M; r += 4) {
+  for (int64_t r = 0; r < x.M; r += kKRows) {
     float* o = out + r * ldo;
-    switch (std::min<int64_t>(4, x.M - r)) {
-      case 4: rows_q8<Format, 4>(x, r, w, n0, n1, o, ldo); break;
-      case 3: rows_q8<Format, 3>(x, r, w, n0, n1, o, ldo); break;
-      case 2: rows_q8<Format, 2>(x, r, w, n0, n1, o, ldo); break;
-      default: rows_q8<Format, 1>(x, r, w, n0, n1, o, ldo); break;
-    }
+    const int rn = static_cast<int>(std::min<int64_t>(kKRows, x.M - r));
+    if (rn == 1)
+      rows_q8<Format, 1>(x, r, 1, w, n0, n1, o, ldo);
+    else
+      rows_q8<Format, 0>(x, r, rn, w, n0, n1, o, ldo);
   }
 }
 
