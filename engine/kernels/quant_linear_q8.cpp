@@ -198,19 +198,25 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Lane j of v in all 8 lanes (one shuffle; the scalar product it replaces rounds the same way).
-inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+// 8 vectors of 8 int32 -> [sum(v[0]), ..., sum(v[7])] (exact).
+inline __m256i sums8_epi32(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
 
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
-// serves up to kKRows rows. acc / corr hold each row's running sums (the same operations in the
-// same order for any row count, so a row's result does not depend on its neighbours).
+// serves up to kKRows rows. Per row the 8 integer dot products of the 32-blocks are reduced
+// exactly to one int32 vector [I_0 .. I_7] (int16 / int32 horizontal adds, no overflow), then
+// converted and scaled with one fmadd: acc += I * (weight scale * activation scale), lane j
+// for 32-block j; each row's result is independent of the other rows in the pass.
 // (prefetch_ahead: the weights kPrefetch bytes on; rows n, n + 1, ... are contiguous)
 struct Q4_KRows {
   static constexpr int64_t kBytes = kQ4_KBytes;
   template <int R>
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
-                           float* corr) {
+                           __m256* corr) {
     const int nr = R ? R : rn;
     const float d = half_at(b), dmin = half_at(b + 2);
     alignas(32) float dsc[8], dm[8];
@@ -219,8 +225,8 @@ struct Q4_KRows {
       k_scale_min(b + 4, j, sc, m);
       dsc[j] = d * static_cast<float>(sc), dm[j] = dmin * static_cast<float>(m);
     }
-    const __m256 dscv = _mm256_load_ps(dsc);
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256 dscv = _mm256_load_ps(dsc), dmv = _mm256_load_ps(dm);
+    const __m256i mask = _mm256_set1_epi8(15);
     __m256i q[8];
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
@@ -230,17 +236,18 @@ struct Q4_KRows {
     const int64_t nbx = x.K / kBlock;
     for (int r = 0; r < nr; ++r) {
       const int64_t xb = (r0 + r) * nbx + 8 * sb;
-      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
-      const __m256 scale = _mm256_mul_ps(dscv, _mm256_loadu_ps(x.d.data() + xb));  // dsc[j] * dx[j]
-      __m256 a = acc[r];
-      float c = corr[r];
-      for (int j = 0; j < 8; ++j) {
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j))), ones);
-        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(scale, j), a);
-        c += dm[j] * x.s[xb + j];
-      }
-      acc[r] = a, corr[r] = c;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
+      __m256i u[8];  // 16 int16 pair sums each, |.| <= 2 * 15 * 127
+      for (int j = 0; j < 8; ++j) u[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(xq + j));
+      // three levels of int16 horizontal adds: lane half h of u[j] -> int16 j of half h (|.| <= 30480)
+      const __m256i h = _mm256_hadd_epi16(
+          _mm256_hadd_epi16(_mm256_hadd_epi16(u[0], u[1]), _mm256_hadd_epi16(u[2], u[3])),
+          _mm256_hadd_epi16(_mm256_hadd_epi16(u[4], u[5]), _mm256_hadd_epi16(u[6], u[7])));
+      const __m256i dot = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)),
+                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
+      const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[r]);
+      corr[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[r]);
     }
   }
 };
@@ -249,7 +256,7 @@ struct Q6_KRows {
   static constexpr int64_t kBytes = kQ6_KBytes;
   template <int R>
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
-                           float* corr) {
+                           __m256*) {
     const int nr = R ? R : rn;
     const float d = half_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -269,25 +276,25 @@ struct Q6_KRows {
       for (int g = 0; g < 4; ++g)  // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1]
         scv[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
     }
+    // the 16 scales as int32, for the -32 offset: 32 * (sc[2g] * S[2g] + sc[2g + 1] * S[2g + 1])
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sca = _mm256_cvtepi8_epi32(sc16), scb = _mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8));
     const __m256 dv = _mm256_set1_ps(d);
     const int64_t nbx = x.K / kBlock;
     for (int r = 0; r < nr; ++r) {
       const int64_t xb = (r0 + r) * nbx + 8 * sb;
-      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
-      const int32_t* s16 = x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb;
-      alignas(32) float ddx[8];  // d * dx[g]
-      _mm256_store_ps(ddx, _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)));
-      const __m256 ddxv = _mm256_load_ps(ddx);
-      __m256 a = acc[r];
-      float c = corr[r];
-      for (int g = 0; g < 8; ++g) {
-        const int i = 8 * (g / 4) + 2 * (g % 4);
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(q[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * g))), scv[g]);
-        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(ddxv, g), a);
-        c += ddx[g] * static_cast<float>(32 * (sc[i] * s16[2 * g] + sc[i + 1] * s16[2 * g + 1]));
-      }
-      acc[r] = a, corr[r] = c;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
+      const __m256i* s16 = reinterpret_cast<const __m256i*>(x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb);
+      __m256i p[8];  // 8 int32 scaled pair sums each
+      for (int g = 0; g < 8; ++g) p[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256(xq + g)), scv[g]);
+      // hadd of the 16 products: g order [0, 1, 4, 5 | 2, 3, 6, 7] -> [0 .. 7] by 64-bit permute
+      const __m256i off = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(_mm256_mullo_epi32(sca, _mm256_loadu_si256(s16)),
+                            _mm256_mullo_epi32(scb, _mm256_loadu_si256(s16 + 1))),
+          0xD8);
+      // exact: |dot| <= 32 * 63 * 127 * 128 + 32 * 32 * 127 * 128
+      const __m256i dot = _mm256_sub_epi32(sums8_epi32(p), _mm256_slli_epi32(off, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)), acc[r]);
     }
   }
 };
@@ -303,15 +310,14 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
   const int nr = R ? R : rn;
   const int64_t nb = x.K / 256;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R ? R : kKRows];
-    float corr[R ? R : kKRows];
-    for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    __m256 acc[R ? R : kKRows], corr[R ? R : kKRows];
+    for (int r = 0; r < nr; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
     const uint8_t* row = w + n * nb * Format::kBytes;
     for (int64_t sb = 0; sb < nb; ++sb) {
       prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
       Format::template block<R>(row + sb * Format::kBytes, x, r0, nr, sb, acc, corr);
     }
-    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum(_mm256_sub_ps(acc[r], corr[r]));
   }
 }
 
