@@ -66,15 +66,6 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-// Q4_K's 6-bit scale and min of sub-block j (as gguf's dequantize reads them).
-inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63, m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 bool cpu_has_avx2() {
 #ifdef KVSERVE_X86
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -205,6 +196,21 @@ inline __m256i sums8_epi32(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// Q4_K's 8 6-bit sub-block scales and mins (as gguf's dequantize reads them) times d and dmin,
+// unpacked as 32-bit words: words 0-1 the 8 scales, 2-3 the 8 mins, one byte each.
+inline void q4_k_scales(const uint8_t* b, __m256& dsc, __m256& dm) {
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  uint32_t s[3], u[4];
+  std::memcpy(s, b + 4, 12);
+  u[0] = s[0] & k6;
+  u[1] = (s[2] & k4) | (((s[0] >> 6) & k2) << 4);
+  u[2] = s[1] & k6;
+  u[3] = ((s[2] >> 4) & k4) | (((s[1] >> 6) & k2) << 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  dsc = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+  dm = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
 // serves up to kKRows rows. Per row the 8 integer dot products of the 32-blocks are reduced
@@ -218,14 +224,8 @@ struct Q4_KRows {
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
                            __m256* corr) {
     const int nr = R ? R : rn;
-    const float d = half_at(b), dmin = half_at(b + 2);
-    alignas(32) float dsc[8], dm[8];
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      k_scale_min(b + 4, j, sc, m);
-      dsc[j] = d * static_cast<float>(sc), dm[j] = dmin * static_cast<float>(m);
-    }
-    const __m256 dscv = _mm256_load_ps(dsc), dmv = _mm256_load_ps(dm);
+    __m256 dscv, dmv;  // d * sc_j, dmin * m_j
+    q4_k_scales(b, dscv, dmv);
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i q[8];
     for (int c = 0; c < 4; ++c) {
@@ -273,8 +273,13 @@ struct Q6_KRows {
       q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
       q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
       q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
-      for (int g = 0; g < 4; ++g)  // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1]
-        scv[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
+      // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1] (int16 lanes, by one shuffle)
+      const __m256i w = _mm256_broadcastsi128_si256(
+          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+      const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+      for (int g = 0; g < 4; ++g)
+        scv[4 * h + g] = _mm256_shuffle_epi8(w, _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<char>(4 * g))));
     }
     // the 16 scales as int32, for the -32 offset: 32 * (sc[2g] * S[2g] + sc[2g + 1] * S[2g + 1])
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
