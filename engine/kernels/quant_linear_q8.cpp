@@ -196,6 +196,19 @@ inline __m256i sums8_epi32(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// The 8 32-byte blocks v[j] of a super-block as 4-byte groups v[j].t (k = 32 j + 4 t .. + 3)
+// -> out[4 g + i] = [v[4g].i v[4g+1].i v[4g+2].i v[4g+3].i | the same at t = i + 4]: a dword
+// lane then holds one block j = 4 g + lane % 4 (Q8Act::kq is the activations in this order).
+inline void transpose_k(const __m256i* v, __m256i* out) {
+  for (int g = 0; g < 2; ++g) {
+    const __m256i* w = v + 4 * g;
+    const __m256i a0 = _mm256_unpacklo_epi32(w[0], w[1]), a1 = _mm256_unpackhi_epi32(w[0], w[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(w[2], w[3]), a3 = _mm256_unpackhi_epi32(w[2], w[3]);
+    out[4 * g] = _mm256_unpacklo_epi64(a0, a2), out[4 * g + 1] = _mm256_unpackhi_epi64(a0, a2);
+    out[4 * g + 2] = _mm256_unpacklo_epi64(a1, a3), out[4 * g + 3] = _mm256_unpackhi_epi64(a1, a3);
+  }
+}
+
 // Q4_K's 8 6-bit sub-block scales and mins (as gguf's dequantize reads them) times d and dmin,
 // unpacked as 32-bit words: words 0-1 the 8 scales, 2-3 the 8 mins, one byte each.
 inline void q4_k_scales(const uint8_t* b, __m256& dsc, __m256& dm) {
@@ -234,17 +247,39 @@ struct Q4_KRows {
       q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     }
     const int64_t nbx = x.K / kBlock;
-    for (int r = 0; r < nr; ++r) {
-      const int64_t xb = (r0 + r) * nbx + 8 * sb;
-      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
+    if (R == 1) {  // one row: three levels of int16 horizontal adds, cheaper than transposing the codes
+      const int64_t xb = r0 * nbx + 8 * sb;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + r0 * x.K + 256 * sb);
       __m256i u[8];  // 16 int16 pair sums each, |.| <= 2 * 15 * 127
       for (int j = 0; j < 8; ++j) u[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(xq + j));
-      // three levels of int16 horizontal adds: lane half h of u[j] -> int16 j of half h (|.| <= 30480)
+      // lane half h of u[j] -> int16 j of half h (|.| <= 30480)
       const __m256i h = _mm256_hadd_epi16(
           _mm256_hadd_epi16(_mm256_hadd_epi16(u[0], u[1]), _mm256_hadd_epi16(u[2], u[3])),
           _mm256_hadd_epi16(_mm256_hadd_epi16(u[4], u[5]), _mm256_hadd_epi16(u[6], u[7])));
       const __m256i dot = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)),
                                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
+      const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
+      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[0]);
+      corr[0] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[0]);
+      return;
+    }
+    // many rows: transpose the codes once (transpose_k), so that with Q8Act::kq each row's dot
+    // products are vertical adds: the same exact integers as the one-row path
+    __m256i t[8];
+    transpose_k(q, t);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < nr; ++r) {
+      const int64_t xb = (r0 + r) * nbx + 8 * sb;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
+      __m256i half[2];  // [I_4g .. I_4g+3 (t 0-3) | the same (t 4-7)] for g = 0, 1
+      for (int g = 0; g < 2; ++g) {
+        __m256i u = _mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(xq + 4 * g));
+        for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 15 * 127
+          u = _mm256_add_epi16(u, _mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(xq + 4 * g + i)));
+        half[g] = _mm256_madd_epi16(u, ones);
+      }
+      const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
+                                           _mm256_permute2x128_si256(half[0], half[1], 0x31));
       const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[r]);
       corr[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[r]);
@@ -350,6 +385,16 @@ struct Q8_0Kernel {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
 };
+
+// Q8Act::kq from the codes q8: each 256 in transpose_k's order.
+void transpose_codes_k(const int8_t* q8, int8_t* kq, int64_t n) {
+  for (int64_t o = 0; o < n; o += 256) {
+    __m256i v[8], t[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + o + 32 * j));
+    transpose_k(v, t);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(kq + o + 32 * j), t[j]);
+  }
+}
 
 // One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
 // loop, so the same codes): scale, codes in their three layouts, the code sums.
@@ -476,7 +521,7 @@ bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
   M = rows, K = width;
   const int64_t nb = K / kBlock;
-  q8.resize(M * K), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
+  q8.resize(M * K), kq.resize(K % 256 == 0 ? M * K : 0), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
       s.resize(M * nb);
 #ifdef KVSERVE_X86
   if (cpu_has_avx2()) {
@@ -485,6 +530,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
         quantize_block_avx2(x + r * K + b * kBlock, d[r * nb + b], s[r * nb + b], q8.data() + r * K + b * kBlock,
                             q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16,
                             pairs.data() + (r * nb + b) * 256);
+    transpose_codes_k(q8.data(), kq.data(), static_cast<int64_t>(kq.size()));
     return;
   }
 #endif
