@@ -320,20 +320,46 @@ struct Q6_KRows {
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
     const __m256i sca = _mm256_cvtepi8_epi32(sc16), scb = _mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8));
     const __m256 dv = _mm256_set1_ps(d);
+    // many rows: the codes transposed (transpose_k) and their scales in the same lanes: dword
+    // lane m of tsc[g] is block 4g + m % 4's first-16 scale in the low half (t 0-3), second in the high
+    __m256i t[8], tsc[2];
+    if (R != 1) {
+      transpose_k(q, t);
+      for (int g = 0; g < 2; ++g) {
+        const char a = static_cast<char>(8 * g);
+        tsc[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+            sc16, _mm_setr_epi8(a, a, a + 2, a + 2, a + 4, a + 4, a + 6, a + 6, a + 1, a + 1, a + 3, a + 3, a + 5, a + 5,
+                                a + 7, a + 7)));
+      }
+    }
     const int64_t nbx = x.K / kBlock;
     for (int r = 0; r < nr; ++r) {
       const int64_t xb = (r0 + r) * nbx + 8 * sb;
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
       const __m256i* s16 = reinterpret_cast<const __m256i*>(x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb);
-      __m256i p[8];  // 8 int32 scaled pair sums each
-      for (int g = 0; g < 8; ++g) p[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256(xq + g)), scv[g]);
+      __m256i sum;  // [sum of block j's scaled products] j = 0..7 (exact)
+      if (R == 1) {
+        __m256i p[8];  // 8 int32 scaled pair sums each
+        for (int g = 0; g < 8; ++g) p[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256(xq + g)), scv[g]);
+        sum = sums8_epi32(p);
+      } else {  // the transposed codes (see Q4_KRows): vertical int32 adds
+        const __m256i* tx = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
+        __m256i half[2];
+        for (int g = 0; g < 2; ++g) {
+          half[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(tx + 4 * g)), tsc[g]);
+          for (int i = 1; i < 4; ++i)
+            half[g] = _mm256_add_epi32(half[g], _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i)), tsc[g]));
+        }
+        sum = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
+                               _mm256_permute2x128_si256(half[0], half[1], 0x31));
+      }
       // hadd of the 16 products: g order [0, 1, 4, 5 | 2, 3, 6, 7] -> [0 .. 7] by 64-bit permute
       const __m256i off = _mm256_permute4x64_epi64(
           _mm256_hadd_epi32(_mm256_mullo_epi32(sca, _mm256_loadu_si256(s16)),
                             _mm256_mullo_epi32(scb, _mm256_loadu_si256(s16 + 1))),
           0xD8);
       // exact: |dot| <= 32 * 63 * 127 * 128 + 32 * 32 * 127 * 128
-      const __m256i dot = _mm256_sub_epi32(sums8_epi32(p), _mm256_slli_epi32(off, 5));
+      const __m256i dot = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)), acc[r]);
     }
   }
