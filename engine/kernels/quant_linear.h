@@ -23,6 +23,7 @@ void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, i
 struct Q8Act {
   int64_t M = 0, K = 0;
   std::vector<int8_t> q8;    // [M, K] the codes
+  std::vector<int8_t> kq;    // [M, K] the codes per 256 in transpose_k's order (K % 256 == 0, AVX2 only)
   std::vector<int16_t> q16;  // [M, K] the codes as int16
   std::vector<int32_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32)
   std::vector<int8_t> pairs; // [M, K / 32, 8, 32] the codes as maddubs operands (see quant_linear_q8.cpp)

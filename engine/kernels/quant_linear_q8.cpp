@@ -66,15 +66,6 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-// Q4_K's 6-bit scale and min of sub-block j (as gguf's dequantize reads them).
-inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63, m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 bool cpu_has_avx2() {
 #ifdef KVSERVE_X86
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -198,35 +189,100 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 vectors of 8 int32 -> [sum(v[0]), ..., sum(v[7])] (exact).
+inline __m256i sums8_epi32(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The 8 32-byte blocks v[j] of a super-block as 4-byte groups v[j].t (k = 32 j + 4 t .. + 3)
+// -> out[4 g + i] = [v[4g].i v[4g+1].i v[4g+2].i v[4g+3].i | the same at t = i + 4]: a dword
+// lane then holds one block j = 4 g + lane % 4 (Q8Act::kq is the activations in this order).
+inline void transpose_k(const __m256i* v, __m256i* out) {
+  for (int g = 0; g < 2; ++g) {
+    const __m256i* w = v + 4 * g;
+    const __m256i a0 = _mm256_unpacklo_epi32(w[0], w[1]), a1 = _mm256_unpackhi_epi32(w[0], w[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(w[2], w[3]), a3 = _mm256_unpackhi_epi32(w[2], w[3]);
+    out[4 * g] = _mm256_unpacklo_epi64(a0, a2), out[4 * g + 1] = _mm256_unpackhi_epi64(a0, a2);
+    out[4 * g + 2] = _mm256_unpacklo_epi64(a1, a3), out[4 * g + 3] = _mm256_unpackhi_epi64(a1, a3);
+  }
+}
+
+// Q4_K's 8 6-bit sub-block scales and mins (as gguf's dequantize reads them) times d and dmin,
+// unpacked as 32-bit words: words 0-1 the 8 scales, 2-3 the 8 mins, one byte each.
+inline void q4_k_scales(const uint8_t* b, __m256& dsc, __m256& dm) {
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  uint32_t s[3], u[4];
+  std::memcpy(s, b + 4, 12);
+  u[0] = s[0] & k6;
+  u[1] = (s[2] & k4) | (((s[0] >> 6) & k2) << 4);
+  u[2] = s[1] & k6;
+  u[3] = ((s[2] >> 4) & k4) | (((s[1] >> 6) & k2) << 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  dsc = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+  dm = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+
+// One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
+// scales are unpacked once and every row is dotted from registers, so a pass over the weights
+// serves up to kKRows rows. Per row the 8 integer dot products of the 32-blocks are reduced
+// exactly to one int32 vector [I_0 .. I_7] (int16 / int32 horizontal adds, no overflow), then
+// converted and scaled with one fmadd: acc += I * (weight scale * activation scale), lane j
+// for 32-block j; each row's result is independent of the other rows in the pass.
 // (prefetch_ahead: the weights kPrefetch bytes on; rows n, n + 1, ... are contiguous)
 struct Q4_KRows {
   static constexpr int64_t kBytes = kQ4_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
-                           float* corr) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    float dsc[8], dm[8];
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      k_scale_min(b + 4, j, sc, m);
-      dsc[j] = d * static_cast<float>(sc), dm[j] = dmin * static_cast<float>(m);
-    }
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
+                           __m256* corr) {
+    const int nr = R ? R : rn;
+    __m256 dscv, dmv;  // d * sc_j, dmin * m_j
+    q4_k_scales(b, dscv, dmv);
+    const __m256i mask = _mm256_set1_epi8(15);
     __m256i q[8];
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
       q[2 * c] = _mm256_and_si256(v, mask);
       q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
-      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
-      for (int j = 0; j < 8; ++j) {
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j))), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dsc[j] * x.d[xb + j]), acc[r]);
-        corr[r] += dm[j] * x.s[xb + j];
+    const int64_t nbx = x.K / kBlock;
+    if (R == 1) {  // one row: three levels of int16 horizontal adds, cheaper than transposing the codes
+      const int64_t xb = r0 * nbx + 8 * sb;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + r0 * x.K + 256 * sb);
+      __m256i u[8];  // 16 int16 pair sums each, |.| <= 2 * 15 * 127
+      for (int j = 0; j < 8; ++j) u[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(xq + j));
+      // lane half h of u[j] -> int16 j of half h (|.| <= 30480)
+      const __m256i h = _mm256_hadd_epi16(
+          _mm256_hadd_epi16(_mm256_hadd_epi16(u[0], u[1]), _mm256_hadd_epi16(u[2], u[3])),
+          _mm256_hadd_epi16(_mm256_hadd_epi16(u[4], u[5]), _mm256_hadd_epi16(u[6], u[7])));
+      const __m256i dot = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)),
+                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
+      const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
+      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[0]);
+      corr[0] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[0]);
+      return;
+    }
+    // many rows: transpose the codes once (transpose_k), so that with Q8Act::kq each row's dot
+    // products are vertical adds: the same exact integers as the one-row path
+    __m256i t[8];
+    transpose_k(q, t);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < nr; ++r) {
+      const int64_t xb = (r0 + r) * nbx + 8 * sb;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
+      __m256i half[2];  // [I_4g .. I_4g+3 (t 0-3) | the same (t 4-7)] for g = 0, 1
+      for (int g = 0; g < 2; ++g) {
+        __m256i u = _mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(xq + 4 * g));
+        for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 15 * 127
+          u = _mm256_add_epi16(u, _mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(xq + 4 * g + i)));
+        half[g] = _mm256_madd_epi16(u, ones);
       }
+      const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
+                                           _mm256_permute2x128_si256(half[0], half[1], 0x31));
+      const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[r]);
+      corr[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[r]);
     }
   }
 };
@@ -234,8 +290,9 @@ struct Q4_KRows {
 struct Q6_KRows {
   static constexpr int64_t kBytes = kQ6_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int64_t sb, __m256* acc,
-                           float* corr) {
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
+                           __m256*) {
+    const int nr = R ? R : rn;
     const float d = half_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
@@ -251,52 +308,94 @@ struct Q6_KRows {
       q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
       q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
       q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
-      for (int g = 0; g < 4; ++g)  // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1]
-        scv[4 * h + g] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * g + 1]), _mm_set1_epi16(sc[8 * h + 2 * g]));
+      // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1] (int16 lanes, by one shuffle)
+      const __m256i w = _mm256_broadcastsi128_si256(
+          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+      const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+      for (int g = 0; g < 4; ++g)
+        scv[4 * h + g] = _mm256_shuffle_epi8(w, _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<char>(4 * g))));
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * (x.K / kBlock) + 8 * sb;
-      const int8_t* xq = x.q8.data() + (r0 + r) * x.K + 256 * sb;
-      const int32_t* s16 = x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb;
-      for (int g = 0; g < 8; ++g) {
-        const int h = g / 4, i = 8 * h + 2 * (g % 4);
-        const __m256i p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(q[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * g))), scv[g]);
-        const float ddx = d * x.d[xb + g];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddx), acc[r]);
-        corr[r] += ddx * static_cast<float>(32 * (sc[i] * s16[2 * g] + sc[i + 1] * s16[2 * g + 1]));
+    // the 16 scales as int32, for the -32 offset: 32 * (sc[2g] * S[2g] + sc[2g + 1] * S[2g + 1])
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sca = _mm256_cvtepi8_epi32(sc16), scb = _mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8));
+    const __m256 dv = _mm256_set1_ps(d);
+    // many rows: the codes transposed (transpose_k) and their scales in the same lanes: dword
+    // lane m of tsc[g] is block 4g + m % 4's first-16 scale in the low half (t 0-3), second in the high
+    __m256i t[8], tsc[2];
+    if (R != 1) {
+      transpose_k(q, t);
+      for (int g = 0; g < 2; ++g) {
+        const char a = static_cast<char>(8 * g);
+        tsc[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+            sc16, _mm_setr_epi8(a, a, a + 2, a + 2, a + 4, a + 4, a + 6, a + 6, a + 1, a + 1, a + 3, a + 3, a + 5, a + 5,
+                                a + 7, a + 7)));
       }
+    }
+    const int64_t nbx = x.K / kBlock;
+    for (int r = 0; r < nr; ++r) {
+      const int64_t xb = (r0 + r) * nbx + 8 * sb;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
+      const __m256i* s16 = reinterpret_cast<const __m256i*>(x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb);
+      __m256i sum;  // [sum of block j's scaled products] j = 0..7 (exact)
+      if (R == 1) {
+        __m256i p[8];  // 8 int32 scaled pair sums each
+        for (int g = 0; g < 8; ++g) p[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256(xq + g)), scv[g]);
+        sum = sums8_epi32(p);
+      } else {  // the transposed codes (see Q4_KRows): vertical int32 adds
+        const __m256i* tx = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
+        __m256i half[2];
+        for (int g = 0; g < 2; ++g) {
+          half[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(tx + 4 * g)), tsc[g]);
+          for (int i = 1; i < 4; ++i)
+            half[g] = _mm256_add_epi32(half[g], _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i)), tsc[g]));
+        }
+        sum = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
+                               _mm256_permute2x128_si256(half[0], half[1], 0x31));
+      }
+      // hadd of the 16 products: g order [0, 1, 4, 5 | 2, 3, 6, 7] -> [0 .. 7] by 64-bit permute
+      const __m256i off = _mm256_permute4x64_epi64(
+          _mm256_hadd_epi32(_mm256_mullo_epi32(sca, _mm256_loadu_si256(s16)),
+                            _mm256_mullo_epi32(scb, _mm256_loadu_si256(s16 + 1))),
+          0xD8);
+      // exact: |dot| <= 32 * 63 * 127 * 128 + 32 * 32 * 127 * 128
+      const __m256i dot = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)), acc[r]);
     }
   }
 };
 
-// Output features [n0, n1) for rows [r0, r0 + R): out[r * ldo + n].
+constexpr int kKRows = 16;  // rows per pass over the K-quant rows: the weights leave DRAM once per 16 rows
+
+// Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
+// or 0): out[r * ldo + n]. Feature n's row of super-blocks (<= a few KB) is read once from
+// memory and each super-block serves every row.
 template <typename Format, int R>
-void rows_q8(const kvserve::Q8Act& x, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+             int64_t ldo) {
+  const int nr = R ? R : rn;
   const int64_t nb = x.K / 256;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];
-    float corr[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    __m256 acc[R ? R : kKRows], corr[R ? R : kKRows];
+    for (int r = 0; r < nr; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
     const uint8_t* row = w + n * nb * Format::kBytes;
     for (int64_t sb = 0; sb < nb; ++sb) {
       prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
-      Format::template block<R>(row + sb * Format::kBytes, x, r0, sb, acc, corr);
+      Format::template block<R>(row + sb * Format::kBytes, x, r0, nr, sb, acc, corr);
     }
-    for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) - corr[r];
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum(_mm256_sub_ps(acc[r], corr[r]));
   }
 }
 
 template <typename Format>
 void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  for (int64_t r = 0; r < x.M; r += 4) {
+  for (int64_t r = 0; r < x.M; r += kKRows) {
     float* o = out + r * ldo;
-    switch (std::min<int64_t>(4, x.M - r)) {
-      case 4: rows_q8<Format, 4>(x, r, w, n0, n1, o, ldo); break;
-      case 3: rows_q8<Format, 3>(x, r, w, n0, n1, o, ldo); break;
-      case 2: rows_q8<Format, 2>(x, r, w, n0, n1, o, ldo); break;
-      default: rows_q8<Format, 1>(x, r, w, n0, n1, o, ldo); break;
-    }
+    const int rn = static_cast<int>(std::min<int64_t>(kKRows, x.M - r));
+    if (rn == 1)
+      rows_q8<Format, 1>(x, r, 1, w, n0, n1, o, ldo);
+    else
+      rows_q8<Format, 0>(x, r, rn, w, n0, n1, o, ldo);
   }
 }
 
@@ -312,6 +411,16 @@ struct Q8_0Kernel {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
 };
+
+// Q8Act::kq from the codes q8: each 256 in transpose_k's order.
+void transpose_codes_k(const int8_t* q8, int8_t* kq, int64_t n) {
+  for (int64_t o = 0; o < n; o += 256) {
+    __m256i v[8], t[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + o + 32 * j));
+    transpose_k(v, t);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(kq + o + 32 * j), t[j]);
+  }
+}
 
 // One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
 // loop, so the same codes): scale, codes in their three layouts, the code sums.
@@ -438,7 +547,7 @@ bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
   M = rows, K = width;
   const int64_t nb = K / kBlock;
-  q8.resize(M * K), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
+  q8.resize(M * K), kq.resize(K % 256 == 0 ? M * K : 0), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
       s.resize(M * nb);
 #ifdef KVSERVE_X86
   if (cpu_has_avx2()) {
@@ -447,6 +556,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
         quantize_block_avx2(x + r * K + b * kBlock, d[r * nb + b], s[r * nb + b], q8.data() + r * K + b * kBlock,
                             q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16,
                             pairs.data() + (r * nb + b) * 256);
+    transpose_codes_k(q8.data(), kq.data(), static_cast<int64_t>(kq.size()));
     return;
   }
 #endif

@@ -44,7 +44,7 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d.reshape(m, k // 32)
 
 
-# the formats with an int8 kernel: Q4_1 / Q8_0 strips (8 rows per pass), Q4_K / Q6_K rows (4 per pass)
+# the formats with an int8 kernel: Q4_1 / Q8_0 strips (8 rows per pass), Q4_K / Q6_K rows (16 per pass)
 INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K]
 
 
@@ -69,9 +69,30 @@ def test_quantizer_matches_the_reference():
 
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])  # rows per pass 8 (strips) / 4 (rows), and remainders
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])  # rows per pass 8 (strips) / 16 (rows), and remainders
 @pytest.mark.parametrize("out_features", [37, 64])  # 37: the last strip of 8 columns is partial
 def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(fmt, rows, out_features):
+    check_against_oracle(fmt, rows, out_features)
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K])
+@pytest.mark.parametrize("rows", [16, 33])  # one full pass of 16 rows; two and a single-row remainder
+def test_row_kernels_at_a_full_pass_and_beyond(fmt, rows):
+    check_against_oracle(fmt, rows, 37)
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_pass(fmt):
+    """Each row runs the same operations in the same order whatever the row count (single-row
+    and many-row code paths alike), so batching never changes a sequence's logits."""
+    packed, _ = random_matrix(fmt, 40, 512, seed=3)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(3))
+    together = torch.ops.kvserve.gguf_linear_q8(x, packed, 40, int(fmt))
+    for r in (0, 7, 15, 16, 32):
+        assert torch.equal(together[r], torch.ops.kvserve.gguf_linear_q8(x[r : r + 1], packed, 40, int(fmt))[0])
+
+
+def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None:
     packed, dense = random_matrix(fmt, out_features, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     got = torch.ops.kvserve.gguf_linear_q8(x, packed, out_features, int(fmt))
