@@ -559,28 +559,35 @@ void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   }
   const int64_t nb = K / Format::kWeights;
   alignas(32) float y[256];
-  std::vector<__m256> acc(4 * M);
+  // Float storage, unaligned vector access: GCC drops __m256's alignment in a template argument,
+  // so a std::vector<__m256> may be only 16-byte aligned (aligned stores then fault).
+  std::vector<float> acc(32 * M);
   for (int64_t n = n0; n < n1; ++n) {
-    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t b = 0; b < nb; b += chunk_blocks<Format>()) {
       const int64_t cnt = std::min(chunk_blocks<Format>(), nb - b), len = cnt * Format::kWeights;
       for (int64_t i = 0; i < cnt; ++i)
         decode_avx2<Format>(w + (n * nb + b + i) * Format::kBytes, y + i * Format::kWeights);
       for (int64_t r = 0; r < M; ++r) {
         const float* xr = x + r * K + b * Format::kWeights;
-        __m256 a0 = acc[4 * r], a1 = acc[4 * r + 1], a2 = acc[4 * r + 2], a3 = acc[4 * r + 3];
+        float* ar = acc.data() + 32 * r;
+        __m256 a0 = _mm256_loadu_ps(ar), a1 = _mm256_loadu_ps(ar + 8), a2 = _mm256_loadu_ps(ar + 16),
+               a3 = _mm256_loadu_ps(ar + 24);
         for (int64_t k = 0; k < len; k += 32) {
           a0 = _mm256_fmadd_ps(_mm256_load_ps(y + k), _mm256_loadu_ps(xr + k), a0);
           a1 = _mm256_fmadd_ps(_mm256_load_ps(y + k + 8), _mm256_loadu_ps(xr + k + 8), a1);
           a2 = _mm256_fmadd_ps(_mm256_load_ps(y + k + 16), _mm256_loadu_ps(xr + k + 16), a2);
           a3 = _mm256_fmadd_ps(_mm256_load_ps(y + k + 24), _mm256_loadu_ps(xr + k + 24), a3);
         }
-        acc[4 * r] = a0, acc[4 * r + 1] = a1, acc[4 * r + 2] = a2, acc[4 * r + 3] = a3;
+        _mm256_storeu_ps(ar, a0), _mm256_storeu_ps(ar + 8, a1), _mm256_storeu_ps(ar + 16, a2),
+            _mm256_storeu_ps(ar + 24, a3);
       }
     }
-    for (int64_t r = 0; r < M; ++r)
-      out[r * ldo + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
-                                          _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3])));
+    for (int64_t r = 0; r < M; ++r) {
+      const float* ar = acc.data() + 32 * r;
+      out[r * ldo + n] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(ar), _mm256_loadu_ps(ar + 8)),
+                                          _mm256_add_ps(_mm256_loadu_ps(ar + 16), _mm256_loadu_ps(ar + 24))));
+    }
   }
 }
 
