@@ -599,15 +599,7 @@ void decode_row_avx2(const uint8_t* row, int64_t nb, float* y) {
 #pragma GCC pop_options
 #endif
 
-bool has_avx2() {
-#ifdef KVSERVE_X86
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c") && !std::getenv("KVSERVE_PORTABLE_KERNELS");
-  return yes;
-#else
-  return false;
-#endif
-}
+bool has_avx2() { return kvserve::cpu_has_avx2(); }
 
 template <typename Format>
 void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1, float* out,
@@ -836,6 +828,16 @@ at::Tensor gguf_linear_panels(const at::Tensor& x, const at::Tensor& packed, int
 std::string gguf_kernel_isa() { return has_avx2() ? "avx2" : "portable"; }
 
 }  // namespace
+
+bool kvserve::cpu_has_avx2() {
+#ifdef KVSERVE_X86
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c") && !std::getenv("KVSERVE_PORTABLE_KERNELS");
+  return yes;
+#else
+  return false;
+#endif
+}
 
 void kvserve::gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
                                 int64_t n0, int64_t n1, float* out, int64_t ldo) {

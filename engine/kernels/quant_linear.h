@@ -32,6 +32,10 @@ struct Q8Act {
   void quantize(const float* x, int64_t M, int64_t K);
 };
 
+// Whether this CPU runs the AVX2 kernels (AVX2, FMA and F16C, and KVSERVE_PORTABLE_KERNELS unset);
+// both block-matmul sources choose their path by it.
+bool cpu_has_avx2();
+
 // Whether gguf_linear_q8_range runs `format` on this CPU (AVX2 and a format it has a kernel
 // for); where not, callers multiply the fp32 activations (gguf_linear_range).
 bool q8_supported(int64_t format);

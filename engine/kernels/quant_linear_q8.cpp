@@ -66,15 +66,7 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-bool cpu_has_avx2() {
-#ifdef KVSERVE_X86
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c") && !std::getenv("KVSERVE_PORTABLE_KERNELS");
-  return yes;
-#else
-  return false;
-#endif
-}
+using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both sources
 
 #ifdef KVSERVE_X86
 #pragma GCC push_options
