@@ -228,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.linear_backend = "aten"
         self.decode_path = "python"  # see select_decode_path
         self._native_layers: list[tuple] = []  # decode_layer's constant arguments per layer
+        self._native_stack: Any = None  # those layers bound in one torch.classes.kvserve.DecodeStack
         self.native_max_rows = 0
         # "none" | "int8" (ModelConfig.activation_quant): read by select_linear_backend
         self.activation_quant = "none"
@@ -345,11 +346,15 @@ class LlamaForCausalLM(nn.Module):
 
     def _bind_native_decode(self) -> None:
         if self.decode_path != "native":
-            self._native_layers, self.native_max_rows = [], 0
+            self._native_layers, self.native_max_rows, self._native_stack = [], 0, None
             return
         bound = [layer.native_decode_args() for layer in self.layers]
         self._native_layers = [args for args, _ in bound]
         self.native_max_rows = min(rows for _, rows in bound)
+        a = self.arch
+        self._native_stack = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
+        for args in self._native_layers:
+            self._native_stack.add_layer(*args)
 
     def _runs_native(self, meta: AttentionMetadata, rows: int, kv_caches: list) -> bool:
         """Whether this step takes the native decode path (see select_decode_path)."""
@@ -361,10 +366,10 @@ class LlamaForCausalLM(nn.Module):
         group = meta.decode_groups[0]
         cos, sin = self.rope_cos[positions], self.rope_sin_signed[positions]
         table, lens = group.block_table.contiguous(), group.context_lens
-        heads, scale = self.arch.num_heads, self.arch.head_dim ** -0.5
-        for args, (k_cache, v_cache) in zip(self._native_layers, kv_caches):
-            torch.ops.kvserve.decode_layer(x, *args, cos, sin, k_cache, v_cache, meta.slot_mapping, table, lens,
-                                           heads, scale, self.activation_quant == "int8")
+        # every layer in one call and one OpenMP region (decode_layer.cpp DecodeStack): the
+        # same arithmetic as one torch.ops.kvserve.decode_layer call per layer
+        self._native_stack.run(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+                               table, lens, self.arch.head_dim ** -0.5, self.activation_quant == "int8")
         return x
 
     @torch.no_grad()

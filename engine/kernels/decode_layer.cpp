@@ -13,6 +13,7 @@
 // The results equal engine/model.py's DecoderLayer.forward up to fp32 summation order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -147,10 +148,181 @@ const float* optional_data(const std::optional<at::Tensor>& t, int64_t n, const 
   return t->data_ptr<float>();
 }
 
-// x [B, hidden] (updated in place: the layer's output); cos/sin [B, head_dim] (the rows of the
-// RoPE tables at each row's position, sin sign-adjusted); k_cache/v_cache [blocks, block_size,
-// kv_heads, head_dim]; slots [B] the flat slot of each new token; block_tables [B, W] and
-// context_lens [B] (the new token included) as paged_decode_attention takes them.
+// One decoder layer's weights, checked once: the norms, the four (fused) matrices, the biases.
+// Points into tensors its owner keeps alive (decode_layer's arguments, or DecodeStack::keep).
+struct LayerWeights {
+  const float *input_norm = nullptr, *post_norm = nullptr, *qkv_bias = nullptr, *o_bias = nullptr;
+  float eps = 0.f;
+  Matrix qkv, o, gate_up, down;
+  int64_t hidden = 0, I = 0;
+};
+
+LayerWeights make_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, at::TensorList qkv_w,
+                        at::IntArrayRef qkv_rows, at::IntArrayRef qkv_formats, const std::optional<at::Tensor>& qkv_bias,
+                        at::TensorList o_w, at::IntArrayRef o_rows, at::IntArrayRef o_formats,
+                        const std::optional<at::Tensor>& o_bias, at::TensorList gate_up_w, at::IntArrayRef gate_up_rows,
+                        at::IntArrayRef gate_up_formats, at::TensorList down_w, at::IntArrayRef down_rows,
+                        at::IntArrayRef down_formats, int64_t hidden, int64_t H, int64_t KVH, int64_t D) {
+  TORCH_CHECK(H >= KVH && KVH >= 1 && H % KVH == 0 && D % 2 == 0, "num_heads must be a multiple of the kv heads");
+  const int64_t q_size = H * D, kv_size = KVH * D;
+  LayerWeights l;
+  l.hidden = hidden;
+  l.qkv = make_matrix(qkv_w, qkv_rows, qkv_formats, hidden, "qkv");
+  l.o = make_matrix(o_w, o_rows, o_formats, q_size, "o_proj");
+  l.gate_up = make_matrix(gate_up_w, gate_up_rows, gate_up_formats, hidden, "gate_up");
+  l.I = l.gate_up.N / 2;
+  l.down = make_matrix(down_w, down_rows, down_formats, l.I, "down");
+  TORCH_CHECK(l.qkv.N == q_size + 2 * kv_size && l.o.N == hidden && l.gate_up.N == 2 * l.I && l.down.N == hidden,
+              "weight shapes do not match hidden ", hidden, ", ", H, "/", KVH, " heads of ", D);
+  TORCH_CHECK(l.I % 8 == 0, "the intermediate size must be a multiple of 8 (up starts a strip)");
+  TORCH_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden && input_norm.is_contiguous() &&
+                  post_norm.is_contiguous() && input_norm.scalar_type() == at::kFloat &&
+                  post_norm.scalar_type() == at::kFloat, "the norms must be contiguous float32 [hidden]");
+  l.input_norm = input_norm.data_ptr<float>();
+  l.post_norm = post_norm.data_ptr<float>();
+  l.qkv_bias = optional_data(qkv_bias, l.qkv.N, "qkv_bias");
+  l.o_bias = optional_data(o_bias, hidden, "o_bias");
+  l.eps = static_cast<float>(eps);
+  return l;
+}
+
+// What one decode step gives every layer: the rows, their RoPE rows, slots and block tables.
+struct StepInputs {
+  float* x;  // [B, hidden], updated in place layer by layer
+  int64_t B, H, KVH, D, block_size, W;
+  const float *cos, *sin;
+  const int64_t *slots, *tables, *lens;
+  float scale;
+  bool int8_activations;
+};
+
+// x [B, hidden]; cos/sin [B, head_dim] (the rows of the RoPE tables at each row's position,
+// sin sign-adjusted); a cache [blocks, block_size, kv_heads, head_dim]; slots [B] the flat slot
+// of each new token; block_tables [B, W] and context_lens [B] (the new token included) as
+// paged_decode_attention takes them. Checks them against each other and the pool.
+StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     int64_t num_heads, double scale, bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous(),
+              "the caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim] of one shape");
+  const int64_t B = x.size(0), block_size = k_cache.size(1), D = k_cache.size(3);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "cos/sin must be contiguous float32 [B, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && slots.is_contiguous() &&
+                  context_lens.scalar_type() == at::kLong && context_lens.numel() == B && context_lens.is_contiguous() &&
+                  block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                  block_tables.is_contiguous(), "slots, block_tables and context_lens must be int64, one row per token");
+  const int64_t W = block_tables.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < num_slots, "slot ", sp[b], " is outside the pool");
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * block_size, "a context is empty or longer than its block table");
+  }
+  return {x.data_ptr<float>(), B, num_heads, k_cache.size(2), D, block_size, W, cos.data_ptr<float>(),
+          sin.data_ptr<float>(), sp, block_tables.data_ptr<int64_t>(), lp, static_cast<float>(scale), int8_activations};
+}
+
+void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.sizes() == like.sizes() &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim] of one shape");
+}
+
+// The step's buffers between phases, shared by the threads: sized for the largest layer.
+struct SharedScratch {
+  std::vector<float> data;
+  float *qkv, *attn, *tmp, *gu, *act;  // [B, qkv.N], [B, q_size], [B, hidden] O / down products, [B, 2I], [B, I]
+  void size_for(const LayerWeights& l, const StepInputs& in) {
+    const int64_t B = in.B, q_size = in.H * in.D;
+    data.resize(B * (l.qkv.N + q_size + l.hidden + 3 * l.I));
+    qkv = data.data(), attn = qkv + B * l.qkv.N, tmp = attn + B * q_size, gu = tmp + B * l.hidden, act = gu + B * 2 * l.I;
+  }
+};
+
+// One thread's buffers.
+struct ThreadScratch {
+  std::vector<float> y, head, scores, acc;
+  kvserve::Q8Act qx;
+};
+
+// One layer, run by every thread of the enclosing parallel region; ends with a barrier, after
+// which in.x holds the layer's output. `s` must be sized for this layer (SharedScratch::size_for,
+// before the region).
+//
+// Four barriers: each phase reads what all threads wrote in the one before it. The norms are
+// computed by every thread into its own copy (no barrier of their own); a row's RoPE and KV
+// write happen in the attention job that reads them; SiLU * up in the gate/up chunk that
+// computed both halves.
+void run_layer(const LayerWeights& l, const StepInputs& in, float* kp, float* vp, const SharedScratch& s,
+               ThreadScratch& ts) {
+  const int64_t B = in.B, hidden = l.hidden, I = l.I, H = in.H, KVH = in.KVH, D = in.D, G = H / KVH;
+  const int64_t q_size = H * D;
+  float* xp = in.x;
+  const kvserve::Pool<float> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
+  ts.y.resize(B * hidden), ts.head.resize(D), ts.acc.resize(G * D);
+  // int8_activations: each matmul input is quantized once per thread (a few microseconds;
+  // cheaper than another barrier) for the parts that have an int8 kernel
+  const auto quantized = [&](const Matrix& m, const float* x, int64_t K) -> const kvserve::Q8Act* {
+    if (!in.int8_activations || !any_q8(m)) return nullptr;
+    ts.qx.quantize(x, B, K);
+    return &ts.qx;
+  };
+  const auto add_residual = [&](const float* bias) {
+    return [&, bias](int64_t n0, int64_t n1) {
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t n = n0; n < n1; ++n) xp[r * hidden + n] += bias ? s.tmp[r * hidden + n] + bias[n] : s.tmp[r * hidden + n];
+    };
+  };
+  // bias, then RoPE (q and k heads), of head h of row b's fused qkv output
+  const auto prepare_head = [&](int64_t b, int64_t h) {
+    float* v = s.qkv + b * l.qkv.N + h * D;
+    if (l.qkv_bias)
+      for (int64_t i = 0; i < D; ++i) v[i] += l.qkv_bias[h * D + i];
+    if (h < H + KVH) rope(v, in.cos + b * D, in.sin + b * D, D, ts.head.data());
+    return v;
+  };
+
+  float* y = ts.y.data();
+  rms_norm(xp, l.input_norm, B, hidden, l.eps, y);
+  matmul(l.qkv, y, B, s.qkv, [](int64_t, int64_t) {}, quantized(l.qkv, y, hidden));
+  // attention: one job per (row, kv head): its G query heads, its key and value
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t job = 0; job < B * KVH; ++job) {
+    const int64_t b = job / KVH, g = job % KVH;
+    for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h);
+    const float* k = prepare_head(b, H + g);
+    const float* v = prepare_head(b, H + KVH + g);
+    std::copy(k, k + D, kp + (in.slots[b] * KVH + g) * D);
+    std::copy(v, v + D, vp + (in.slots[b] * KVH + g) * D);
+    const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
+    ts.scores.resize(G * lay.len);
+    kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
+                    ts.acc.data(), s.attn + b * q_size);
+  }
+  matmul(l.o, s.attn, B, s.tmp, add_residual(l.o_bias), quantized(l.o, s.attn, q_size));
+  rms_norm(xp, l.post_norm, B, hidden, l.eps, y);
+  const kvserve::Q8Act* qy = quantized(l.gate_up, y, hidden);
+  // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t c = 0; c < (I + kChunk - 1) / kChunk; ++c) {
+    const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
+    matmul_range(l.gate_up, y, B, j0, j1, s.gu, 2 * I, qy);
+    matmul_range(l.gate_up, y, B, I + j0, I + j1, s.gu, 2 * I, qy);
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t j = j0; j < j1; ++j) {
+        const float gate = s.gu[r * 2 * I + j];
+        s.act[r * I + j] = gate / (1.f + std::exp(-gate)) * s.gu[r * 2 * I + I + j];
+      }
+  }
+  matmul(l.down, s.act, B, s.tmp, add_residual(nullptr), quantized(l.down, s.act, I));
+}
+
+// One layer of a decode step (see the file comment); x is updated in place. The weights'
+// arguments are those of engine/model.py DecoderLayer.native_decode_args.
 void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                   at::TensorList qkv_w, at::IntArrayRef qkv_rows, at::IntArrayRef qkv_formats,
                   const std::optional<at::Tensor>& qkv_bias, at::TensorList o_w, at::IntArrayRef o_rows,
@@ -160,127 +332,91 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, double scale,
                   bool int8_activations) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "the caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim] of one shape");
-  const int64_t B = x.size(0), hidden = x.size(1);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), H = num_heads;
-  TORCH_CHECK(H >= KVH && H % KVH == 0 && D % 2 == 0, "num_heads must be a multiple of the kv heads");
-  const int64_t G = H / KVH, q_size = H * D, kv_size = KVH * D, num_slots = k_cache.size(0) * block_size;
-  const Matrix qkv = make_matrix(qkv_w, qkv_rows, qkv_formats, hidden, "qkv");
-  const Matrix o = make_matrix(o_w, o_rows, o_formats, q_size, "o_proj");
-  const Matrix gate_up = make_matrix(gate_up_w, gate_up_rows, gate_up_formats, hidden, "gate_up");
-  const int64_t I = gate_up.N / 2;
-  const Matrix down = make_matrix(down_w, down_rows, down_formats, I, "down");
-  TORCH_CHECK(qkv.N == q_size + 2 * kv_size && o.N == hidden && gate_up.N == 2 * I && down.N == hidden,
-              "weight shapes do not match hidden ", hidden, ", ", H, "/", KVH, " heads of ", D);
-  TORCH_CHECK(I % 8 == 0, "the intermediate size must be a multiple of 8 (up starts a strip)");
-  TORCH_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden && input_norm.is_contiguous() &&
-                  post_norm.is_contiguous() && input_norm.scalar_type() == at::kFloat &&
-                  post_norm.scalar_type() == at::kFloat, "the norms must be contiguous float32 [hidden]");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat, "cos/sin must be contiguous float32 [B, head_dim]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && slots.is_contiguous() &&
-                  context_lens.scalar_type() == at::kLong && context_lens.numel() == B && context_lens.is_contiguous() &&
-                  block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
-                  block_tables.is_contiguous(), "slots, block_tables and context_lens must be int64, one row per token");
-  const float* qkv_b = optional_data(qkv_bias, qkv.N, "qkv_bias");
-  const float* o_b = optional_data(o_bias, hidden, "o_bias");
-  const int64_t W = block_tables.size(1);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* lp = context_lens.data_ptr<int64_t>();
-  const int64_t* tp = block_tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < num_slots, "slot ", sp[b], " is outside the pool");
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * block_size, "a context is empty or longer than its block table");
-  }
-
-  float* xp = x.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  const kvserve::Pool<float> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
-  const float *in_w = input_norm.data_ptr<float>(), *post_w = post_norm.data_ptr<float>();
+  const StepInputs in = make_step(x, cos, sin, k_cache, slots, block_tables, context_lens, num_heads, scale,
+                                  int8_activations);
+  check_cache_pair(k_cache, v_cache, k_cache);
+  const LayerWeights l = make_layer(input_norm, post_norm, eps, qkv_w, qkv_rows, qkv_formats, qkv_bias, o_w, o_rows,
+                                    o_formats, o_bias, gate_up_w, gate_up_rows, gate_up_formats, down_w, down_rows,
+                                    down_formats, x.size(1), in.H, in.KVH, in.D);
   // scratch, reused across calls (one decode step runs layer after layer on one thread)
-  static thread_local std::vector<float> scratch;
-  scratch.resize(B * (qkv.N + q_size + hidden + 2 * I + I));
-  float* qkvb = scratch.data();       // [B, qkv.N]
-  float* attn = qkvb + B * qkv.N;     // [B, q_size]
-  float* tmp = attn + B * q_size;     // [B, hidden] O / down products
-  float* gu = tmp + B * hidden;       // [B, 2I]
-  float* act = gu + B * 2 * I;        // [B, I]
-  const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
-  // int8_activations: each matmul input is quantized once per thread (a few microseconds;
-  // cheaper than another barrier) for the parts that have an int8 kernel
-  const bool q_qkv = int8_activations && any_q8(qkv), q_o = int8_activations && any_q8(o),
-             q_gate_up = int8_activations && any_q8(gate_up), q_down = int8_activations && any_q8(down);
-  const auto add_residual = [&](const float* bias) {
-    return [&, bias](int64_t n0, int64_t n1) {
-      for (int64_t r = 0; r < B; ++r)
-        for (int64_t n = n0; n < n1; ++n) xp[r * hidden + n] += bias ? tmp[r * hidden + n] + bias[n] : tmp[r * hidden + n];
-    };
-  };
-  // bias, then RoPE (q and k heads), of head h of row b's fused qkv output
-  const auto prepare_head = [&](int64_t b, int64_t h, float* scratch) {
-    float* v = qkvb + b * qkv.N + h * D;
-    if (qkv_b)
-      for (int64_t i = 0; i < D; ++i) v[i] += qkv_b[h * D + i];
-    if (h < H + KVH) rope(v, cp + b * D, snp + b * D, D, scratch);
-    return v;
-  };
-
-  // Four barriers: each phase reads what all threads wrote in the one before it. The norms
-  // are computed by every thread into its own copy (no barrier of their own); a row's RoPE
-  // and KV write happen in the attention job that reads them; SiLU * up in the gate/up chunk
-  // that computed both halves.
+  // (a thread_local named inside the region would be each thread's own: pass the caller's by address)
+  static thread_local SharedScratch scratch;
+  SharedScratch* shared = &scratch;
+  shared->size_for(l, in);
+  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> y(B * hidden), head(D), scores, acc(G * D);
-    static thread_local kvserve::Q8Act qx;
-    const auto quantized = [&](bool on, const float* in, int64_t K) -> const kvserve::Q8Act* {
-      if (!on) return nullptr;
-      qx.quantize(in, B, K);
-      return &qx;
-    };
-    rms_norm(xp, in_w, B, hidden, feps, y.data());
-    matmul(qkv, y.data(), B, qkvb, [](int64_t, int64_t) {}, quantized(q_qkv, y.data(), hidden));
-    // attention: one job per (row, kv head): its G query heads, its key and value
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t job = 0; job < B * KVH; ++job) {
-      const int64_t b = job / KVH, g = job % KVH;
-      for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h, head.data());
-      const float* k = prepare_head(b, H + g, head.data());
-      const float* v = prepare_head(b, H + KVH + g, head.data());
-      std::copy(k, k + D, kp + (sp[b] * KVH + g) * D);
-      std::copy(v, v + D, vp + (sp[b] * KVH + g) * D);
-      const kvserve::Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
-      scores.resize(G * lay.len);
-      kvserve::attend(qkvb + b * qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, fscale, scores.data(), acc.data(),
-                      attn + b * q_size);
-    }
-    matmul(o, attn, B, tmp, add_residual(o_b), quantized(q_o, attn, q_size));
-    rms_norm(xp, post_w, B, hidden, feps, y.data());
-    const kvserve::Q8Act* qy = quantized(q_gate_up, y.data(), hidden);
-    // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < (I + kChunk - 1) / kChunk; ++c) {
-      const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
-      matmul_range(gate_up, y.data(), B, j0, j1, gu, 2 * I, qy);
-      matmul_range(gate_up, y.data(), B, I + j0, I + j1, gu, 2 * I, qy);
-      for (int64_t r = 0; r < B; ++r)
-        for (int64_t j = j0; j < j1; ++j) {
-          const float gate = gu[r * 2 * I + j];
-          act[r * I + j] = gate / (1.f + std::exp(-gate)) * gu[r * 2 * I + I + j];
-        }
-    }
-    matmul(down, act, B, tmp, add_residual(nullptr), quantized(q_down, act, I));
+    static thread_local ThreadScratch ts;
+    run_layer(l, in, kp, vp, *shared, ts);
   }
 }
+
+// Every decoder layer of a model, bound once (engine/model.py binds it with the layers'
+// native_decode_args), run for a decode step as ONE parallel region: the same work as one
+// decode_layer call per layer, without a Python call, an operator dispatch and a thread
+// fork/join per layer (~25 us a layer on 2 cores, ~7% of a 135M model's token).
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<LayerWeights> layers;
+  std::vector<at::Tensor> keep;  // the tensors the layers point into
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+
+  DecodeStack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_)
+      : hidden(hidden_size), heads(num_heads), kv_heads(num_kv_heads), head_dim(head_dim_) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_w,
+                 std::vector<int64_t> qkv_rows, std::vector<int64_t> qkv_formats, std::optional<at::Tensor> qkv_bias,
+                 std::vector<at::Tensor> o_w, std::vector<int64_t> o_rows, std::vector<int64_t> o_formats,
+                 std::optional<at::Tensor> o_bias, std::vector<at::Tensor> gate_up_w, std::vector<int64_t> gate_up_rows,
+                 std::vector<int64_t> gate_up_formats, std::vector<at::Tensor> down_w, std::vector<int64_t> down_rows,
+                 std::vector<int64_t> down_formats) {
+    layers.push_back(make_layer(input_norm, post_norm, eps, qkv_w, qkv_rows, qkv_formats, qkv_bias, o_w, o_rows,
+                                o_formats, o_bias, gate_up_w, gate_up_rows, gate_up_formats, down_w, down_rows,
+                                down_formats, hidden, heads, kv_heads, head_dim));
+    for (auto* list : {&qkv_w, &o_w, &gate_up_w, &down_w}) keep.insert(keep.end(), list->begin(), list->end());
+    keep.push_back(input_norm), keep.push_back(post_norm);
+    if (qkv_bias) keep.push_back(*qkv_bias);
+    if (o_bias) keep.push_back(*o_bias);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools.
+  void run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
+           std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens,
+           double scale, bool int8_activations) {
+    TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+                "one K and one V cache per layer (", layers.size(), " layers)");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "x must be [B, ", hidden, "]");
+    const StepInputs in = make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
+                                    int8_activations);
+    TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
+                ", the layers ", kv_heads, " of ", head_dim);
+    std::vector<float*> kp(layers.size()), vp(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);
+      kp[i] = k_caches[i].data_ptr<float>(), vp[i] = v_caches[i].data_ptr<float>();
+    }
+    static thread_local SharedScratch scratch;  // the caller's, passed by address (see decode_layer)
+    SharedScratch* shared = &scratch;
+    shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
+      return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
+    }), in);
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      static thread_local ThreadScratch ts;
+      for (size_t i = 0; i < layers.size(); ++i) run_layer(layers[i], in, kp[i], vp[i], *shared, ts);
+    }
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run);
   m.def("decode_layer(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor[] qkv, int[] qkv_rows, int[] qkv_formats, Tensor? qkv_bias, "
         "Tensor[] o_proj, int[] o_rows, int[] o_formats, Tensor? o_bias, "

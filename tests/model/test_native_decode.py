@@ -150,3 +150,60 @@ def test_bad_arguments_are_clear_errors():
     bad[3] = [args[3][0][:8]]  # qkv: a dense part of the wrong shape
     with pytest.raises(RuntimeError, match="qkv: a dense part must be"):
         call(layer_args=bad)
+
+
+def _step_inputs(model, rows: int, context: int, block_size: int, seed: int):
+    """Random decode-step inputs over fresh pools: every row ``context`` tokens long, its new
+    token in the last slot of its own blocks."""
+    g = torch.Generator().manual_seed(seed)
+    arch = model.arch
+    width = (context + block_size - 1) // block_size
+    shape = (rows * width + 1, block_size, arch.num_kv_heads, arch.head_dim)
+    k_caches = [torch.randn(shape, generator=g) for _ in model.layers]
+    v_caches = [torch.randn(shape, generator=g) for _ in model.layers]
+    table = torch.arange(rows * width).view(rows, width)
+    slots = table[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    positions = torch.full((rows,), context - 1)
+    cos, sin = model.rope_cos[positions].contiguous(), model.rope_sin_signed[positions].contiguous()
+    x = torch.randn(rows, arch.hidden_size, generator=g)
+    return x, cos, sin, k_caches, v_caches, slots.contiguous(), table.contiguous(), torch.full((rows,), context)
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_1-gqa", "llama-Q4_K_M-mix", "qwen2-Q4_K-bias"])
+def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, tmp_path):  # noqa: F811
+    """The native path runs every layer in one DecodeStack call; it must compute exactly what one
+    decode_layer call per layer does (same kernels, same per-chunk order: bit for bit), K/V
+    writes included, with two threads sharing the work (the engine tests run one thread, so this
+    is where threads share the step's buffers) and with int8 activations on and off."""
+    shape, formats = GGUF_CASES[case]
+    model = gguf_engine(write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=3), "blocks").runner.model
+    assert model.decode_path == "native" and model._native_stack.num_layers() == len(model.layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows, context, int8 in [(1, 9, False), (5, 30, True), (16, 7, True)]:
+            x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, rows, context, 4, seed=rows)
+            want_x, want_k, want_v = x.clone(), [k.clone() for k in ks], [v.clone() for v in vs]
+            scale = model.arch.head_dim ** -0.5
+            for args, k, v in zip(model._native_layers, want_k, want_v):
+                torch.ops.kvserve.decode_layer(want_x, *args, cos, sin, k, v, slots, table, lens,
+                                               model.arch.num_heads, scale, int8)
+            model._native_stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8)
+            assert torch.equal(x, want_x), (rows, int8)
+            assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
+            assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_stack_rejects_mismatched_caches():
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    model = engine.runner.model
+    x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, 2, 5, 4, seed=0)
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        model._native_stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False)
+    bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
+    with pytest.raises(RuntimeError, match="contiguous float32 .* of one shape"):
+        model._native_stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        model._native_stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False)
