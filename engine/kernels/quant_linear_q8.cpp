@@ -17,18 +17,19 @@
 //
 // Layouts (quant_linear.cpp's strips, 8 output columns per strip, 32 k per strip-block):
 //   Q4_1 (160 bytes): d[8], m[8] fp16, then 8 groups of 16 bytes; group g byte i holds column
-//     i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8 (high nibble). A 32-byte load
-//     at group 2o is, after masking, lo = [cols@8o, cols@8o+1 | cols@8o+4, cols@8o+5] and
-//     hi = [cols@8o+2, cols@8o+3 | cols@8o+6, cols@8o+7] (| = 128-bit lane). One in-lane byte
-//     shuffle interleaves each lane into (column, k pair) pairs, which maddubs multiplies by
-//     Q8Act::pairs' vectors A = [(x8o, x8o+1) x 8 | (x8o+4, x8o+5) x 8] and B (the hi k's): 16
-//     int16 lanes = 8 columns x 2 k-pairs. Summed over a block's 4 loads (<= 8 * 2 * 15 * 127 =
-//     30480, no saturation), the two lanes are widened and added: 8 int32 column sums.
+//     i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8 (high nibble), so group g is
+//     k-quad g of all 8 columns. Once per strip-block (shared by every row of the pass) the codes
+//     are re-laid as 8 vectors w[g] whose dword c is column c's 4 codes at k = 4g .. 4g + 3; a row
+//     then multiplies w[g] by its 4 codes at k-quad g broadcast to every dword (maddubs: 16 int16
+//     lanes = 8 columns x 2 k pairs), sums the 8 quads in int16 (<= 8 * 2 * 15 * 127 = 30480, no
+//     saturation) and one madd by 1 gives the 8 int32 column sums. A row reads its own 32 int8
+//     codes per block (an earlier layout broadcast 256 bytes of pre-expanded code pairs per row and
+//     block, which at 8+ rows spilled from L1 and made the kernel L2 bound: 16 rows ran ~20% slower).
 //   Q8_0 (272 bytes): d[8] fp16, then byte 16 + 8k + c = column c at k. A 32-byte load at quad j
 //     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; shuffled and sign-extended to int16 as
 //     above, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
 //     column sums.
-// Many rows: each strip-block is unpacked once and dotted with up to kRows rows.
+// Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1) or 8 (Q8_0) rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -51,7 +52,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kStrip = 8;
-constexpr int kRows = 8;  // rows per pass over a strip
 #ifndef KVSERVE_Q8_PREFETCH
 #define KVSERVE_Q8_PREFETCH 1024
 #endif
@@ -88,12 +88,6 @@ inline __m256i interleave_halves(__m256i v) {
   return _mm256_shuffle_epi8(v, idx);
 }
 
-// 16 int16 lanes [8 columns | the same 8 columns] -> 8 int32 column sums.
-inline __m256i fold_lanes16(__m256i v) {
-  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)),
-                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
-}
-
 inline void store_cols(__m256 v, float* out, int64_t cols) {
   if (cols == kStrip) {
     _mm256_storeu_ps(out, v);
@@ -104,29 +98,38 @@ inline void store_cols(__m256 v, float* out, int64_t cols) {
   }
 }
 
-// Rows [r0, r0 + R) against one Q4_1 strip.
+// Rows [r0, r0 + R) against one Q4_1 strip. Each strip-block is re-laid once into k-quads and
+// every row then needs only broadcasts of its own codes, 4 at a time (32 bytes a block, from L1).
 template <int R>
 void strip_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
   const int64_t nb = x.K / kBlock;
-  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb = strip + b * kQ4_1Bytes;
     prefetch_ahead(sb, kQ4_1Bytes);
-    __m256i w[8];
-    for (int o = 0; o < 4; ++o) {
+    __m256i w[8];  // w[j]: dword c % 4 of lane c / 4 = column c's codes at k = 4j .. 4j + 3
+    for (int o = 0; o < 4; ++o) {  // lane 0: group 2o (k-quad 2o), lane 1: group 2o + 1
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
-      w[2 * o] = interleave_halves(_mm256_and_si256(q, mask));
-      w[2 * o + 1] = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+      const __m256i k01 = interleave_halves(_mm256_and_si256(q, mask));  // column c: (k, k + 1)
+      const __m256i k23 = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+      const __m256i c03 = _mm256_unpacklo_epi16(k01, k23), c47 = _mm256_unpackhi_epi16(k01, k23);
+      w[2 * o] = _mm256_permute2x128_si256(c03, c47, 0x20);
+      w[2 * o + 1] = _mm256_permute2x128_si256(c03, c47, 0x31);
     }
     const __m256 d = halves8(sb), m = halves8(sb + 16);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
-      const __m256i* p = reinterpret_cast<const __m256i*>(x.pairs.data() + rb * 256);
-      __m256i s = _mm256_maddubs_epi16(w[0], _mm256_loadu_si256(p));
-      for (int v = 1; v < 8; ++v) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], _mm256_loadu_si256(p + v)));
-      const __m256 dot = _mm256_cvtepi32_ps(fold_lanes16(s));
+      const int8_t* xq = x.q8.data() + rb * kBlock;
+      const auto quad = [xq](int j) {
+        int32_t v;
+        std::memcpy(&v, xq + 4 * j, 4);
+        return _mm256_set1_epi32(v);
+      };
+      __m256i s = _mm256_maddubs_epi16(w[0], quad(0));
+      for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], quad(j)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[rb]), acc[r]);
     }
@@ -393,12 +396,14 @@ void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
 
 template <int R>
 struct Q4_1Kernel {
+  static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q4_1<R>(x, r0, s, o, ldo, cols);
   }
 };
 template <int R>
 struct Q8_0Kernel {
+  static constexpr int kMaxRows = 8;
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
@@ -415,9 +420,8 @@ void transpose_codes_k(const int8_t* q8, int8_t* kq, int64_t n) {
 }
 
 // One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
-// loop, so the same codes): scale, codes in their three layouts, the code sums.
-inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int32_t* s16,
-                                int8_t* pairs) {
+// loop, so the same codes): scale, codes as int8 and int16, the code sums.
+inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int32_t* s16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
@@ -447,37 +451,26 @@ inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int
   const __m256i ones = _mm256_set1_epi16(1);
   s16[0] = hsum_i32(_mm256_madd_epi16(w0, ones)), s16[1] = hsum_i32(_mm256_madd_epi16(w1, ones));
   d_out = d, s_out = d * static_cast<float>(s16[0] + s16[1]);
-  const auto pair = [&](int k) {
-    int16_t p;
-    std::memcpy(&p, q8 + k, 2);
-    return _mm_set1_epi16(p);
-  };
-  for (int o = 0; o < 4; ++o)
-    for (int v2 = 0; v2 < 2; ++v2) {
-      const int k = 8 * o + 2 * v2;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (2 * o + v2) * 32), _mm256_set_m128i(pair(k + 4), pair(k)));
-    }
 }
 
-// Strips [s0, s1): strip s writes columns s * 8 .. of out.
+// Strips [s0, s1): strip s writes columns s * 8 .. of out. Rows go in passes of Kernel::kMaxRows,
+// then 8, 4, 2, 1 (each row's result does not depend on the pass it is in).
 template <template <int> class Kernel>
 void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, int64_t s0, int64_t s1, int64_t N,
                float* out, int64_t ldo) {
+  constexpr int kMax = Kernel<1>::kMaxRows;
+  static_assert(kMax == 8 || kMax == 16, "passes of 16 or 8 rows, then halving");
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* strip = w + s * strip_bytes;
     const int64_t cols = std::min(kStrip, N - s * kStrip);
-    for (int64_t r = 0; r < x.M; r += kRows) {
+    for (int64_t r = 0; r < x.M;) {
       float* o = out + r * ldo + s * kStrip;
-      switch (std::min<int64_t>(kRows, x.M - r)) {
-        case 8: Kernel<8>::run(x, r, strip, o, ldo, cols); break;
-        case 7: Kernel<7>::run(x, r, strip, o, ldo, cols); break;
-        case 6: Kernel<6>::run(x, r, strip, o, ldo, cols); break;
-        case 5: Kernel<5>::run(x, r, strip, o, ldo, cols); break;
-        case 4: Kernel<4>::run(x, r, strip, o, ldo, cols); break;
-        case 3: Kernel<3>::run(x, r, strip, o, ldo, cols); break;
-        case 2: Kernel<2>::run(x, r, strip, o, ldo, cols); break;
-        default: Kernel<1>::run(x, r, strip, o, ldo, cols); break;
-      }
+      const int64_t left = x.M - r;
+      if (kMax == 16 && left >= 16) Kernel<kMax>::run(x, r, strip, o, ldo, cols), r += kMax;
+      else if (left >= 8) Kernel<8>::run(x, r, strip, o, ldo, cols), r += 8;
+      else if (left >= 4) Kernel<4>::run(x, r, strip, o, ldo, cols), r += 4;
+      else if (left >= 2) Kernel<2>::run(x, r, strip, o, ldo, cols), r += 2;
+      else Kernel<1>::run(x, r, strip, o, ldo, cols), r += 1;
     }
   }
 }
@@ -539,15 +532,14 @@ bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
   M = rows, K = width;
   const int64_t nb = K / kBlock;
-  q8.resize(M * K), kq.resize(K % 256 == 0 ? M * K : 0), q16.resize(M * K), sum16.resize(M * K / 16), pairs.resize(M * nb * 256), d.resize(M * nb),
+  q8.resize(M * K), kq.resize(K % 256 == 0 ? M * K : 0), q16.resize(M * K), sum16.resize(M * K / 16), d.resize(M * nb),
       s.resize(M * nb);
 #ifdef KVSERVE_X86
   if (cpu_has_avx2()) {
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb; ++b)
         quantize_block_avx2(x + r * K + b * kBlock, d[r * nb + b], s[r * nb + b], q8.data() + r * K + b * kBlock,
-                            q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16,
-                            pairs.data() + (r * nb + b) * 256);
+                            q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16);
     transpose_codes_k(q8.data(), kq.data(), static_cast<int64_t>(kq.size()));
     return;
   }
@@ -571,17 +563,6 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
       const int sum = s16[0] + s16[1];
       d[r * nb + b] = db;
       s[r * nb + b] = db * static_cast<float>(sum);
-      // pairs: for octet o, vector A = [(q8o, q8o+1) x 8 | (q8o+4, q8o+5) x 8], B = the same for +2, +6
-      int8_t* p = pairs.data() + (r * nb + b) * 256;
-      for (int o = 0; o < 4; ++o)
-        for (int v = 0; v < 2; ++v)
-          for (int lane = 0; lane < 2; ++lane) {
-            const int k = 8 * o + 2 * v + 4 * lane;
-            for (int i = 0; i < 8; ++i) {
-              p[(2 * o + v) * 32 + 16 * lane + 2 * i] = static_cast<int8_t>(qb[k]);
-              p[(2 * o + v) * 32 + 16 * lane + 2 * i + 1] = static_cast<int8_t>(qb[k + 1]);
-            }
-          }
     }
 }
 

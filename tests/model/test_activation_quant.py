@@ -44,7 +44,8 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d.reshape(m, k // 32)
 
 
-# the formats with an int8 kernel: Q4_1 / Q8_0 strips (8 rows per pass), Q4_K / Q6_K rows (16 per pass)
+# the formats with an int8 kernel: Q4_1 strips (passes of 16 rows, then 8, 4, 2, 1), Q8_0 strips
+# (8, 4, 2, 1), Q4_K / Q6_K rows (16 per pass)
 INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K]
 
 
@@ -75,9 +76,9 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
     check_against_oracle(fmt, rows, out_features)
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K])
-@pytest.mark.parametrize("rows", [16, 33])  # one full pass of 16 rows; two and a single-row remainder
-def test_row_kernels_at_a_full_pass_and_beyond(fmt, rows):
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q4_K, BlockFormat.Q6_K])
+@pytest.mark.parametrize("rows", [16, 31, 33])  # one full pass of 16 rows; 16 + 8 + 4 + 2 + 1; two and a single row
+def test_sixteen_row_kernels_at_a_full_pass_and_beyond(fmt, rows):
     check_against_oracle(fmt, rows, 37)
 
 
