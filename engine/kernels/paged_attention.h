@@ -10,6 +10,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_linear.h"  // cpu_has_avx2
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSERVE_ATTN_X86 1
+#include <immintrin.h>
+#endif
+
 namespace kvserve {
 
 struct Layout {
@@ -75,6 +82,120 @@ inline void for_each_row(const Pool<T>& pool, const Layout& lay, Fn&& fn) {
   }
 }
 
+// Softmax in place over each of the nh rows of L scores (exp_nonpositive after subtracting the
+// row's maximum).
+inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
+  for (int64_t h = 0; h < nh; ++h) {
+    float* s = scores + h * L;
+    float m = s[0];
+    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      s[t] = exp_nonpositive(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+  }
+}
+
+#ifdef KVSERVE_ATTN_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// Token rows a head's first pass asks for ahead of use: the pools' blocks sit anywhere, so the
+// hardware prefetcher cannot follow a sequence across them.
+constexpr int64_t kRowsAhead = 16;
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[0 .. 8 NV) = sum_t p[t] rows[t][offset ..]: the NV accumulators stay in registers across
+// the tokens. With ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many bytes.
+template <int NV>
+inline void weighted_sum(const float* const* rows, int64_t L, const float* p, int64_t offset, int64_t ahead0,
+                         int64_t ahead_bytes, float* out) {
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const float* vt = rows[t] + offset;
+    if (ahead_bytes && t + kRowsAhead < L) prefetch_row(rows[t + kRowsAhead] + ahead0, ahead_bytes);
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * i), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, a[i]);
+}
+
+// attend() for fp32 pools and D % 8 == 0 (the same contract). Per head: q . k for 4 tokens at a
+// time into 4 vector accumulators, reduced together by horizontal adds; then the softmax; then
+// the probability-weighted V rows into accumulators that stay in registers. The first head
+// streams the rows' kv heads [h0 / G, (h1 - 1) / G] from memory (prefetched kRowsAhead tokens
+// on, whole rows when the job has every head, so that blocks are read as they lie); the other
+// heads find them in cache.
+inline void attend_f32_avx2(
+    const float* q, const Pool<float>& k, const Pool<float>& v, const Layout& lay, int64_t h0, int64_t h1,
+    int64_t G, int64_t D, float scale, float* scores, float* out) {
+  const int64_t L = lay.len, nh = h1 - h0;
+  thread_local std::vector<const float*> krows, vrows;
+  krows.resize(L), vrows.resize(L);
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = lay.table[t / lay.block_size] * lay.block_size + t % lay.block_size;
+    krows[t] = k.data + slot * lay.token_stride, vrows[t] = v.data + slot * lay.token_stride;
+  }
+  const int64_t nv = D / 8, ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * 4;
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* qh = q + h * D;
+    const int64_t off = (h / G) * D;
+    const bool first = h == h0;
+    float* s = scores + (h - h0) * L;
+    int64_t t = 0;
+    for (; t + 4 <= L; t += 4) {
+      const float* k0 = krows[t] + off, * k1 = krows[t + 1] + off, * k2 = krows[t + 2] + off, * k3 = krows[t + 3] + off;
+      if (first)
+        for (int64_t j = t + kRowsAhead; j < std::min(L, t + kRowsAhead + 4); ++j) prefetch_row(krows[j] + ahead0, ahead_bytes);
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < nv; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + 8 * c), a3);
+      }
+      // [a0 a1 a2 a3 partial sums | the other halves] -> the 4 dot products
+      const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1));
+      _mm_storeu_ps(s + t, _mm_mul_ps(dots, _mm256_castps256_ps128(sc)));
+    }
+    for (; t < L; ++t) {
+      const float* kt = krows[t] + off;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kt + 8 * c), a);
+      s[t] = hsum8(a) * scale;
+    }
+  }
+  softmax_rows(scores, nh, L);
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* p = scores + (h - h0) * L;
+    const int64_t off = (h / G) * D;
+    float* o = out + h * D;
+    int64_t c = 0;  // 8 vectors (64 channels) at a time, then 4, 2, 1; the first slice prefetches
+    const auto ahead = [&](int64_t c) { return h == h0 && c == 0 ? ahead_bytes : 0; };
+    for (; c + 8 <= nv; c += 8) weighted_sum<8>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c);
+    if (c + 4 <= nv) weighted_sum<4>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c), c += 4;
+    if (c + 2 <= nv) weighted_sum<2>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c), c += 2;
+    if (c < nv) weighted_sum<1>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c);
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
 // Heads [h0, h1) of one sequence against its cached tokens. q [H, D] (this sequence's
 // queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
 // out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
@@ -83,6 +204,11 @@ template <typename T>
 inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
             int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
   constexpr bool quantized = std::is_same<T, int8_t>::value;
+#ifdef KVSERVE_ATTN_X86
+  if constexpr (!quantized) {
+    if (D % 8 == 0 && cpu_has_avx2()) return attend_f32_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out);
+  }
+#endif
   const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
   // int8: q . ((c + 128) step + min) = step (q . c + 128 sum(q)) + min sum(q).
   float qsum[quantized ? 64 : 1];
@@ -137,20 +263,7 @@ inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Lay
       scores[(h - h0) * L + t] = s * scale;
     }
   });
-  for (int64_t h = 0; h < nh; ++h) {
-    float* s = scores + h * L;
-    float m = s[0];
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      s[t] = exp_nonpositive(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, nh, L);
   std::fill(acc, acc + nh * D, 0.f);
   // int8: sum_t p_t ((c_t + 128) step_t + min_t) = sum_t (p_t step_t) c_t + sum_t p_t (128 step_t + min_t);
   // the second term is the same for every channel, so it is one scalar per head.

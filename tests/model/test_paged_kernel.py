@@ -26,14 +26,21 @@ def reference(q, k_cache, v_cache, tables, lens):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 8)])
-def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
+# head_dim 40, 96, 128: the AVX2 path's channel slices of 64, then 32, 16, 8; 12: the portable path
+SHAPES = [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 8), (8, 2, 40, 16), (4, 2, 96, 8), (2, 1, 128, 16), (4, 2, 12, 4)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("one_row", [False, True])  # one row: a job per kv head; six: a job per row
+def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, one_row):
     gen = torch.Generator().manual_seed(heads * 100 + kv_heads)
     num_blocks = 64
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     # Lengths at and around block edges, a single token, and rows with unused table tail.
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size, 7])
+    if one_row:
+        lens = torch.tensor([5 * block_size - 3])
     width = 5
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
