@@ -32,7 +32,7 @@ class ModelConfig:
     # 1 GiB), so small models such as the default keep the faster dense prefill.
     weights_resident: str = "auto"
     # "auto" | "native" | "python": how all-decode steps run (LlamaForCausalLM.select_decode_path).
-    # native: one C++ call per layer (engine/kernels/decode_layer.cpp); auto: native where it can
+    # native: every layer in one C++ call (engine/kernels/decode_layer.cpp DecodeStack); auto: native where it can
     # run (CPU, float32, native attention, float KV pool), else python (DecoderLayer.forward)
     decode_path: str = "auto"
     # "none" | "int8": int8 quantizes the activations (per 32-block, fp32 scale, as llama.cpp's

@@ -343,7 +343,7 @@ class LLMEngine:
             return
         path, reason = model.select_decode_path(choice)
         if path == "native":
-            logger.info("Decode path: native (all-decode steps of up to %d rows run one C++ call per layer)",
+            logger.info("Decode path: native (all-decode steps of up to %d rows run every layer in one C++ call)",
                         model.native_max_rows)
         else:
             logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")

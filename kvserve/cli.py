@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep a dense fp32 copy of GGUF matrices (dense), only their blocks (blocks), or "
                         "decide by size (auto: blocks above 1 GiB of dense weights)")
     g.add_argument("--decode-path", dest="decode_path", choices=["auto", "native", "python"],
-                   help="all-decode steps as one C++ call per layer (native) or torch ops (python); "
+                   help="all-decode steps as one C++ call over every layer (native) or torch ops (python); "
                         "auto: native on the CPU in float32 with the native attention backend")
     g.add_argument("--activation-quant", dest="activation_quant", choices=["none", "int8"],
                    help="int8: quantize the activations of the decode matmuls on GGUF Q4_1/Q8_0 blocks "

@@ -9,8 +9,8 @@ Four kernels, one library:
   few-row matmuls of decode, which stream every weight once per step (see engine/quant.py).
 * ``quant_linear_q8.cpp``: the same matmuls on int8-quantized activations (Q4_1, Q8_0, Q4_K,
   Q6_K; AVX2 integer dot products), only with ``activation_quant: int8``.
-* ``decode_layer.cpp``: a whole decoder layer of an all-decode step in one call and one OpenMP
-  region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
+* ``decode_layer.cpp``: every decoder layer of an all-decode step in one call (``DecodeStack``)
+  and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
 
 The library is built once per (sources, flags, torch version) into
