@@ -148,7 +148,7 @@ inline void attend_f32_avx2(
     krows[t] = k.data + slot * lay.token_stride, vrows[t] = v.data + slot * lay.token_stride;
   }
   const int64_t nv = D / 8, ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * 4;
-  const __m256 sc = _mm256_set1_ps(scale);
+  const __m128 sc = _mm_set1_ps(scale);
   for (int64_t h = h0; h < h1; ++h) {
     const float* qh = q + h * D;
     const int64_t off = (h / G) * D;
@@ -170,7 +170,7 @@ inline void attend_f32_avx2(
       // [a0 a1 a2 a3 partial sums | the other halves] -> the 4 dot products
       const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1));
-      _mm_storeu_ps(s + t, _mm_mul_ps(dots, _mm256_castps256_ps128(sc)));
+      _mm_storeu_ps(s + t, _mm_mul_ps(dots, sc));
     }
     for (; t < L; ++t) {
       const float* kt = krows[t] + off;

@@ -26,8 +26,8 @@
 //     codes per block (an earlier layout broadcast 256 bytes of pre-expanded code pairs per row and
 //     block, which at 8+ rows spilled from L1 and made the kernel L2 bound: 16 rows ran ~20% slower).
 //   Q8_0 (272 bytes): d[8] fp16, then byte 16 + 8k + c = column c at k. A 32-byte load at quad j
-//     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; shuffled and sign-extended to int16 as
-//     above, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
+//     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
+//     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
 //     column sums.
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1) or 8 (Q8_0) rows.
 #include <ATen/ATen.h>
