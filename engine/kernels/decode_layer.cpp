@@ -1,6 +1,8 @@
 // One decoder layer of a decode step (every row is one new token) in one call: RMSNorm, the
 // fused QKV matmul (+ bias), RoPE, the KV write into the paged pool, paged attention, the O
-// matmul (+ bias) and residual, RMSNorm, gate/up, SiLU * up, down and residual. fp32, CPU.
+// matmul (+ bias) and residual, RMSNorm, gate/up, SiLU * up, down and residual. fp32, CPU; the KV
+// pools fp32 or fp16 (``--kv-cache-dtype float16``: new rows rounded to fp16 as they are written,
+// as torch's ``.to(torch.float16)`` rounds them on the python path).
 //
 // Why: on a small model a decode step is ~10 small torch calls per layer, and each one pays
 // dispatch plus an OpenMP fork/join, which on 2 cores costs about as much as the matmuls. Here
@@ -204,8 +206,9 @@ StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
                      const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t num_heads, double scale, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous(),
-              "the caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim] of one shape");
+  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  k_cache.is_contiguous(),
+              "the caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, head_dim] of one shape");
   const int64_t B = x.size(0), block_size = k_cache.size(1), D = k_cache.size(3);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
@@ -225,11 +228,18 @@ StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
           sin.data_ptr<float>(), sp, block_tables.data_ptr<int64_t>(), lp, static_cast<float>(scale), int8_activations};
 }
 
+// k_cache and v_cache of like's shape and dtype (make_step checked like), contiguous.
 void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.sizes() == like.sizes() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == like.scalar_type() && v_cache.scalar_type() == like.scalar_type() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "the caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim] of one shape");
+              "the caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one shape and one dtype");
+}
+
+// A new K or V row into the pool: copied (fp32) or rounded to nearest even (fp16).
+inline void store_row(const float* src, int64_t D, float* dst) { std::copy(src, src + D, dst); }
+inline void store_row(const float* src, int64_t D, c10::Half* dst) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = c10::Half(src[i]);
 }
 
 // The step's buffers between phases, shared by the threads: sized for the largest layer.
@@ -257,12 +267,12 @@ struct ThreadScratch {
 // computed by every thread into its own copy (no barrier of their own); a row's RoPE and KV
 // write happen in the attention job that reads them; SiLU * up in the gate/up chunk that
 // computed both halves.
-void run_layer(const LayerWeights& l, const StepInputs& in, float* kp, float* vp, const SharedScratch& s,
-               ThreadScratch& ts) {
+template <typename T>
+void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const SharedScratch& s, ThreadScratch& ts) {
   const int64_t B = in.B, hidden = l.hidden, I = l.I, H = in.H, KVH = in.KVH, D = in.D, G = H / KVH;
   const int64_t q_size = H * D;
   float* xp = in.x;
-  const kvserve::Pool<float> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
+  const kvserve::Pool<T> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
   ts.y.resize(B * hidden), ts.head.resize(D), ts.acc.resize(G * D);
   // int8_activations: each matmul input is quantized once per thread (a few microseconds;
   // cheaper than another barrier) for the parts that have an int8 kernel
@@ -296,8 +306,8 @@ void run_layer(const LayerWeights& l, const StepInputs& in, float* kp, float* vp
     for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h);
     const float* k = prepare_head(b, H + g);
     const float* v = prepare_head(b, H + KVH + g);
-    std::copy(k, k + D, kp + (in.slots[b] * KVH + g) * D);
-    std::copy(v, v + D, vp + (in.slots[b] * KVH + g) * D);
+    store_row(k, D, kp + (in.slots[b] * KVH + g) * D);
+    store_row(v, D, vp + (in.slots[b] * KVH + g) * D);
     const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
     ts.scores.resize(G * lay.len);
     kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
@@ -343,12 +353,17 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   static thread_local SharedScratch scratch;
   SharedScratch* shared = &scratch;
   shared->size_for(l, in);
-  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const auto each_thread = [&](auto* kp, auto* vp) {
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
-    static thread_local ThreadScratch ts;
-    run_layer(l, in, kp, vp, *shared, ts);
-  }
+    {
+      static thread_local ThreadScratch ts;
+      run_layer(l, in, kp, vp, *shared, ts);
+    }
+  };
+  if (k_cache.scalar_type() == at::kHalf)
+    each_thread(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>());
+  else
+    each_thread(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
 }
 
 // Every decoder layer of a model, bound once (engine/model.py binds it with the layers'
@@ -391,20 +406,27 @@ struct DecodeStack : torch::CustomClassHolder {
                                     int8_activations);
     TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
                 ", the layers ", kv_heads, " of ", head_dim);
-    std::vector<float*> kp(layers.size()), vp(layers.size());
-    for (size_t i = 0; i < layers.size(); ++i) {
-      check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);
-      kp[i] = k_caches[i].data_ptr<float>(), vp[i] = v_caches[i].data_ptr<float>();
-    }
+    for (size_t i = 0; i < layers.size(); ++i) check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);
     static thread_local SharedScratch scratch;  // the caller's, passed by address (see decode_layer)
     SharedScratch* shared = &scratch;
     shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
       return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
     }), in);
+    if (k_caches[0].scalar_type() == at::kHalf)
+      run_layers<c10::Half>(in, k_caches, v_caches, *shared);
+    else
+      run_layers<float>(in, k_caches, v_caches, *shared);
+  }
+
+  template <typename T>
+  void run_layers(const StepInputs& in, const std::vector<at::Tensor>& k_caches,
+                  const std::vector<at::Tensor>& v_caches, const SharedScratch& shared) const {
+    std::vector<T*> kp(layers.size()), vp(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) kp[i] = k_caches[i].data_ptr<T>(), vp[i] = v_caches[i].data_ptr<T>();
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       static thread_local ThreadScratch ts;
-      for (size_t i = 0; i < layers.size(); ++i) run_layer(layers[i], in, kp[i], vp[i], *shared, ts);
+      for (size_t i = 0; i < layers.size(); ++i) run_layer(layers[i], in, kp[i], vp[i], shared, ts);
     }
   }
 };

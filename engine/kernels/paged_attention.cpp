@@ -1,6 +1,6 @@
 // Paged decode attention on the CPU: one query token per sequence, keys and values read in
 // place from the block pool, without the gather copy the torch backend makes. fp32 queries and
-// outputs; the pools are fp32 or int8 codes with per-token-per-head (step, minimum) scales.
+// outputs; the pools are fp32, fp16 or int8 codes with per-token-per-head (step, minimum) scales.
 //
 // Threads split the batch by sequence; a job reads each cached token's row (all kv heads, one
 // contiguous run) once for the scores and once for the values, walking the blocks in table
@@ -84,14 +84,21 @@ at::Tensor run(const Checked& c, const Pool<T>& k, const Pool<T>& v, int64_t blo
   return out;
 }
 
-// q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [B, W];
-// context_lens [B] >= 1. Row b attends to its first context_lens[b] cached tokens. -> [B, H, D].
+// q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], both fp32 or both fp16
+// (widened as they are read); block_tables [B, W]; context_lens [B] >= 1. Row b attends to its
+// first context_lens[b] cached tokens. -> [B, H, D] fp32.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "paged_decode_attention is fp32 only");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kHalf),
+              "paged_decode_attention takes fp32 queries and two fp32 or two fp16 pools");
   const Checked c = check_inputs(q, k_cache, v_cache, block_tables, context_lens);
   const int64_t KVH = k_cache.size(2);
+  if (dtype == at::kHalf) {
+    const Pool<c10::Half> k{k_cache.data_ptr<c10::Half>(), nullptr, KVH}, v{v_cache.data_ptr<c10::Half>(), nullptr, KVH};
+    return run(c, k, v, k_cache.size(1), scale);
+  }
   const Pool<float> k{k_cache.data_ptr<float>(), nullptr, KVH}, v{v_cache.data_ptr<float>(), nullptr, KVH};
   return run(c, k, v, k_cache.size(1), scale);
 }

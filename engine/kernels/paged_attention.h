@@ -1,6 +1,7 @@
 // The per-sequence decode attention of paged_attention.cpp, shared with decode_layer.cpp.
-// fp32 queries and outputs; the pools are fp32 or int8 codes with per-token-per-head
-// (step, minimum) scales (engine/kv_quant.py).
+// fp32 queries and outputs; the pools are fp32, fp16 (``--kv-cache-dtype float16``: widened to
+// fp32 as they are read) or int8 codes with per-token-per-head (step, minimum) scales
+// (engine/kv_quant.py).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include <c10/util/Half.h>
 
 #include "quant_linear.h"  // cpu_has_avx2
 
@@ -27,7 +30,7 @@ struct Layout {
   int64_t block_stride;  // elements between blocks
 };
 
-// One K or V pool. fp32: ``data`` holds the values. int8 (engine/kv_quant.py): ``data`` holds
+// One K or V pool. fp32 and fp16 (c10::Half): ``data`` holds the values. int8 (engine/kv_quant.py): ``data`` holds
 // codes c in [-128, 127] and ``scale`` a (step, minimum) pair per token and kv head; the value
 // is (c + 128) * step + minimum. The kernels never dequantize a row into memory: the dot
 // product and the weighted sum are taken over the codes and the affine part is folded in
@@ -103,7 +106,7 @@ inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
 
 #ifdef KVSERVE_ATTN_X86
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 // Token rows a head's first pass asks for ahead of use: the pools' blocks sit anywhere, so the
 // hardware prefetcher cannot follow a sequence across them.
@@ -115,39 +118,46 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// 8 values of a float or fp16 pool as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // out[0 .. 8 NV) = sum_t p[t] rows[t][offset ..]: the NV accumulators stay in registers across
 // the tokens. With ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many bytes.
-template <int NV>
-inline void weighted_sum(const float* const* rows, int64_t L, const float* p, int64_t offset, int64_t ahead0,
+template <int NV, typename T>
+inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t offset, int64_t ahead0,
                          int64_t ahead_bytes, float* out) {
   __m256 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    const float* vt = rows[t] + offset;
+    const T* vt = rows[t] + offset;
     if (ahead_bytes && t + kRowsAhead < L) prefetch_row(rows[t + kRowsAhead] + ahead0, ahead_bytes);
     const __m256 pt = _mm256_set1_ps(p[t]);
-    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * i), a[i]);
+    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pt, load8(vt + 8 * i), a[i]);
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, a[i]);
 }
 
-// attend() for fp32 pools and D % 8 == 0 (the same contract). Per head: q . k for 4 tokens at a
+// attend() for fp32 and fp16 pools and D % 8 == 0 (the same contract). Per head: q . k for 4 tokens at a
 // time into 4 vector accumulators, reduced together by horizontal adds; then the softmax; then
 // the probability-weighted V rows into accumulators that stay in registers. The first head
 // streams the rows' kv heads [h0 / G, (h1 - 1) / G] from memory (prefetched kRowsAhead tokens
 // on, whole rows when the job has every head, so that blocks are read as they lie); the other
 // heads find them in cache.
-inline void attend_f32_avx2(
-    const float* q, const Pool<float>& k, const Pool<float>& v, const Layout& lay, int64_t h0, int64_t h1,
+template <typename T>
+inline void attend_avx2(
+    const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
     int64_t G, int64_t D, float scale, float* scores, float* out) {
   const int64_t L = lay.len, nh = h1 - h0;
-  thread_local std::vector<const float*> krows, vrows;
+  thread_local std::vector<const T*> krows, vrows;
   krows.resize(L), vrows.resize(L);
   for (int64_t t = 0; t < L; ++t) {
     const int64_t slot = lay.table[t / lay.block_size] * lay.block_size + t % lay.block_size;
     krows[t] = k.data + slot * lay.token_stride, vrows[t] = v.data + slot * lay.token_stride;
   }
-  const int64_t nv = D / 8, ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * 4;
+  const int64_t nv = D / 8, ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * static_cast<int64_t>(sizeof(T));
   const __m128 sc = _mm_set1_ps(scale);
   for (int64_t h = h0; h < h1; ++h) {
     const float* qh = q + h * D;
@@ -156,16 +166,16 @@ inline void attend_f32_avx2(
     float* s = scores + (h - h0) * L;
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) {
-      const float* k0 = krows[t] + off, * k1 = krows[t + 1] + off, * k2 = krows[t + 2] + off, * k3 = krows[t + 3] + off;
+      const T* k0 = krows[t] + off, * k1 = krows[t + 1] + off, * k2 = krows[t + 2] + off, * k3 = krows[t + 3] + off;
       if (first)
         for (int64_t j = t + kRowsAhead; j < std::min(L, t + kRowsAhead + 4); ++j) prefetch_row(krows[j] + ahead0, ahead_bytes);
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t c = 0; c < nv; ++c) {
         const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
-        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + 8 * c), a1);
-        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + 8 * c), a2);
-        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + 8 * c), a3);
+        a0 = _mm256_fmadd_ps(qc, load8(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qc, load8(k1 + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qc, load8(k2 + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qc, load8(k3 + 8 * c), a3);
       }
       // [a0 a1 a2 a3 partial sums | the other halves] -> the 4 dot products
       const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -173,9 +183,9 @@ inline void attend_f32_avx2(
       _mm_storeu_ps(s + t, _mm_mul_ps(dots, sc));
     }
     for (; t < L; ++t) {
-      const float* kt = krows[t] + off;
+      const T* kt = krows[t] + off;
       __m256 a = _mm256_setzero_ps();
-      for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kt + 8 * c), a);
+      for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kt + 8 * c), a);
       s[t] = hsum8(a) * scale;
     }
   }
@@ -204,9 +214,10 @@ template <typename T>
 inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
             int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
   constexpr bool quantized = std::is_same<T, int8_t>::value;
+  constexpr bool widened = !std::is_same<T, float>::value;  // int8 codes or fp16 values
 #ifdef KVSERVE_ATTN_X86
   if constexpr (!quantized) {
-    if (D % 8 == 0 && cpu_has_avx2()) return attend_f32_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out);
+    if (D % 8 == 0 && cpu_has_avx2()) return attend_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out);
   }
 #endif
   const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
@@ -227,19 +238,20 @@ inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Lay
       qs[h - h0] = s;
     }
   }
-  // int8 rows are widened to fp32 once per token (the kv heads this job reads) into ``row``, so
-  // the G query heads sharing a kv head reuse them and the dot products stay plain fp32 loops.
+  // int8 and fp16 rows are widened to fp32 once per token (the kv heads this job reads) into
+  // ``row``, so the G query heads sharing a kv head reuse them and the dot products stay plain
+  // fp32 loops.
   const int64_t kv0 = h0 / G, kv1 = (h1 - 1) / G + 1;
-  float row_buf[quantized ? 1024 : 1];
+  float row_buf[widened ? 1024 : 1];
   std::vector<float> row_big;
   float* row = row_buf;
-  if (quantized && (kv1 - kv0) * D > 1024) {
+  if (widened && (kv1 - kv0) * D > 1024) {
     row_big.resize((kv1 - kv0) * D);
     row = row_big.data();
   }
   auto widen = [&](const T* src) -> const float* {
-    if constexpr (quantized) {
-      const int8_t* p = src + kv0 * D;
+    if constexpr (widened) {
+      const T* p = src + kv0 * D;
       const int64_t n = (kv1 - kv0) * D;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(p[i]);

@@ -95,9 +95,14 @@ def test_gguf_native_decode_equals_python(case, resident, cache_dir, tmp_path): 
     assert steps and max(steps) == len(RAGGED)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 @pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
-def test_dense_fp32_native_decode_equals_python(heads):
-    engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_key_value_heads=heads)), block_size=4)
+def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
+    """float16: the pools hold fp16 rows, which the python path rounds with ``.to()`` and the
+    native one with c10::Half as it writes, and widens as it reads (F16C)."""
+    engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_key_value_heads=heads)), block_size=4,
+                         kv_cache_dtype=kv_cache_dtype)
+    assert engine.runner.kv_caches[0][0].dtype == (torch.float16 if kv_cache_dtype == "float16" else torch.float32)
     assert engine.runner.model.linear_backend != "gguf" and engine.runner.model.native_max_rows == 4
     assert run_and_compare(engine, [6]) == [1] * 8
     assert max(run_and_compare(engine, RAGGED)) == 4
@@ -152,15 +157,15 @@ def test_bad_arguments_are_clear_errors():
         call(layer_args=bad)
 
 
-def _step_inputs(model, rows: int, context: int, block_size: int, seed: int):
-    """Random decode-step inputs over fresh pools: every row ``context`` tokens long, its new
-    token in the last slot of its own blocks."""
+def _step_inputs(model, rows: int, context: int, block_size: int, seed: int, kv_dtype=torch.float32):
+    """Random decode-step inputs over fresh pools (of ``kv_dtype``): every row ``context`` tokens
+    long, its new token in the last slot of its own blocks."""
     g = torch.Generator().manual_seed(seed)
     arch = model.arch
     width = (context + block_size - 1) // block_size
     shape = (rows * width + 1, block_size, arch.num_kv_heads, arch.head_dim)
-    k_caches = [torch.randn(shape, generator=g) for _ in model.layers]
-    v_caches = [torch.randn(shape, generator=g) for _ in model.layers]
+    k_caches = [torch.randn(shape, generator=g).to(kv_dtype) for _ in model.layers]
+    v_caches = [torch.randn(shape, generator=g).to(kv_dtype) for _ in model.layers]
     table = torch.arange(rows * width).view(rows, width)
     slots = table[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
     positions = torch.full((rows,), context - 1)
@@ -174,15 +179,17 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
     """The native path runs every layer in one DecodeStack call; it must compute exactly what one
     decode_layer call per layer does (same kernels, same per-chunk order: bit for bit), K/V
     writes included, with two threads sharing the work (the engine tests run one thread, so this
-    is where threads share the step's buffers) and with int8 activations on and off."""
+    is where threads share the step's buffers), with int8 activations on and off, over fp32 and
+    fp16 pools."""
     shape, formats = GGUF_CASES[case]
     model = gguf_engine(write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=3), "blocks").runner.model
     assert model.decode_path == "native" and model._native_stack.num_layers() == len(model.layers)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for rows, context, int8 in [(1, 9, False), (5, 30, True), (16, 7, True)]:
-            x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, rows, context, 4, seed=rows)
+        for rows, context, int8, kv_dtype in [(1, 9, False, torch.float32), (5, 30, True, torch.float32),
+                                              (16, 7, True, torch.float32), (3, 13, True, torch.float16)]:
+            x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
             want_x, want_k, want_v = x.clone(), [k.clone() for k in ks], [v.clone() for v in vs]
             scale = model.arch.head_dim ** -0.5
             for args, k, v in zip(model._native_layers, want_k, want_v):
@@ -192,6 +199,8 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             assert torch.equal(x, want_x), (rows, int8)
             assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
             assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
+            fresh_k = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)[3]
+            assert not all(torch.equal(a, b) for a, b in zip(ks, fresh_k))  # and wrote their new keys
     finally:
         torch.set_num_threads(threads)
 
@@ -203,7 +212,12 @@ def test_decode_stack_rejects_mismatched_caches():
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
         model._native_stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False)
     bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
-    with pytest.raises(RuntimeError, match="contiguous float32 .* of one shape"):
+    with pytest.raises(RuntimeError, match="of one shape and one dtype"):
         model._native_stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False)
+    mixed = ks[:1] + [ks[1].half()] + ks[2:]  # one layer's pool fp16, the others fp32
+    with pytest.raises(RuntimeError, match="of one shape and one dtype"):
+        model._native_stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False)
+    with pytest.raises(RuntimeError, match="contiguous float32 or float16"):
+        model._native_stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False)
     with pytest.raises(RuntimeError, match="outside the pool"):
         model._native_stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False)

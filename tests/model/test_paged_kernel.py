@@ -1,4 +1,5 @@
-"""The native paged decode kernel equals gather + SDPA on the same pool, shape for shape."""
+"""The native paged decode kernel equals gather + SDPA on the same pool, shape for shape (fp32,
+fp16 pools widened to fp32, int8 codes against the torch int8 reference)."""
 from __future__ import annotations
 
 import pytest
@@ -32,11 +33,12 @@ SHAPES = [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 8), (8, 2, 40, 16), (4, 2, 9
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("one_row", [False, True])  # one row: a job per kv head; six: a job per row
-def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, one_row):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, one_row, kv_dtype):
     gen = torch.Generator().manual_seed(heads * 100 + kv_heads)
     num_blocks = 64
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
     # Lengths at and around block edges, a single token, and rows with unused table tail.
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size, 7])
     if one_row:
@@ -45,7 +47,9 @@ def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, one_row)
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
     got = torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=1e-5)
+    assert got.dtype == torch.float32
+    want = reference(q, k_cache.float(), v_cache.float(), tables, lens)  # fp16 values are exact in fp32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_shared_blocks_and_empty_batch():
@@ -65,6 +69,9 @@ def test_rejects_bad_input():
     q = torch.randn(1, 4, 8)
     with pytest.raises(RuntimeError, match="fp32"):
         torch.ops.kvserve.paged_decode_attention(q.double(), k_cache, k_cache, torch.zeros(1, 2, dtype=torch.long),
+                                                 torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="two fp32 or two fp16 pools"):
+        torch.ops.kvserve.paged_decode_attention(q, k_cache.half(), k_cache, torch.zeros(1, 2, dtype=torch.long),
                                                  torch.tensor([3]), 1.0)
     with pytest.raises(RuntimeError, match="longer than its block table"):
         torch.ops.kvserve.paged_decode_attention(q, k_cache, k_cache, torch.zeros(1, 2, dtype=torch.long),
