@@ -8,7 +8,8 @@ next token. ``compare`` gives the top-1 agreement and the mean NLL delta of two 
 Three measurements, one command each (the default model, SmolLM2-135M-Instruct):
 
     python -m bench.kv_int8 [quality] [--tokens 2000] [--chunk 256]
-        fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores), and the
+        fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores) and vs
+        fp16 KV (--kv-cache-dtype float16), and the
         KIVI alternative measured by simulation: keys with per-CHANNEL scales over each block's
         tokens, values per token (``--no-kivi`` skips it).
     python -m bench.kv_int8 decode [--streams 16] [--rounds 2]
@@ -98,8 +99,8 @@ def bytes_per_token(arch, scheme: str, block_size: int) -> int:
     """Pool bytes per token: fp32, int8 per-token scales (2 floats per token and head, K and V),
     int8 with per-channel key scales (2 floats per channel, head and block, shared by its tokens)."""
     L, H, D = arch.num_layers, arch.num_kv_heads, arch.head_dim
-    if scheme == "fp32":
-        return 2 * L * H * D * 4
+    if scheme in ("fp32", "fp16"):
+        return 2 * L * H * D * (4 if scheme == "fp32" else 2)
     if scheme == "token":
         return 2 * L * H * (D + 8)
     return L * H * (D + 8) + L * H * (D + 8 * D // block_size)
@@ -110,7 +111,7 @@ def quality(args) -> None:
 
     text = open(__file__.replace("kv_int8.py", "common.py")).read() * 4  # a fixed text (this repo's code)
     results, arch, tokens = {}, None, []
-    runs = [("fp32", "auto", None), ("int8", "int8", None)]
+    runs = [("fp32", "auto", None), ("int8", "int8", None), ("float16", "float16", None)]
     if args.kivi:
         if args.chunk % 16:
             raise SystemExit("--chunk must be a multiple of the block size (16) for the per-channel simulation")
@@ -129,7 +130,7 @@ def quality(args) -> None:
             torch_sdpa.write_kv = original
         print(f"{label}: {time.perf_counter() - t0:.1f} s")
     print(f"{len(tokens)} tokens, chunk {args.chunk}, block 16 (simulations: {KIVI_WARNING})")
-    schemes = {"int8": "token", "sim per-token keys": "token", "sim per-channel keys (KIVI)": "channel"}
+    schemes = {"int8": "token", "float16": "fp16", "sim per-token keys": "token", "sim per-channel keys (KIVI)": "channel"}
     full = bytes_per_token(arch, "fp32", 16)
     for label, scheme in schemes.items():
         if label in results:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from cache.memory import KVCapacity, kv_bytes_per_token, num_blocks_for_memory
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "float16")  # --kv-cache-dtype
 
 
 @dataclass
@@ -19,7 +20,8 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0  # budget used when num_blocks is None
     enable_prefix_caching: bool = True
     cache_dtype: str | None = None  # KV element type; None: the model's dtype (the engine allows no other)
-    # "auto": the model's dtype; "int8": quantized KV blocks with per-token-per-head scales
+    # "auto": the model's dtype; "int8": quantized KV blocks with per-token-per-head scales;
+    # "float16": fp16 blocks under a float32 model (half the bytes; what llama.cpp stores by default)
     kv_cache_dtype: str = "auto"
     # Disk tier (cache/tiers.py): evicted hashed blocks are written here; None disables it.
     kv_disk_dir: str | None = None
@@ -52,8 +54,8 @@ class CacheConfig:
         frac = self.kv_pin_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
             raise ValueError(f"kv_pin_fraction must be in [0, 1), got {frac!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cache_dtype is not None and self.cache_dtype not in DTYPE_BYTES:
             raise ValueError(f"cache_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.cache_dtype!r}")
 

@@ -103,6 +103,8 @@ def available_cores() -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         torch.set_num_threads(config.model.num_threads or available_cores())
+        if config.cache.kv_cache_dtype == config.model.dtype:  # float16 under a float16 model: its own dtype
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"))
         dtype = _DTYPES[config.model.dtype]
         loaded = loaded or load_model(config.model.model, dtype, self._blocks_only(config.model, dtype))
         arch = loaded.arch
@@ -130,6 +132,9 @@ class LLMEngine:
                              "a KV dtype of its own is not implemented (leave cache_dtype unset; kv_cache_dtype "
                              "int8 quantizes the pool)")
         if config.model.tensor_parallel_size > 1:  # engine/parallel: this process is rank 0
+            if cache_cfg.kv_cache_dtype == "float16":
+                raise ValueError("kv_cache_dtype 'float16' under a float32 model is not implemented with "
+                                 "tensor_parallel_size > 1; use 'auto' or 'int8'")
             if config.model.activation_quant != "none":
                 raise ValueError("activation_quant 'int8' runs on GGUF blocks, which tensor parallel ranks do not "
                                  "use; use activation_quant 'none'")
@@ -152,13 +157,14 @@ class LLMEngine:
             model.activation_quant = config.model.activation_quant
             self._select_linear(model, loaded, config.model.linear_backend, device, dtype)
         logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
-                    ", int8 KV blocks" if int8_kv else "")
+                    "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks")
         self._select_decode_path(model, config.model.decode_path, int8_kv)
 
         # A GPU's budget holds one rank's pool (its own KV heads); host memory holds all ranks' pools.
         kv_heads = model.arch.num_kv_heads if device.type == "cuda" else arch.num_kv_heads
+        kv_float = torch.float16 if cache_cfg.kv_cache_dtype == "float16" else dtype
         per_token = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim,
-                                       torch.empty((), dtype=dtype).element_size())
+                                       torch.empty((), dtype=kv_float).element_size())
         if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
             full = per_token
             per_token = 2 * arch.num_layers * kv_heads * (arch.head_dim + 8)  # one rank's heads on a GPU

@@ -66,7 +66,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kv_cache_dtype = kv_cache_dtype  # "auto": the model's dtype; "int8": engine/kv_quant.py
+        self.kv_cache_dtype = kv_cache_dtype  # "auto": the model's dtype; "int8": engine/kv_quant.py; "float16"
         self.allocate_kv(num_blocks)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -84,8 +84,9 @@ class ModelRunner:
             self.kv_caches = [(Int8KV.zeros(shape, self.dtype, self.device), Int8KV.zeros(shape, self.dtype, self.device))
                               for _ in range(arch.num_layers)]
         else:
-            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(arch.num_layers)]
+            dtype = torch.float16 if self.kv_cache_dtype == "float16" else self.dtype
+            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                               torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(arch.num_layers)]
         self.sink_block = num_blocks
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:

@@ -6,6 +6,7 @@ import logging
 import sys
 from typing import Any
 
+from cache.config import KV_CACHE_DTYPES
 from configs import build_section, check_sections, read_profile
 from engine.attention.base import ATTENTION_BACKENDS
 
@@ -39,8 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")
-    g.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "int8"],
-                   help="KV block dtype: auto (the model's) or int8 (per-token-per-head ranges, ~3.5x the tokens)")
+    g.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES,
+                   help="KV block dtype: auto (the model's), int8 (per-token-per-head ranges, ~3.5x the tokens) "
+                        "or float16 (under a float32 model: half the bytes, as llama.cpp stores KV)")
     g.add_argument("--kv-disk-dir", dest="kv_disk_dir", metavar="PATH",
                    help="folder of the persistent disk tier of the prefix cache (off when unset)")
     g.add_argument("--kv-disk-gib", dest="kv_disk_gib", type=float, metavar="GIB", help="disk tier capacity")

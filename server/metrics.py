@@ -267,6 +267,6 @@ class _EngineStateCollector:
         yield gauge("kv_cache_cached_blocks", "Free blocks kept for prefix reuse (evictable).", state.kv_cached_blocks)
         cache_info = InfoMetricFamily(f"{NAMESPACE}_cache_config", "KV cache configuration.", labels=["model_name"])
         cache_info.add_metric([name], {"block_size": str(info.block_size), "num_blocks": str(info.num_blocks),
-                                       "cache_dtype": info.dtype,
+                                       "cache_dtype": info.dtype if info.kv_cache_dtype == "auto" else info.kv_cache_dtype,
                                        "enable_prefix_caching": str(info.enable_prefix_caching).lower()})
         yield cache_info

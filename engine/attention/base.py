@@ -31,8 +31,9 @@ class AttentionBackend(ABC):
     # The forward is free of host synchronisation and data-dependent shapes for a pure
     # decode step, so it may be captured in a CUDA graph.
     graph_safe_decode: ClassVar[bool] = False
-    # The backend reads int8 pools (``engine.kv_quant.Int8KV``, ``--kv-cache-dtype int8``).
-    reads_int8_kv: ClassVar[bool] = False
+    # The ``--kv-cache-dtype`` pools the backend reads: ``auto`` (the model's dtype), ``int8``
+    # (``engine.kv_quant.Int8KV``), ``float16`` (fp16 values under a model of another dtype).
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
@@ -68,17 +69,17 @@ def check_backend_name(name: str) -> None:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
 
 
-def int8_kv_backends() -> list[str]:
-    """The backends that read int8 KV pools, in registry order."""
-    return [name for name, cls in BACKENDS.items() if cls.reads_int8_kv]
+def kv_dtype_backends(kv_cache_dtype: str) -> list[str]:
+    """The backends that read ``kv_cache_dtype`` pools, in registry order."""
+    return [name for name, cls in BACKENDS.items() if kv_cache_dtype in cls.kv_cache_dtypes]
 
 
 def _unavailable(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
                  kv_cache_dtype: str) -> str | None:
     why = BACKENDS[name].unavailable(device, dtype, block_size)
-    if why is None and kv_cache_dtype == "int8" and not BACKENDS[name].reads_int8_kv:
-        why = (f"its kernels read float KV pools only; kv_cache_dtype int8 runs on "
-               f"{', '.join(int8_kv_backends())}")
+    if why is None and kv_cache_dtype not in BACKENDS[name].kv_cache_dtypes:
+        why = (f"its kernels do not read {kv_cache_dtype} KV pools; kv_cache_dtype {kv_cache_dtype} runs on "
+               f"{', '.join(kv_dtype_backends(kv_cache_dtype))}")
     return why
 
 
@@ -86,7 +87,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_s
                     kv_cache_dtype: str = "auto") -> str:
     """The concrete backend ``name`` stands for on this device with this KV dtype; ValueError
     with the reason when an explicitly named backend cannot run here (``auto`` skips the ones
-    that cannot, e.g. flash-attn for an int8 pool, and takes the next in ``AUTO_ORDER``)."""
+    that cannot, e.g. flash-attn for an int8 pool, and takes the next in ``AUTO_ORDER``).
+    ``kv_cache_dtype`` is the engine's, with ``float16`` under a float16 model already made ``auto``."""
     check_backend_name(name)
     if name == "auto":
         reasons = []
@@ -98,7 +100,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_s
         raise ValueError("no attention backend can run here: " + "; ".join(reasons))
     why = _unavailable(name, device, dtype, block_size, kv_cache_dtype)
     if why is not None:
-        kv = " with an int8 KV pool" if kv_cache_dtype == "int8" else ""
+        kv = f" with a{'n' if kv_cache_dtype == 'int8' else ''} {kv_cache_dtype} KV pool" if kv_cache_dtype != "auto" else ""
         raise ValueError(f"attention_backend {name!r} cannot run on {device.type} in {str(dtype).removeprefix('torch.')}"
                          f" with block_size {block_size}{kv}: {why}")
     return name

@@ -12,7 +12,8 @@ from engine.kv_quant import Int8KV
 @register
 class NativeAttention(TorchAttention):
     """Decode rows go to ``torch.ops.kvserve.paged_decode_attention``, which reads the pool
-    in place instead of gathering a contiguous copy; prefill chunks use SDPA. int8 pools
+    in place instead of gathering a contiguous copy (fp32 pools, or fp16 ones widened as they are
+    read); prefill chunks use SDPA. int8 pools
     (``Int8KV``, engine/kv_quant.py) go to ``paged_decode_attention_int8``, which folds the
     per-token-per-head (step, minimum) into the dot products instead of dequantizing rows."""
 

@@ -14,14 +14,20 @@ class TorchAttention(AttentionBackend):
 
     Subclasses replace ``_decode`` (the single-token rows) and keep the prefill path, which on
     CUDA runs PyTorch's own FlashAttention / memory-efficient kernels for fresh prompts.
+
+    A float pool of another dtype than q's (``--kv-cache-dtype float16`` under a float32 model)
+    is widened to q's dtype as it is gathered, and a fresh prompt attends to its own K/V rounded
+    as the pool holds them, so a prompt gives the same numbers whether its prefix was cached or not.
     """
 
     name = "torch"
-    reads_int8_kv = True
+    kv_cache_dtypes = ("auto", "int8", "float16")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if isinstance(k_cache, torch.Tensor) and k_cache.dtype != q.dtype:  # what the pool holds
+            k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
         num_tokens, num_heads, head_dim = q.shape
         groups = meta.decode_groups
         if len(groups) == 1 and not meta.prefills:  # the common pure-decode step: no scatter
@@ -43,8 +49,8 @@ class TorchAttention(AttentionBackend):
                 values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q_c, keys, values, is_causal=True, enable_gqa=True)
             else:
-                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len)
-                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len)
+                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
+                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
                 o = F.scaled_dot_product_attention(q_c, keys, values, attn_mask=chunk.mask, enable_gqa=True)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
@@ -52,7 +58,8 @@ class TorchAttention(AttentionBackend):
         """Single-token rows in one call: q ``[B, H, d]`` against their contexts -> ``[B, H, d]``."""
         n = g.end - g.start
         return F.scaled_dot_product_attention(
-            q.unsqueeze(2), gather_kv(k_cache, g.block_ids, n, g.length), gather_kv(v_cache, g.block_ids, n, g.length),
+            q.unsqueeze(2), gather_kv(k_cache, g.block_ids, n, g.length).to(q.dtype),
+            gather_kv(v_cache, g.block_ids, n, g.length).to(q.dtype),
             attn_mask=g.mask, enable_gqa=True).squeeze(2)
 
     def describe(self) -> str:

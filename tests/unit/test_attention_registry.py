@@ -61,10 +61,10 @@ def test_int8_kv_on_cuda_stays_on_triton(flash_attn_installed):
     assert resolve_backend("auto", CUDA, torch.bfloat16, 256, kv_cache_dtype="int8") == "triton"
     assert resolve_backend("triton", CUDA, torch.bfloat16, 16, kv_cache_dtype="int8") == "triton"
     with pytest.raises(ValueError, match="'flash_attn' cannot run on cuda in bfloat16 with block_size 256 with an "
-                                         "int8 KV pool: its kernels read float KV pools only; kv_cache_dtype int8 "
+                                         "int8 KV pool: its kernels do not read int8 KV pools; kv_cache_dtype int8 "
                                          "runs on torch, native, triton"):
         resolve_backend("flash_attn", CUDA, torch.bfloat16, 256, kv_cache_dtype="int8")
-    assert [n for n, c in BACKENDS.items() if c.reads_int8_kv] == ["torch", "native", "triton"]
+    assert [n for n, c in BACKENDS.items() if "int8" in c.kv_cache_dtypes] == ["torch", "native", "triton"]
 
 
 def test_int8_kv_on_cuda_without_triton(triton_missing, monkeypatch):
