@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSERVE_X86 1
@@ -98,37 +99,46 @@ inline void store_cols(__m256 v, float* out, int64_t cols) {
   }
 }
 
+// A Q4_1 strip-block's codes as k-quads: dword c % 4 of lane c / 4 of w[j] = column c's codes at
+// k = 4j .. 4j + 3 (unsigned, 0..15).
+inline void relay_q4_1(const uint8_t* sb, __m256i* w) {
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int o = 0; o < 4; ++o) {  // lane 0: group 2o (k-quad 2o), lane 1: group 2o + 1
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
+    const __m256i k01 = interleave_halves(_mm256_and_si256(q, mask));  // column c: (k, k + 1)
+    const __m256i k23 = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+    const __m256i c03 = _mm256_unpacklo_epi16(k01, k23), c47 = _mm256_unpackhi_epi16(k01, k23);
+    w[2 * o] = _mm256_permute2x128_si256(c03, c47, 0x20);
+    w[2 * o + 1] = _mm256_permute2x128_si256(c03, c47, 0x31);
+  }
+}
+
+// Row code quad j (k = 4j .. 4j + 3) of a block's 32 int8 codes, broadcast to every dword.
+inline __m256i quad_at(const int8_t* xq, int j) {
+  int32_t v;
+  std::memcpy(&v, xq + 4 * j, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // Rows [r0, r0 + R) against one Q4_1 strip. Each strip-block is re-laid once into k-quads and
 // every row then needs only broadcasts of its own codes, 4 at a time (32 bytes a block, from L1).
 template <int R>
 void strip_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
   const int64_t nb = x.K / kBlock;
-  const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb = strip + b * kQ4_1Bytes;
     prefetch_ahead(sb, kQ4_1Bytes);
-    __m256i w[8];  // w[j]: dword c % 4 of lane c / 4 = column c's codes at k = 4j .. 4j + 3
-    for (int o = 0; o < 4; ++o) {  // lane 0: group 2o (k-quad 2o), lane 1: group 2o + 1
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
-      const __m256i k01 = interleave_halves(_mm256_and_si256(q, mask));  // column c: (k, k + 1)
-      const __m256i k23 = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
-      const __m256i c03 = _mm256_unpacklo_epi16(k01, k23), c47 = _mm256_unpackhi_epi16(k01, k23);
-      w[2 * o] = _mm256_permute2x128_si256(c03, c47, 0x20);
-      w[2 * o + 1] = _mm256_permute2x128_si256(c03, c47, 0x31);
-    }
+    __m256i w[8];
+    relay_q4_1(sb, w);
     const __m256 d = halves8(sb), m = halves8(sb + 16);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
       const int8_t* xq = x.q8.data() + rb * kBlock;
-      const auto quad = [xq](int j) {
-        int32_t v;
-        std::memcpy(&v, xq + 4 * j, 4);
-        return _mm256_set1_epi32(v);
-      };
-      __m256i s = _mm256_maddubs_epi16(w[0], quad(0));
-      for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], quad(j)));
+      __m256i s = _mm256_maddubs_epi16(w[0], quad_at(xq, 0));
+      for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], quad_at(xq, j)));
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[rb]), acc[r]);
@@ -168,6 +178,77 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
   }
   for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
 }
+
+// ---- AVX512-VNNI (Zen 4, Ice Lake and later): vpdpbusd multiplies 4 unsigned by 4 signed bytes
+// and adds the 4 products to an int32 lane in one instruction, where AVX2 needs maddubs (int16
+// pairs), an add and a madd by 1. The integer sums are the ones above, so the results are bit
+// for bit those of the AVX2 kernels. Compiled for that target whatever the build flags, and run
+// only where the CPU has it (cpu_has_vnni).
+bool cpu_has_vnni() {
+  static const bool yes = cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512vl") && !std::getenv("KVSERVE_NO_VNNI");
+  return yes;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+
+template <int R>
+void strip_q4_1_vnni(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo,
+                     int64_t cols) {
+  const int64_t nb = x.K / kBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = strip + b * kQ4_1Bytes;
+    prefetch_ahead(sb, kQ4_1Bytes);
+    __m256i w[8];
+    relay_q4_1(sb, w);
+    const __m256 d = halves8(sb), m = halves8(sb + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const int8_t* xq = x.q8.data() + rb * kBlock;
+      __m256i s = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) s = _mm256_dpbusd_epi32(s, w[j], quad_at(xq, j));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+// Q8_0 codes are signed on both sides: |w| goes in the unsigned operand (128 fits) and the row's
+// codes take w's sign (_mm256_sign_epi8; |x| <= 127, so negating never overflows).
+template <int R>
+void strip_q8_0_vnni(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo,
+                     int64_t cols) {
+  const int64_t nb = x.K / kBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = strip + b * kQ8_0Bytes;
+    prefetch_ahead(sb, kQ8_0Bytes);
+    __m256i w[8], aw[8];  // w[j]: dword c % 4 of lane c / 4 = column c's codes at k = 4j .. 4j + 3
+    for (int j = 0; j < 8; ++j) {
+      // per lane: (k, k + 1) then (k + 2, k + 3) code pairs of the 8 columns
+      const __m256i t = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)));
+      const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+      w[j] = _mm256_setr_m128i(_mm_unpacklo_epi16(lo, hi), _mm_unpackhi_epi16(lo, hi));
+      aw[j] = _mm256_abs_epi8(w[j]);
+    }
+    const __m256 d = halves8(sb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const int8_t* xq = x.q8.data() + rb * kBlock;
+      __m256i s = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) s = _mm256_dpbusd_epi32(s, aw[j], _mm256_sign_epi8(quad_at(xq, j), w[j]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+#pragma GCC pop_options
 
 // ---- Row formats (GGUF rows as stored, super-blocks of 256 along K: 8 of the activations'
 // 32-blocks). Per output feature n and row: for each 32 weights an integer dot product of the
@@ -398,14 +479,20 @@ template <int R>
 struct Q4_1Kernel {
   static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
-    strip_q4_1<R>(x, r0, s, o, ldo, cols);
+    if (cpu_has_vnni())
+      strip_q4_1_vnni<R>(x, r0, s, o, ldo, cols);
+    else
+      strip_q4_1<R>(x, r0, s, o, ldo, cols);
   }
 };
 template <int R>
 struct Q8_0Kernel {
   static constexpr int kMaxRows = 8;
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
-    strip_q8_0<R>(x, r0, s, o, ldo, cols);
+    if (cpu_has_vnni())
+      strip_q8_0_vnni<R>(x, r0, s, o, ldo, cols);
+    else
+      strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
 };
 
@@ -527,6 +614,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
 
 bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
 
+// Which instructions the Q4_1 / Q8_0 int8 kernels use here: "vnni", "avx2" or "none".
+std::string gguf_q8_isa() {
+#ifdef KVSERVE_X86
+  if (cpu_has_avx2()) return cpu_has_vnni() ? "vnni" : "avx2";
+#endif
+  return "none";
+}
+
 }  // namespace
 
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
@@ -588,6 +683,7 @@ void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, 
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_q8_supported(int format) -> bool", &gguf_q8_supported);
+  m.def("gguf_q8_isa() -> str", &gguf_q8_isa);
   m.def("gguf_linear_q8(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
 }

@@ -15,6 +15,10 @@ every step are within the activations' rounding of the flag-off engine's, and no
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -107,6 +111,34 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
     bound = F.linear(d.repeat_interleave(32, dim=1).double() / 2, dense.abs().double())
     assert torch.all((got.double() - exact).abs() <= bound + 1e-4)
     assert (got.double() - exact).abs().max() > 1e-5 * exact.abs().max()
+
+
+def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
+    """Q4_1 and Q8_0 on AVX512-VNNI (vpdpbusd) sum the same integers as the AVX2 maddubs/madd
+    kernels, so every output is the same float; the AVX2 side runs in a subprocess with
+    KVSERVE_NO_VNNI (read once per process). Rows 1-17 cover the 16/8/4/2/1 passes."""
+    if torch.ops.kvserve.gguf_q8_isa() != "vnni":
+        pytest.skip("this CPU has no AVX512-VNNI: the VNNI kernels do not run here")
+    cases = {}
+    for fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0):
+        packed, _ = random_matrix(fmt, 45, 128, seed=int(fmt))
+        x = torch.randn(17, 128, generator=torch.Generator().manual_seed(int(fmt)))
+        cases[int(fmt)] = (packed, x, [torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, int(fmt))
+                                       for m in range(1, 18)])
+    torch.save(cases, tmp_path / "cases.pt")
+    script = f"""
+import torch
+from engine.kernels import load_kernels
+assert load_kernels() and torch.ops.kvserve.gguf_q8_isa() == "avx2"
+for fmt, (packed, x, want) in torch.load({str(tmp_path / "cases.pt")!r}).items():
+    for m in range(1, 18):
+        got = torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, fmt)
+        assert torch.equal(got, want[m - 1]), (fmt, m, (got - want[m - 1]).abs().max())
+print("ok")
+"""
+    env = {**os.environ, "KVSERVE_NO_VNNI": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_formats_without_an_int8_kernel_keep_fp32_activations():
