@@ -8,7 +8,8 @@ Four kernels, one library:
 * ``quant_linear.cpp``: linear layers computed straight from GGUF blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), for the
   few-row matmuls of decode, which stream every weight once per step (see engine/quant.py).
 * ``quant_linear_q8.cpp``: the same matmuls on int8-quantized activations (Q4_1, Q8_0, Q4_K,
-  Q6_K; AVX2 integer dot products), only with ``activation_quant: int8``.
+  Q6_K; AVX2 integer dot products, AVX512-VNNI ``vpdpbusd`` for Q4_1 / Q8_0 where the CPU has
+  it), only with ``activation_quant: int8``.
 * ``decode_layer.cpp``: every decoder layer of an all-decode step in one call (``DecodeStack``)
   and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
