@@ -114,9 +114,10 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
 
 
 def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
-    """Q4_1 and Q8_0 on AVX512-VNNI (vpdpbusd) sum the same integers as the AVX2 maddubs/madd
-    kernels, so every output is the same float; the AVX2 side runs in a subprocess with
-    KVSERVE_NO_VNNI (read once per process). Rows 1-17 cover the 16/8/4/2/1 passes."""
+    """Q8_0 on AVX512-VNNI (vpdpbusd, |w| by the sign-adjusted row codes) sums the same integers
+    as the AVX2 madd kernel, so every output is the same float; the AVX2 side runs in a subprocess
+    with KVSERVE_NO_VNNI (read once per process). Rows 1-17 cover the 8/4/2/1 passes; Q4_1 (AVX2
+    either way) is the control."""
     if torch.ops.kvserve.gguf_q8_isa() != "vnni":
         pytest.skip("this CPU has no AVX512-VNNI: the VNNI kernels do not run here")
     cases = {}
