@@ -20,6 +20,7 @@ other exception escapes ``run`` (the process exits non-zero and its client start
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -148,6 +149,11 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
         logger.exception("the engine core failed to start")
         sys.exit(1)
     engine.watch_ranks(_rank_lost)
+    # What loading made (the model, torch, transformers: ~10^6 objects) lives as long as the
+    # process: out of the collector's sight, a full collection no longer walks it every few
+    # hundred steps (~2% of a 16-stream decode step on 2 cores, perf).
+    gc.collect()
+    gc.freeze()
     outputs.send(CoreReady(engine.info, engine.tokenizer, os.getpid()))
 
     def receive(timeout: float) -> list[Command]:
