@@ -124,28 +124,95 @@ inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// out[0 .. 8 NV) = sum_t p[t] rows[t][offset ..]: the NV accumulators stay in registers across
-// the tokens. With ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many bytes.
-template <int NV, typename T>
-inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t offset, int64_t ahead0,
-                         int64_t ahead_bytes, float* out) {
-  __m256 a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = _mm256_setzero_ps();
+// Query heads sharing a kv head are taken together, up to kGroup at a time, so that each K and V
+// value is loaded (and, from an fp16 pool, widened) once for all of them rather than once per head.
+constexpr int kGroup = 4;
+
+// scores[g * ldS + t] = scale * q_g . k_t for the NG heads g whose queries are q + g * D, over the
+// L tokens whose key rows are krows[t] + off: 4 tokens at a time into 4 NG accumulators, each
+// head's 4 reduced together by horizontal adds. With ahead_bytes > 0, rows kRowsAhead tokens on
+// are prefetched from ahead0, that many bytes.
+template <int NG, typename T>
+inline void dots_group(const float* q, int64_t D, const T* const* krows, int64_t off, int64_t L, float scale,
+                       float* scores, int64_t ldS, int64_t ahead0, int64_t ahead_bytes) {
+  const int64_t nv = D / 8;
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    const T* kt[4] = {krows[t] + off, krows[t + 1] + off, krows[t + 2] + off, krows[t + 3] + off};
+    if (ahead_bytes)
+      for (int64_t j = t + kRowsAhead; j < std::min(L, t + kRowsAhead + 4); ++j) prefetch_row(krows[j] + ahead0, ahead_bytes);
+    __m256 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nv; ++c) {
+      __m256 x[4];
+      for (int i = 0; i < 4; ++i) x[i] = load8(kt[i] + 8 * c);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 qc = _mm256_loadu_ps(q + g * D + 8 * c);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm256_fmadd_ps(qc, x[i], a[g][i]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      // [a0 a1 a2 a3 partial sums | the other halves] -> the 4 dot products
+      const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+      const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1));
+      _mm_storeu_ps(scores + g * ldS + t, _mm_mul_ps(dots, sc));
+    }
+  }
+  for (; t < L; ++t) {
+    const T* kt = krows[t] + off;
+    for (int g = 0; g < NG; ++g) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), load8(kt + 8 * c), a);
+      scores[g * ldS + t] = hsum8(a) * scale;
+    }
+  }
+}
+
+// out[g * D + 0 .. 8 NV) = sum_t p[g * ldP + t] rows[t][offset ..] for the NG heads g: the NG x NV
+// accumulators stay in registers across the tokens and each row slice is loaded once for all
+// heads. With ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many bytes.
+template <int NG, int NV, typename T>
+inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset,
+                         int64_t ahead0, int64_t ahead_bytes, float* out, int64_t D) {
+  __m256 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm256_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     const T* vt = rows[t] + offset;
     if (ahead_bytes && t + kRowsAhead < L) prefetch_row(rows[t + kRowsAhead] + ahead0, ahead_bytes);
-    const __m256 pt = _mm256_set1_ps(p[t]);
-    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pt, load8(vt + 8 * i), a[i]);
+    __m256 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = load8(vt + 8 * i);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pt = _mm256_set1_ps(p[g * ldP + t]);
+      for (int i = 0; i < NV; ++i) a[g][i] = _mm256_fmadd_ps(pt, x[i], a[g][i]);
+    }
   }
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, a[i]);
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + g * D + 8 * i, a[g][i]);
 }
 
-// attend() for fp32 and fp16 pools and D % 8 == 0 (the same contract). Per head: q . k for 4 tokens at a
-// time into 4 vector accumulators, reduced together by horizontal adds; then the softmax; then
-// the probability-weighted V rows into accumulators that stay in registers. The first head
-// streams the rows' kv heads [h0 / G, (h1 - 1) / G] from memory (prefetched kRowsAhead tokens
-// on, whole rows when the job has every head, so that blocks are read as they lie); the other
-// heads find them in cache.
+// The V pass of NG heads over all nv = D / 8 channel vectors: slices of 8 vectors (4 when 3 or 4
+// heads share the registers), then 4, 2, 1; only the first slice prefetches.
+template <int NG, typename T>
+inline void values_group(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t off, int64_t D,
+                         int64_t ahead0, int64_t ahead_bytes, float* out) {
+  const int64_t nv = D / 8;
+  int64_t c = 0;
+  const auto ahead = [&](int64_t c) { return c == 0 ? ahead_bytes : 0; };
+  if constexpr (NG <= 2)
+    for (; c + 8 <= nv; c += 8) weighted_sum<NG, 8>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
+  for (; c + 4 <= nv; c += 4) weighted_sum<NG, 4>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
+  if (c + 2 <= nv) weighted_sum<NG, 2>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D), c += 2;
+  if (c < nv) weighted_sum<NG, 1>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
+}
+
+// attend() for fp32 and fp16 pools and D % 8 == 0 (the same contract). The heads go in groups of
+// up to kGroup sharing one kv head: q . k (dots_group), then the softmax of every head, then the
+// probability-weighted V rows (values_group). The first group streams the rows' kv heads
+// [h0 / G, (h1 - 1) / G] from memory (prefetched kRowsAhead tokens on, whole rows when the job
+// has every head, so that blocks are read as they lie); the other groups find them in cache.
 template <typename T>
 inline void attend_avx2(
     const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
@@ -157,50 +224,38 @@ inline void attend_avx2(
     const int64_t slot = lay.table[t / lay.block_size] * lay.block_size + t % lay.block_size;
     krows[t] = k.data + slot * lay.token_stride, vrows[t] = v.data + slot * lay.token_stride;
   }
-  const int64_t nv = D / 8, ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * static_cast<int64_t>(sizeof(T));
-  const __m128 sc = _mm_set1_ps(scale);
-  for (int64_t h = h0; h < h1; ++h) {
+  const int64_t ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * static_cast<int64_t>(sizeof(T));
+  // calls fn(h, n, off): heads [h, h + n) share the kv head whose values start at off
+  const auto for_each_group = [&](auto&& fn) {
+    for (int64_t h = h0; h < h1;) {
+      const int64_t n = std::min<int64_t>({kGroup, h1 - h, (h / G + 1) * G - h});
+      fn(h, n, (h / G) * D);
+      h += n;
+    }
+  };
+  for_each_group([&](int64_t h, int64_t n, int64_t off) {
     const float* qh = q + h * D;
-    const int64_t off = (h / G) * D;
-    const bool first = h == h0;
     float* s = scores + (h - h0) * L;
-    int64_t t = 0;
-    for (; t + 4 <= L; t += 4) {
-      const T* k0 = krows[t] + off, * k1 = krows[t + 1] + off, * k2 = krows[t + 2] + off, * k3 = krows[t + 3] + off;
-      if (first)
-        for (int64_t j = t + kRowsAhead; j < std::min(L, t + kRowsAhead + 4); ++j) prefetch_row(krows[j] + ahead0, ahead_bytes);
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t c = 0; c < nv; ++c) {
-        const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
-        a0 = _mm256_fmadd_ps(qc, load8(k0 + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(qc, load8(k1 + 8 * c), a1);
-        a2 = _mm256_fmadd_ps(qc, load8(k2 + 8 * c), a2);
-        a3 = _mm256_fmadd_ps(qc, load8(k3 + 8 * c), a3);
-      }
-      // [a0 a1 a2 a3 partial sums | the other halves] -> the 4 dot products
-      const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1));
-      _mm_storeu_ps(s + t, _mm_mul_ps(dots, sc));
+    const int64_t pf = h == h0 ? ahead_bytes : 0;
+    switch (n) {
+      case 1: dots_group<1>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf); break;
+      case 2: dots_group<2>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf); break;
+      case 3: dots_group<3>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf); break;
+      default: dots_group<4>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf); break;
     }
-    for (; t < L; ++t) {
-      const T* kt = krows[t] + off;
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8(kt + 8 * c), a);
-      s[t] = hsum8(a) * scale;
-    }
-  }
+  });
   softmax_rows(scores, nh, L);
-  for (int64_t h = h0; h < h1; ++h) {
+  for_each_group([&](int64_t h, int64_t n, int64_t off) {
     const float* p = scores + (h - h0) * L;
-    const int64_t off = (h / G) * D;
     float* o = out + h * D;
-    int64_t c = 0;  // 8 vectors (64 channels) at a time, then 4, 2, 1; the first slice prefetches
-    const auto ahead = [&](int64_t c) { return h == h0 && c == 0 ? ahead_bytes : 0; };
-    for (; c + 8 <= nv; c += 8) weighted_sum<8>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c);
-    if (c + 4 <= nv) weighted_sum<4>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c), c += 4;
-    if (c + 2 <= nv) weighted_sum<2>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c), c += 2;
-    if (c < nv) weighted_sum<1>(vrows.data(), L, p, off + 8 * c, ahead0, ahead(c), o + 8 * c);
-  }
+    const int64_t pf = h == h0 ? ahead_bytes : 0;
+    switch (n) {
+      case 1: values_group<1>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 2: values_group<2>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 3: values_group<3>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      default: values_group<4>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+    }
+  });
 }
 
 #pragma GCC pop_options
