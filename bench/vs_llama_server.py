@@ -11,7 +11,12 @@ both generate exactly ``output_len`` tokens, usage from the final SSE chunk):
   ``waves`` x c requests, closed loop at concurrency c; the figure is output tokens/s over the
   run (prefill included). llama-server runs with ``max(levels)`` slots.
 
-Each measurement runs kvserve, then llama-server, back to back. llama-server runs on
+Each measurement runs kvserve, then llama-server, back to back; with ``rounds`` > 1 it is repeated on
+fresh prompts, the order alternating (kvserve first, then llama-server first, ...), so that a drift
+in the machine's speed between two runs hits both sides alike. The ratio is the median of the
+rounds' ratios (each round's two runs are adjacent in time); each side's row shows its median run
+(by the measured figure). On a shared 2-core machine the same command's single-run ratio moved by
+~20% from one run to the next. llama-server runs on
 ``gguf`` (default: the shipped Q4_1 file, the blocks kvserve's decode matmuls read) with
 ``-t threads``. Every row states the weight format and the weight bytes a decode token reads
 (computed from the GGUF's tensor sizes and kvserve's loaded model, not written down).
@@ -21,8 +26,9 @@ llama-server's arg-max after every prefix against transformers' (fp32) and kvser
 """
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from bench.agreement import (AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, hf_top1, llama_server_next_token,
                              per_prefix_top1, top1_agreement)
@@ -57,14 +63,41 @@ def _measure(server: Server, requests: Sequence[Any], concurrency: int, label: s
     return s
 
 
-def _pair(kv: Server, ll: Server | None, requests: Sequence[Any], concurrency: int, name: str,
-          progress: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"kvserve": _measure(kv, requests, concurrency, f"{name} kvserve", progress)}
+def _pair(kv: Server, ll: Server | None, make_requests: Callable[[int], Sequence[Any]], concurrency: int,
+          name: str, progress: bool, key: str, rounds: int = 1) -> dict[str, Any]:
+    """Both sides on ``make_requests(r)`` for each round r, alternating which goes first; each side's
+    median run by ``key`` and (with a peer) each round's kvserve / llama-server ``key`` ratio."""
+    runs: dict[str, list[dict[str, Any]]] = {"kvserve": [], "llama-server": []}
+    round_ratios = []
+    for r in range(rounds):
+        requests = make_requests(r)
+        order = [("kvserve", kv), ("llama-server", ll)]
+        for side, server in order if r % 2 == 0 else order[::-1]:
+            if server is not None:
+                label = f"{name} {side}" + (f" (round {r + 1}/{rounds})" if rounds > 1 else "")
+                runs[side].append(_measure(server, requests, concurrency, label, progress))
+        if ll is not None:
+            round_ratios.append(ratio(runs["kvserve"][-1][key], runs["llama-server"][-1][key]))
+    out: dict[str, Any] = {"kvserve": _median_run(runs["kvserve"], key)}
     if ll is not None:
-        out["llama-server"] = _measure(ll, requests, concurrency, f"{name} llama-server", progress)
-        a, b = out["kvserve"]["output_tokens"], out["llama-server"]["output_tokens"]
-        out["same_output_tokens"] = a == b
+        out["llama-server"] = _median_run(runs["llama-server"], key)
+        out["same_output_tokens"] = all(a["output_tokens"] == b["output_tokens"]
+                                        for a, b in zip(runs["kvserve"], runs["llama-server"]))
+        out["round_ratios"] = round_ratios
     return out
+
+
+def _median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    return sorted(runs, key=lambda s: s[key] or 0)[(len(runs) - 1) // 2]
+
+
+def _pair_ratio(pair: dict[str, Any], key: str) -> float | None:
+    """The median of the rounds' ratios (one round: the plain ratio)."""
+    ratios = [r for r in pair.get("round_ratios", []) if r is not None]
+    if ratios:
+        return round(statistics.median(ratios), 3)
+    ll = pair.get("llama-server")
+    return ratio(pair["kvserve"][key], ll[key]) if ll and ll[key] else None
 
 
 def _warm(server: Server, vocab: int) -> None:
@@ -77,7 +110,7 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
                         output_len: int = 128, stream_prompt_len: int = 50, single_requests: int = 3,
                         waves: int = 2, gguf: str | None = None, seed: int = 0, progress: bool = True,
                         out_dir: Path | None = None, agreement: bool = True,
-                        served_gguf: str | None = None) -> dict[str, Any]:
+                        served_gguf: str | None = None, rounds: int = 1) -> dict[str, Any]:
     skipped: str | None = None
     llama_path: Path | None = None
     try:
@@ -107,8 +140,10 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
             skipped = str(exc)
     try:
         for i, ctx_len in enumerate(contexts):
-            reqs = synthetic_requests(single_requests, ctx_len, output_len, vocab_size, seed=seed * 1000 + 100 + i)
-            single[ctx_len] = _pair(server, ll, reqs, 1, f"single ctx={ctx_len}", progress)
+            def reqs(r: int, i: int = i, ctx_len: int = ctx_len) -> Sequence[Any]:
+                return synthetic_requests(single_requests, ctx_len, output_len, vocab_size,
+                                          seed=seed * 1000 + 100 + i + 50_000 * r)
+            single[ctx_len] = _pair(server, ll, reqs, 1, f"single ctx={ctx_len}", progress, "stream_decode_tps", rounds)
         if agreement and ll is not None and tokenizer is not None:
             sanity = _agreement(ll, engine, hf_model, tokenizer)
     finally:
@@ -127,14 +162,17 @@ def run_vs_llama_server(server: Server, engine: Any, hf_model: Any, tokenizer: A
             skipped = str(exc)
     try:
         for i, c in enumerate(levels):
-            reqs = synthetic_requests(waves * c, stream_prompt_len, output_len, vocab_size, seed=seed * 1000 + 200 + i)
-            streams[c] = _pair(server, ll, reqs, c, f"streams c={c}", progress)
+            def reqs(r: int, i: int = i, c: int = c) -> Sequence[Any]:
+                return synthetic_requests(waves * c, stream_prompt_len, output_len, vocab_size,
+                                          seed=seed * 1000 + 200 + i + 50_000 * r)
+            streams[c] = _pair(server, ll, reqs, c, f"streams c={c}", progress, "output_tps", rounds)
     finally:
         if ll is not None:
             ll.close()
 
     return _result(server, engine, hf_model, threads, single, streams, sanity, llama_path, skipped,
-                   contexts, levels, output_len, stream_prompt_len, single_requests, waves, out_dir, served_gguf)
+                   contexts, levels, output_len, stream_prompt_len, single_requests, waves, out_dir, served_gguf,
+                   rounds)
 
 
 def _agreement(ll: Server, engine: Any, hf_model: Any, tokenizer: Any) -> dict[str, Any]:
@@ -189,7 +227,7 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
             streams: dict[int, Any], sanity: dict[str, Any] | None, llama_path: Path | None, skipped: str | None,
             contexts: Sequence[int], levels: Sequence[int], output_len: int, stream_prompt_len: int,
             single_requests: int, waves: int, out_dir: Path | None,
-            served_gguf: str | None = None) -> dict[str, Any]:
+            served_gguf: str | None = None, rounds: int = 1) -> dict[str, Any]:
     weights = _weights(engine, hf_model, llama_path, served_gguf)
     version = package_version()
     ratios: dict[str, Any] = {}
@@ -197,11 +235,12 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
     rows = []
     for ctx_len, pair in single.items():
         k, ll = pair["kvserve"], pair.get("llama-server")
-        r = ratio(k["stream_decode_tps"], ll["stream_decode_tps"]) if ll and ll["stream_decode_tps"] else None
+        r = _pair_ratio(pair, "stream_decode_tps")
         ratios[f"single_ctx{ctx_len}"] = r
         checks.append(check(f"single-stream decode at {ctx_len} prompt tokens, kvserve / llama-server", r,
                             TARGETS["single"], skipped=skipped if r is None else None,
-                            detail=f"kvserve {k['stream_decode_tps']} vs {ll['stream_decode_tps']} tok/s" if ll else ""))
+                            detail=f"kvserve {k['stream_decode_tps']} vs {ll['stream_decode_tps']} tok/s"
+                                   f"{_rounds(pair)}" if ll else ""))
         for side, s in (("kvserve", k), ("llama-server", ll)):
             if s:
                 rows.append([f"single, {ctx_len} ctx", side, weights.get(side, {}).get("label", "-"),
@@ -209,11 +248,11 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
                              s["output_tokens"], r if side == "kvserve" else "", _f(s.get("foreign_cpu_cores"))])
     for c, pair in streams.items():
         k, ll = pair["kvserve"], pair.get("llama-server")
-        r = ratio(k["output_tps"], ll["output_tps"]) if ll and ll["output_tps"] else None
+        r = _pair_ratio(pair, "output_tps")
         ratios[f"streams_{c}"] = r
         checks.append(check(f"{c} concurrent streams, output tok/s, kvserve / llama-server", r, stream_target(c),
                             skipped=skipped if r is None else None,
-                            detail=f"kvserve {k['output_tps']} vs {ll['output_tps']} tok/s" if ll else ""))
+                            detail=f"kvserve {k['output_tps']} vs {ll['output_tps']} tok/s{_rounds(pair)}" if ll else ""))
         for side, s in (("kvserve", k), ("llama-server", ll)):
             if s:
                 rows.append([f"{c} streams", side, weights.get(side, {}).get("label", "-"), _mb(weights.get(side)),
@@ -255,6 +294,7 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
         "scenario": "llama-server", "title": "kvserve vs llama.cpp's own server (llama-server)",
         "workload": {"contexts": list(contexts), "levels": list(levels), "output_len": output_len,
                      "stream_prompt_len": stream_prompt_len, "single_requests": single_requests, "waves": waves,
+                     "rounds": rounds,
                      "threads": threads, "gguf": str(llama_path) if llama_path else None},
         "llama_server": {"package": f"llama.cpp-tools {version}" if version else None, "skipped": skipped},
         "server": {"url": server.url, "kind": server.kind, "model": server.model},
@@ -266,7 +306,10 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
                   "tok/s = 1 / mean TPOT (prefill left out), llama-server with 1 slot. Streams: "
                   f"{waves} x c requests of {stream_prompt_len} prompt tokens at concurrency c in {list(levels)}; "
                   f"tok/s = output tokens / wall time (prefill included), llama-server with {max(levels)} slots. "
-                  f"{threads} threads on each side (llama-server -t/-tb). llama-server: Debian sid "
+                  f"{threads} threads on each side (llama-server -t/-tb). "
+                  + (f"{rounds} rounds on fresh prompts, alternating which server goes first; the ratio is the "
+                     "median of the rounds' ratios, each side's row its median run. " if rounds > 1 else "")
+                  + "llama-server: Debian sid "
                   f"llama.cpp-tools {version or '?'} in a chroot (scripts/llama-server-peer.sh). Teacher-forced "
                   "agreement: each side's arg-max after every prefix of a fixed English text (transformers: one "
                   "fp32 forward pass; kvserve engine and llama-server: one greedy token per prefix)."]
@@ -275,6 +318,11 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
     result["plots"] = _plot(result, out_dir) if out_dir and (single or streams) else []
     result["machine"] = machine_info()
     return result
+
+
+def _rounds(pair: dict[str, Any]) -> str:
+    ratios = pair.get("round_ratios", [])
+    return f" (median run); rounds: {', '.join(f'{r:.3f}x' for r in ratios if r is not None)}" if len(ratios) > 1 else ""
 
 
 def _f(v: Any) -> str:

@@ -246,7 +246,7 @@ def test_llama_server_scenario_end_to_end(tmp_path):
         torch.set_num_threads(1)
         result = run_vs_llama_server(server, engine(), hf, tokenizer, len(tokenizer), threads=1, contexts=(20, 60),
                                      levels=(2, 3), output_len=6, stream_prompt_len=12, single_requests=1, waves=1,
-                                     gguf=str(gguf_path), progress=False, out_dir=tmp_path)
+                                     gguf=str(gguf_path), progress=False, out_dir=tmp_path, rounds=2)
     finally:
         server.close()
     assert result["llama_server"]["skipped"] is None, result["llama_server"]
@@ -254,6 +254,7 @@ def test_llama_server_scenario_end_to_end(tmp_path):
         assert pair["same_output_tokens"], pair
         assert pair["llama-server"]["errors"] == 0 and pair["llama-server"]["output_tps"] > 0
     assert result["streams"][3]["llama-server"]["output_tokens"] == 3 * 6
+    assert all(len(pair["round_ratios"]) == 2 for pair in [*result["single"].values(), *result["streams"].values()])
     assert all(r > 0 for r in result["ratios"].values())
     assert result["weights"]["llama-server"]["decode_bytes"] == gguf_weights(gguf_path)["decode_bytes"]
     pairs = result["agreement"]["pairs"]
@@ -306,3 +307,28 @@ def test_a_served_gguf_names_kvserves_weights_and_drops_the_default_models_agree
     default = _weights(None, None, None)["kvserve"]
     assert served["label"].endswith("GGUF blocks (Q8_0 100%)") and "default" not in served["label"]
     assert served["decode_bytes"] == raw.nbytes != default["decode_bytes"]
+
+
+def test_rounds_alternate_the_servers_on_fresh_prompts_and_take_the_median(monkeypatch):
+    """``rounds``: each round gets its own prompts, the first server alternates, each side's row is
+    its median run and the ratio the median of the rounds' ratios (adjacent runs)."""
+    import bench.vs_llama_server as vs
+
+    calls = []
+    figures = {("kvserve", 0): 300.0, ("llama-server", 0): 100.0, ("kvserve", 1): 200.0,
+               ("llama-server", 1): 50.0, ("kvserve", 2): 280.0, ("llama-server", 2): 100.0}
+
+    def fake_measure(server, requests, concurrency, label, progress):
+        side, r = server, requests[0]
+        calls.append((side, r))
+        return {"output_tps": figures[(side, r)], "output_tokens": 8, "run": r}
+
+    monkeypatch.setattr(vs, "_measure", fake_measure)
+    pair = vs._pair("kvserve", "llama-server", lambda r: [r], 4, "x", False, "output_tps", rounds=3)
+    assert calls == [("kvserve", 0), ("llama-server", 0), ("llama-server", 1), ("kvserve", 1),
+                     ("kvserve", 2), ("llama-server", 2)]
+    assert pair["round_ratios"] == [3.0, 4.0, 2.8]
+    assert vs._pair_ratio(pair, "output_tps") == 3.0  # not 280 / 100, the ratio of the median runs
+    assert pair["kvserve"]["run"] == 2 and pair["llama-server"]["run"] in (0, 2)
+    alone = vs._pair("kvserve", None, lambda r: [r], 4, "x", False, "output_tps", rounds=1)
+    assert "round_ratios" not in alone and vs._pair_ratio(alone, "output_tps") is None
