@@ -31,7 +31,7 @@ class ModelConfig:
     # for GGUF files above ``blocks_auto_file_gib`` (their fp32 copy would take >= 4x, above
     # 1 GiB), so small models such as the default keep the faster dense prefill.
     weights_resident: str = "auto"
-    # "auto" | "native" | "python": how all-decode steps run (LlamaForCausalLM.select_decode_path).
+    # "auto" | "native" | "python": how decode rows run (LlamaForCausalLM.select_decode_path).
     # native: every layer in one C++ call (engine/kernels/decode_layer.cpp DecodeStack); auto: native where it can
     # run (CPU, float32, native attention, float KV pool), else python (DecoderLayer.forward)
     decode_path: str = "auto"

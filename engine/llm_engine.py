@@ -349,8 +349,8 @@ class LLMEngine:
             return
         path, reason = model.select_decode_path(choice)
         if path == "native":
-            logger.info("Decode path: native (all-decode steps of up to %d rows run every layer in one C++ call)",
-                        model.native_max_rows)
+            logger.info("Decode path: native (a step's decode rows, up to %d, run every layer in one C++ call; "
+                        "a mixed step's prefill chunks then run in torch)", model.native_max_rows)
         else:
             logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")
 

@@ -324,13 +324,13 @@ class LlamaForCausalLM(nn.Module):
         return next(filter(None, (layer.native_decode_unavailable() for layer in self.layers)), None)
 
     def select_decode_path(self, choice: str = "auto") -> tuple[str, str | None]:
-        """How all-decode steps run; returns (path, why not native or None).
+        """How decode rows run; returns (path, why not native or None).
 
-        ``native``: a step whose rows are all single new tokens, at most ``native_max_rows``
-        of them, over a float32 pool, runs each layer as ONE ``torch.ops.kvserve.decode_layer``
-        call (engine/kernels/decode_layer.cpp: one OpenMP region per layer instead of ~10 torch
-        calls, each with its own fork/join); every other step (prefill, mixed, larger batches,
-        an int8 pool) runs ``DecoderLayer.forward``. Needs the CPU, float32, the kernels and
+        ``native``: the single-new-token rows of a step, at most ``native_max_rows`` of them, over
+        a float32 or float16 pool, run every layer in ONE ``DecodeStack`` call
+        (engine/kernels/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per layer,
+        each with its own fork/join); a mixed step's prefill chunks then run
+        ``DecoderLayer.forward``, as do larger batches and int8 pools. Needs the CPU, float32, the kernels and
         the native attention backend (whose numerics it shares). ``python``: always
         ``DecoderLayer.forward``. ``auto``: ``native`` where it can run. Both paths compute the
         same function, differing only in fp32 summation order.
@@ -356,10 +356,19 @@ class LlamaForCausalLM(nn.Module):
         for args in self._native_layers:
             self._native_stack.add_layer(*args)
 
+    def _native_rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
+        """How many of this step's rows the native decode path takes (see select_decode_path):
+        the decode rows, which come first, when they are one group of at most native_max_rows
+        over float pools; else 0."""
+        if (self.decode_path != "native" or len(meta.decode_groups) != 1 or meta.paged is not None
+                or type(kv_caches[0][0]) is not torch.Tensor):
+            return 0
+        group = meta.decode_groups[0]
+        return group.end if group.start == 0 and group.end <= self.native_max_rows else 0
+
     def _runs_native(self, meta: AttentionMetadata, rows: int, kv_caches: list) -> bool:
-        """Whether this step takes the native decode path (see select_decode_path)."""
-        return (self.decode_path == "native" and not meta.prefills and len(meta.decode_groups) == 1
-                and rows <= self.native_max_rows and type(kv_caches[0][0]) is torch.Tensor)
+        """Whether this step is all decode rows and takes the native decode path."""
+        return not meta.prefills and self._native_rows(meta, kv_caches) == rows
 
     def _native_decode(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -471,13 +480,23 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
-        if self._runs_native(meta, x.shape[0], kv_caches):
+        decodes = self._native_rows(meta, kv_caches)
+        if decodes == x.shape[0]:
             x = self._native_decode(x.contiguous(), positions, meta, kv_caches)
             return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
+        if decodes:
+            # A mixed step: the decode rows natively, then the prefill chunks on DecoderLayer.forward.
+            # The decode rows read only their own sequences' earlier tokens; a chunk may read a block
+            # a decode row fills in this step (a prefix hit), so the decode rows go first.
+            decode_meta, meta = meta.split_decodes()
+            head = self._native_decode(x[:decodes].contiguous(), positions[:decodes], decode_meta, kv_caches)
+            x, positions = x[decodes:], positions[decodes:]
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin_signed[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, k_cache, v_cache, meta, self.attn)
+        if decodes:
+            x = torch.cat([head, x])
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
 
     def decode_weight_bytes(self) -> int:

@@ -8,6 +8,7 @@ sequence of the same step just filled (a prefix hit on a block computed in this 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,15 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     paged: PagedLayout | None = None
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """(the decode rows, the prefill chunks) as two steps: the first ``n`` rows (every decode
+        group) and the rest, its chunks renumbered from row 0. Not for a paged layout."""
+        assert self.paged is None, "a paged layout spans the whole step"
+        n = self.decode_groups[-1].end if self.decode_groups else 0
+        chunks = [dataclasses.replace(c, start=c.start - n, end=c.end - n) for c in self.prefills]
+        return (AttentionMetadata(self.slot_mapping[:n], self.decode_groups, []),
+                AttentionMetadata(self.slot_mapping[n:], [], chunks))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

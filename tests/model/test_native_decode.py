@@ -27,19 +27,22 @@ def kernel():
 
 
 class PathComparer:
-    """Wraps the model's forward: an all-decode step the native path takes runs on both paths
-    and their logits are compared; the native result goes on. The engine answers a step that
-    raises by retrying its requests alone, so mismatches are also kept in ``failures``."""
+    """Wraps the model's forward: a step whose decode rows the native path takes (an all-decode
+    step, or a mixed one: decode rows native, then the prefill chunks in Python) runs on both
+    paths and their logits are compared, every row; the native result goes on. The engine answers
+    a step that raises by retrying its requests alone, so mismatches are also kept in ``failures``."""
 
     def __init__(self, model) -> None:
         self.model, self.inner = model, model.forward
-        self.native_steps: list[int] = []  # rows of each compared step
+        self.native_steps: list[int] = []  # decode rows of each compared all-decode step
+        self.mixed_steps: list[tuple[int, int]] = []  # (decode rows, prefill rows) of each compared mixed step
         self.failures: list[AssertionError] = []
         model.forward = self
 
     def __call__(self, input_ids, positions, meta, kv_caches):
         m = self.model
-        if not m._runs_native(meta, input_ids.shape[0], kv_caches):
+        decodes = m._native_rows(meta, kv_caches)
+        if not decodes:
             return self.inner(input_ids, positions, meta, kv_caches)
         m.decode_path = "python"
         try:
@@ -53,7 +56,10 @@ class PathComparer:
         except AssertionError as exc:
             self.failures.append(exc)
             raise
-        self.native_steps.append(input_ids.shape[0])
+        if decodes == input_ids.shape[0]:
+            self.native_steps.append(decodes)
+        else:
+            self.mixed_steps.append((decodes, input_ids.shape[0] - decodes))
         return hidden
 
 
@@ -106,6 +112,30 @@ def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
     assert engine.runner.model.linear_backend != "gguf" and engine.runner.model.native_max_rows == 4
     assert run_and_compare(engine, [6]) == [1] * 8
     assert max(run_and_compare(engine, RAGGED)) == 4
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
+    """Requests arriving while others decode make mixed steps: the decode rows take the native path,
+    the new prompts' chunks (a chunked 30-token prompt, and one that reuses a cached prefix) the
+    Python one, and every row's logits equal the all-Python step's."""
+    engine = tiny_engine(tiny_hf_model(), block_size=4, max_num_batched_tokens=12, kv_cache_dtype=kv_cache_dtype)
+    comparer = PathComparer(engine.runner.model)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = [[(5 * i + j) % 120 + 3 for j in range(n)] for i, n in enumerate((6, 9))]
+    for p in first:
+        engine.add_request(p, params)
+    for _ in range(4):
+        engine.step()
+    engine.add_request([(11 * j) % 120 + 3 for j in range(30)], params)  # chunked over several steps
+    engine.add_request(first[1][:8] + [77, 78], params)  # two cached blocks of the second prompt
+    while engine.has_unfinished():
+        engine.step()
+    assert not comparer.failures, comparer.failures[0]
+    assert len(comparer.mixed_steps) >= 3 and all(d >= 1 and p >= 1 for d, p in comparer.mixed_steps)
+    assert comparer.native_steps
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.usage == 0
 
 
 def test_larger_batches_fall_back_to_python():
