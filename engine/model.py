@@ -359,12 +359,20 @@ class LlamaForCausalLM(nn.Module):
     def _native_rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
         """How many of this step's rows the native decode path takes (see select_decode_path):
         the decode rows, which come first, when they are one group of at most native_max_rows
-        over float pools; else 0."""
+        over float pools; else 0. In a mixed step they run before the prefill chunks, so not
+        when one of them reads a block a chunk fills in this step (a prefix hit on a block
+        computed in the same step: the scheduler shares those)."""
         if (self.decode_path != "native" or len(meta.decode_groups) != 1 or meta.paged is not None
                 or type(kv_caches[0][0]) is not torch.Tensor):
             return 0
         group = meta.decode_groups[0]
-        return group.end if group.start == 0 and group.end <= self.native_max_rows else 0
+        if group.start != 0 or group.end > self.native_max_rows:
+            return 0
+        if meta.prefills:
+            filled = meta.slot_mapping[group.end:] // kv_caches[0][0].shape[1]
+            if torch.isin(group.block_ids, filled).any():
+                return 0
+        return group.end
 
     def _runs_native(self, meta: AttentionMetadata, rows: int, kv_caches: list) -> bool:
         """Whether this step is all decode rows and takes the native decode path."""
@@ -486,8 +494,8 @@ class LlamaForCausalLM(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
         if decodes:
             # A mixed step: the decode rows natively, then the prefill chunks on DecoderLayer.forward.
-            # The decode rows read only their own sequences' earlier tokens; a chunk may read a block
-            # a decode row fills in this step (a prefix hit), so the decode rows go first.
+            # _native_rows made sure no decode row reads a block a chunk fills in this step; a chunk
+            # may read one a decode row fills (a prefix hit), so the decode rows go first.
             decode_meta, meta = meta.split_decodes()
             head = self._native_decode(x[:decodes].contiguous(), positions[:decodes], decode_meta, kv_caches)
             x, positions = x[decodes:], positions[decodes:]
