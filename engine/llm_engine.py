@@ -29,7 +29,7 @@ from engine.kernels import load_kernels
 from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner, SampledToken
+from engine.model_runner import ModelRunner, SampledToken, kv_pool_dtype
 from engine.output_processor import OutputProcessor
 from engine.quant import gguf_blocks
 from engine.structured_output import GrammarCompiler, RequestGrammar
@@ -162,9 +162,8 @@ class LLMEngine:
 
         # A GPU's budget holds one rank's pool (its own KV heads); host memory holds all ranks' pools.
         kv_heads = model.arch.num_kv_heads if device.type == "cuda" else arch.num_kv_heads
-        kv_float = torch.float16 if cache_cfg.kv_cache_dtype == "float16" else dtype
         per_token = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim,
-                                       torch.empty((), dtype=kv_float).element_size())
+                                       torch.empty((), dtype=kv_pool_dtype(cache_cfg.kv_cache_dtype, dtype)).element_size())
         if int8_kv:  # one byte a value plus a float32 (step, minimum) per token, head, K and V
             full = per_token
             per_token = 2 * arch.num_layers * kv_heads * (arch.head_dim + 8)  # one rank's heads on a GPU

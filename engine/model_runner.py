@@ -54,6 +54,12 @@ def split_by_length(lengths: list[int], group_cost: int) -> list[tuple[int, int]
     return groups[::-1]
 
 
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of a float KV pool: fp16 for ``float16``, else the model's dtype (an
+    ``int8`` pool holds int8 codes plus scales: engine/kv_quant.py)."""
+    return torch.float16 if kv_cache_dtype == "float16" else model_dtype
+
+
 class ModelRunner:
     # A decode group costs about as much as copying and attending to this many more tokens
     # of context (one more index_select pair and SDPA call per layer).
@@ -84,7 +90,7 @@ class ModelRunner:
             self.kv_caches = [(Int8KV.zeros(shape, self.dtype, self.device), Int8KV.zeros(shape, self.dtype, self.device))
                               for _ in range(arch.num_layers)]
         else:
-            dtype = torch.float16 if self.kv_cache_dtype == "float16" else self.dtype
+            dtype = kv_pool_dtype(self.kv_cache_dtype, self.dtype)
             self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
                                torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(arch.num_layers)]
         self.sink_block = num_blocks

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from bench.kv_int8 import compare, teacher_forced
 from cache.config import CacheConfig
 from engine.arch import ModelArch
 from engine.attention.base import resolve_backend
@@ -16,6 +15,7 @@ from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
+from tests.cache_tiers.test_int8_kv import against_fp32_kv
 from tests.helpers import require_native_kernel, tiny_engine, tiny_hf_model
 
 
@@ -34,11 +34,7 @@ def test_float16_pool_holds_twice_the_tokens(hf_model):
 
 
 def test_float16_kv_agrees_with_fp32_teacher_forced(hf_model):
-    tokens = [random.Random(0).randrange(3, 128) for _ in range(240)]
-    fp32 = teacher_forced(tiny_engine(hf_model, num_blocks=80), tokens, chunk=16)
-    engine = tiny_engine(hf_model, num_blocks=80, kv_cache_dtype="float16")
-    fp16 = teacher_forced(engine, tokens, chunk=16)
-    result = compare(fp32, fp16, tokens)
+    result, fp32, fp16, engine = against_fp32_kv(hf_model, "float16")
     assert result["top1_agreement"] >= 0.995, result
     assert abs(result["nll_delta"]) < 1e-3, result
     assert (fp32 - fp16).abs().max() > 0  # the fp16 pool really rounded

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from bench.kv_int8 import compare, teacher_forced
 from engine.sampling_params import SamplingParams
@@ -15,12 +16,18 @@ def hf_model():
     return tiny_hf_model()
 
 
-def test_int8_kv_agrees_with_fp32_teacher_forced(hf_model):
+def against_fp32_kv(hf_model, kv_cache_dtype: str) -> tuple[dict, torch.Tensor, torch.Tensor, object]:
+    """240 random tokens teacher-forced (chunks of 16, so later chunks read the pool) with fp32 KV
+    and with ``kv_cache_dtype``: (compare's result, fp32 log-probs, the other's, its engine)."""
     tokens = [random.Random(0).randrange(3, 128) for _ in range(240)]
     fp32 = teacher_forced(tiny_engine(hf_model, num_blocks=80), tokens, chunk=16)
-    engine = tiny_engine(hf_model, num_blocks=80, kv_cache_dtype="int8")
-    int8 = teacher_forced(engine, tokens, chunk=16)
-    result = compare(fp32, int8, tokens)
+    engine = tiny_engine(hf_model, num_blocks=80, kv_cache_dtype=kv_cache_dtype)
+    other = teacher_forced(engine, tokens, chunk=16)
+    return compare(fp32, other, tokens), fp32, other, engine
+
+
+def test_int8_kv_agrees_with_fp32_teacher_forced(hf_model):
+    result, fp32, int8, engine = against_fp32_kv(hf_model, "int8")
     assert result["top1_agreement"] >= 0.99, result
     assert abs(result["nll_delta"]) < 0.01, result
     assert (fp32 - int8).abs().max() > 0  # the int8 path really ran
