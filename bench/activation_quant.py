@@ -1,10 +1,12 @@
 """int8 activations (``--activation-quant int8``) against fp32 activations: agreement and speed.
 
-    python -m bench.activation_quant [quality] [--model PATH.gguf] [--tokens 2000]
+    python -m bench.activation_quant [quality] [--model PATH.gguf] [--tokens 2000] [--chunks 1 256]
         Teacher-forced top-1 agreement and mean NLL delta over a fixed text (this repo's
-        bench/common.py, as bench.kv_int8 uses), one token per step so every matmul call has
-        one row and takes the int8 kernel where the flag is on (the same kernel as the native
-        decode path; they differ only in fp32 summation order).
+        bench/common.py, as bench.kv_int8 uses), once per chunk size: chunks of 1 token per
+        step are decode (every matmul call has one row and takes the int8 kernel where the flag
+        is on, the same kernel as the native decode path; they differ only in fp32 summation
+        order); chunks of 256 are prefill, which takes the int8 kernel too where BlockLinear's
+        max_rows allows (AVX512-VNNI CPUs, Q4_1 and Q8_0), and fp32 activations elsewhere.
     python -m bench.activation_quant speed [--model PATH.gguf] [--streams 1 16] [--steps 48]
         Decode steps of both engines in lockstep (one step each, in turn, so machine load hits
         them alike): median ms per all-decode step for each stream count.
@@ -39,17 +41,20 @@ def _engine(mode: str, model: str | None, num_threads: int | None, num_blocks: i
 
 def quality(args) -> None:
     text = open(__file__.replace("activation_quant.py", "common.py")).read() * 4
-    results, tokens = {}, []
+    results: dict[tuple[str, int], torch.Tensor] = {}
+    tokens: list[int] = []
     for mode in MODES:
         engine = _engine(mode, args.model, args.num_threads, (args.tokens + 64) // 16 + 1)
         tokens = engine.tokenizer(text)["input_ids"][:args.tokens]
-        t0 = time.perf_counter()
-        results[mode] = teacher_forced(engine, tokens, 1)
-        print(f"activation_quant {mode}: {time.perf_counter() - t0:.1f} s")
+        for chunk in args.chunks:
+            t0 = time.perf_counter()
+            results[mode, chunk] = teacher_forced(engine, tokens, chunk)
+            print(f"activation_quant {mode}, {chunk} tokens per step: {time.perf_counter() - t0:.1f} s")
         del engine
-    r = compare(results["none"], results["int8"], tokens)
-    print(f"{len(tokens)} tokens teacher-forced, one per step: top-1 agreement {r['top1_agreement']:.4%}, "
-          f"NLL fp32 {r['nll_reference']:.5f} int8 {r['nll_int8']:.5f} (delta {r['nll_delta']:+.5f} nats)")
+    for chunk in args.chunks:
+        r = compare(results["none", chunk], results["int8", chunk], tokens)
+        print(f"{len(tokens)} tokens teacher-forced, {chunk} per step: top-1 agreement {r['top1_agreement']:.4%}, "
+              f"NLL fp32 {r['nll_reference']:.5f} int8 {r['nll_int8']:.5f} (delta {r['nll_delta']:+.5f} nats)")
 
 
 def speed(args) -> None:
@@ -81,6 +86,8 @@ def main() -> None:
     parser.add_argument("what", nargs="?", default="quality", choices=["quality", "speed"])
     parser.add_argument("--model", default=None, help="a .gguf file (default: the shipped SmolLM2 Q4_1)")
     parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 256],
+                        help="tokens per step of the teacher-forced runs (1: decode, 256: prefill)")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=48)

@@ -348,8 +348,9 @@ class LLMEngine:
             return
         path, reason = model.select_decode_path(choice)
         if path == "native":
-            logger.info("Decode path: native (a step's decode rows, up to %d, run every layer in one C++ call; "
-                        "a mixed step's prefill chunks then run in torch)", model.native_max_rows)
+            most = "any number of them" if model.native_max_rows >= 1 << 30 else f"up to {model.native_max_rows}"
+            logger.info("Decode path: native (a step's decode rows, %s, run every layer in one C++ call; "
+                        "a mixed step's prefill chunks then run in torch)", most)
         else:
             logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")
 

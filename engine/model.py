@@ -7,6 +7,7 @@ returns hidden states; ``compute_logits`` runs the LM head only on the rows that
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -303,9 +304,14 @@ class LlamaForCausalLM(nn.Module):
                  for mm in self.block_linears() for op, (_, _, f) in zip(mm.kernels, mm.parts)]
         int8 = sorted({BlockFormat(f).name for f, q in parts if q})
         fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
+        # calls over INT8_MAX_ROWS rows (prefill) stay on the int8 kernel where max_rows is unbounded
+        unbounded = [mm.max_rows == sys.maxsize for mm in self.block_linears()]
+        prefill = ("int8 as well (AVX512-VNNI kernels)" if unbounded and all(unbounded) else
+                   f"int8 for {sum(unbounded)} of {len(unbounded)} matmuls, fp32 for the rest" if any(unbounded)
+                   else "fp32 activations")
         return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "
                 f"({', '.join(int8) or 'no format with an int8 kernel on this CPU'}); "
-                f"fp32 activations for {', '.join(fp32) or 'none'}, prefill and dense matmuls")
+                f"fp32 activations for {', '.join(fp32) or 'none'} and dense matmuls; prefill: {prefill}")
 
     DECODE_PATHS = ("auto", "native", "python")
 
