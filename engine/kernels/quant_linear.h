@@ -19,10 +19,12 @@ void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, i
 // block b of row r has the fp32 scale d = max|x| / 127, codes q = round-half-even(x * (1 / d))
 // in [-127, 127] (all 0 when the block is 0), and s = d * sum(q) (the block sum the offset
 // formats need). The value the kernels multiply by is d * q. The codes are held in the two
-// layouts the kernels read (see quant_linear_q8.cpp): int8 `q8` (Q4_1, the K-quants) and int16 `q16` (Q8_0).
+// layouts the kernels read (see quant_linear_q8.cpp): int8 `q8` (Q4_1, the K-quants), int16 `q16`
+// (Q8_0 on AVX2) and offset `u8` (Q8_0 on AVX512-VNNI).
 struct Q8Act {
   int64_t M = 0, K = 0;
   std::vector<int8_t> q8;    // [M, K] the codes
+  std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0)
   std::vector<int8_t> kq;    // [M, K] the codes per 256 in transpose_k's order (K % 256 == 0, AVX2 only)
   std::vector<int16_t> q16;  // [M, K] the codes as int16
   std::vector<int32_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32)

@@ -294,8 +294,8 @@ void pair_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 }
 
 // Rows [r0, r0 + R) against two Q8_0 strips. Both sides are signed, so the row's codes go in
-// the unsigned operand offset by 128 (x ^ 0x80 = x + 128 as a byte) and the strip-block's
-// column sums times 128 come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32.
+// the unsigned operand offset by 128 (Q8Act::u8) and the strip-block's column sums times 128
+// come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32.
 template <int R>
 void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
                int64_t ldo) {
@@ -325,8 +325,8 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j)
       for (int r = 0; r < R; ++r) {
-        const __m512i xu = _mm512_xor_si512(quad_at16(x.q8.data() + ((r0 + r) * nb + b) * kBlock, j), bias);
-        s[r] = _mm512_dpbusd_epi32(s[r], xu, w[j]);
+        const auto* xu = reinterpret_cast<const int8_t*>(x.u8.data()) + ((r0 + r) * nb + b) * kBlock;
+        s[r] = _mm512_dpbusd_epi32(s[r], quad_at16(xu, j), w[j]);
       }
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
@@ -743,6 +743,10 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
         quantize_block_avx2(x + r * K + b * kBlock, d[r * nb + b], s[r * nb + b], q8.data() + r * K + b * kBlock,
                             q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16);
     transpose_codes_k(q8.data(), kq.data(), static_cast<int64_t>(kq.size()));
+    if (cpu_has_vnni()) {
+      u8.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) u8[i] = static_cast<uint8_t>(q8[i]) ^ 0x80;  // x + 128
+    }
     return;
   }
 #endif
