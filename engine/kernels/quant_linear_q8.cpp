@@ -179,13 +179,14 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
   for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
 }
 
-// ---- AVX512-VNNI (Zen 4, Ice Lake and later): vpdpbusd multiplies 4 unsigned by 4 signed bytes
-// and adds the 4 products to an int32 lane in one instruction. For Q8_0 it replaces the int16
-// widening and madd (~10% faster on Zen 4, one thread, 16 rows). For Q4_1 it measured ~13% slower
-// than maddubs + add (16 rows, 3072 x 576, one thread: 80 vs 92 GMAC/s; Zen 4 issues fewer
-// vpdpbusd than maddubs per cycle), so Q4_1 stays on AVX2. The integer sums are the AVX2 kernel's,
-// so the results are bit for bit the same. Compiled for that target whatever the build flags, and
-// run only where the CPU has it (cpu_has_vnni).
+// ---- AVX512-VNNI (Zen 4 and 5, Ice Lake and later): vpdpbusd multiplies 4 unsigned by 4 signed
+// bytes and adds the 4 products to an int32 lane in one instruction. Where two adjacent strips
+// are full, Q4_1 and Q8_0 run them together in 512-bit registers (pair_q4_1 / pair_q8_0 below);
+// a lone or partial strip runs in 256-bit ones (Q8_0: strip_q8_0_vnni; Q4_1: the AVX2 kernel,
+// as one ymm vpdpbusd chain per row measured ~13% slower than maddubs + add on this project's
+// Zen 5 machine). The integer sums are the AVX2 kernels', so the results are bit for bit the
+// same. Compiled for that target whatever the build flags, and run only where the CPU has it
+// (cpu_has_vnni).
 bool cpu_has_vnni() {
   static const bool yes = cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                           __builtin_cpu_supports("avx512bw") && !std::getenv("KVSERVE_NO_VNNI");
@@ -568,7 +569,7 @@ template <int R>
 struct Q4_1Kernel {
   static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
-    strip_q4_1<R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here on Zen 4 (see strip_q8_0_vnni)
+    strip_q4_1<R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
   }
   static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo) {
     pair_q4_1<R>(x, r0, s, bytes, o, ldo);
