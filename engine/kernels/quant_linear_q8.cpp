@@ -187,6 +187,13 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
 // Zen 5 machine). The integer sums are the AVX2 kernels', so the results are bit for bit the
 // same. Compiled for that target whatever the build flags, and run only where the CPU has it
 // (cpu_has_vnni).
+// The K-quant row kernels below take vpdpbusd only where the build itself targets AVX512-VNNI
+// (the default -march=native on such a CPU): there it sits inside their AVX2-target loops, which
+// a separately targeted function could not be inlined into.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVSERVE_VNNI_BUILD 1
+#endif
+
 bool cpu_has_vnni() {
   static const bool yes = cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                           __builtin_cpu_supports("avx512bw") && !std::getenv("KVSERVE_NO_VNNI");
@@ -434,11 +441,22 @@ struct Q4_KRows {
     __m256i t[8];
     transpose_k(q, t);
     const __m256i ones = _mm256_set1_epi16(1);
+    const bool vnni = cpu_has_vnni();
     for (int r = 0; r < nr; ++r) {
       const int64_t xb = (r0 + r) * nbx + 8 * sb;
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
       __m256i half[2];  // [I_4g .. I_4g+3 (t 0-3) | the same (t 4-7)] for g = 0, 1
       for (int g = 0; g < 2; ++g) {
+#ifdef KVSERVE_VNNI_BUILD
+        if (vnni) {  // the same integers, 4 products per int32 lane per instruction (two short chains)
+          const __m256i* xg = xq + 4 * g;
+          const __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(xg));
+          const __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g + 2], _mm256_loadu_si256(xg + 2));
+          half[g] = _mm256_add_epi32(_mm256_dpbusd_epi32(a, t[4 * g + 1], _mm256_loadu_si256(xg + 1)),
+                                     _mm256_dpbusd_epi32(b, t[4 * g + 3], _mm256_loadu_si256(xg + 3)));
+          continue;
+        }
+#endif
         __m256i u = _mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(xq + 4 * g));
         for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 15 * 127
           u = _mm256_add_epi16(u, _mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(xq + 4 * g + i)));
@@ -488,7 +506,8 @@ struct Q6_KRows {
     const __m256 dv = _mm256_set1_ps(d);
     // many rows: the codes transposed (transpose_k) and their scales in the same lanes: dword
     // lane m of tsc[g] is block 4g + m % 4's first-16 scale in the low half (t 0-3), second in the high
-    __m256i t[8], tsc[2];
+    __m256i t[8], tsc[2], tsc32[2];  // tsc32: the same scales, one int32 per lane
+    const bool vnni = cpu_has_vnni();
     if (R != 1) {
       transpose_k(q, t);
       for (int g = 0; g < 2; ++g) {
@@ -496,6 +515,7 @@ struct Q6_KRows {
         tsc[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
             sc16, _mm_setr_epi8(a, a, a + 2, a + 2, a + 4, a + 4, a + 6, a + 6, a + 1, a + 1, a + 3, a + 3, a + 5, a + 5,
                                 a + 7, a + 7)));
+        tsc32[g] = _mm256_srai_epi32(_mm256_slli_epi32(tsc[g], 16), 16);
       }
     }
     const int64_t nbx = x.K / kBlock;
@@ -512,6 +532,14 @@ struct Q6_KRows {
         const __m256i* tx = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
         __m256i half[2];
         for (int g = 0; g < 2; ++g) {
+#ifdef KVSERVE_VNNI_BUILD
+          if (vnni) {  // a lane's 4 quads share one scale: sum the products, then scale once (exact)
+            __m256i u = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(tx + 4 * g));
+            for (int i = 1; i < 4; ++i) u = _mm256_dpbusd_epi32(u, t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i));
+            half[g] = _mm256_mullo_epi32(u, tsc32[g]);
+            continue;
+          }
+#endif
           half[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(tx + 4 * g)), tsc[g]);
           for (int i = 1; i < 4; ++i)
             half[g] = _mm256_add_epi32(half[g], _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i)), tsc[g]));
