@@ -204,10 +204,12 @@ class BlockLinear:
     MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4, BlockFormat.Q4_0: 16, BlockFormat.Q4_K: 16,
                 BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8, BlockFormat.Q5_0: 16, BlockFormat.Q5_1: 16}
     # int8 activations: integer dot products keep the block kernel ahead of dense fp32 GEMM up to
-    # 16 rows for every format that has one (bench.activation_quant speed, 16 streams). On
-    # AVX512-VNNI CPUs the Q4_1 and Q8_0 kernels (strip pairs in 512-bit registers) stay ahead at
-    # every row count measured, 17-1024 rows (1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven
-    # layer matmuls), so prefill runs from the blocks too, as llama.cpp's does.
+    # 16 rows for every format that has one (bench.activation_quant speed, 16 streams). Beyond
+    # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
+    # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
+    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls), and for every
+    # int8 format when there is no dense copy (against the fp32 panels: 8192 x 2048 Q4_K at 64 /
+    # 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51).
     INT8_MAX_ROWS = 16
     INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
@@ -236,7 +238,8 @@ class BlockLinear:
         def rows(q: bool, fmt: BlockFormat) -> int:
             if not q:
                 return self.MAX_ROWS[fmt]
-            return sys.maxsize if vnni and fmt in self.INT8_VNNI_FORMATS else self.INT8_MAX_ROWS
+            unbounded = self.dense is None or (vnni and fmt in self.INT8_VNNI_FORMATS)
+            return sys.maxsize if unbounded else self.INT8_MAX_ROWS
         self.max_rows = min(rows(q, p.format) for q, p in zip(int8, self.blocks.parts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -115,16 +115,18 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
 
 def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
     """On AVX512-VNNI, Q4_1 and Q8_0 run strip pairs in 512-bit registers (vpdpbusd; Q8_0's
-    codes offset by 128 and the column sums taken off) and a lone or partial strip on ymm; all
-    sum the same integers as the AVX2 kernels, so every output is the same float. The AVX2 side
-    runs in a subprocess with KVSERVE_NO_VNNI (read once per process). 45 features: two pairs,
-    a lone full strip and a partial one; rows 1-17 cover the 16/8/4/2/1 passes."""
+    codes offset by 128 and the column sums taken off) and a lone or partial strip on ymm, and
+    the K-quants' many-row passes take vpdpbusd (in -march=native builds); all sum the same
+    integers as the AVX2 kernels, so every output is the same float. The AVX2 side runs in a
+    subprocess with KVSERVE_NO_VNNI (read once per process). 45 features: two pairs, a lone full
+    strip and a partial one; rows 1-17 cover the 16/8/4/2/1 passes (K-quants: 16 and 1)."""
     if torch.ops.kvserve.gguf_q8_isa() != "vnni":
         pytest.skip("this CPU has no AVX512-VNNI: the VNNI kernels do not run here")
     cases = {}
-    for fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0):
-        packed, _ = random_matrix(fmt, 45, 128, seed=int(fmt))
-        x = torch.randn(17, 128, generator=torch.Generator().manual_seed(int(fmt)))
+    for fmt, width in ((BlockFormat.Q4_1, 128), (BlockFormat.Q8_0, 128), (BlockFormat.Q4_K, 512),
+                       (BlockFormat.Q6_K, 512)):
+        packed, _ = random_matrix(fmt, 45, width, seed=int(fmt))
+        x = torch.randn(17, width, generator=torch.Generator().manual_seed(int(fmt)))
         cases[int(fmt)] = (packed, x, [torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, int(fmt))
                                        for m in range(1, 18)])
     torch.save(cases, tmp_path / "cases.pt")
@@ -143,29 +145,33 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K])
-def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt):
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K])
+@pytest.mark.parametrize("has_dense", [True, False], ids=["dense-copy", "blocks-only"])
+def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     """With int8 activations, a call over 16 rows (a prefill chunk) runs the int8 block kernel
-    on AVX512-VNNI CPUs for Q4_1 and Q8_0 (their strip-pair kernels beat dense fp32 GEMM at any
-    row count), and the dense fp32 copy everywhere else."""
+    where it beats the alternative: always without a dense copy (the fp32 panels are slower),
+    and beside one on AVX512-VNNI CPUs for Q4_1 and Q8_0 (their strip-pair kernels beat dense
+    fp32 GEMM at any row count); the dense fp32 copy everywhere else."""
     from bench.make_gguf import random_blocks
 
     raw = random_blocks(fmt, 40, 256, np.random.default_rng(7))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(40, 256)).float()
     packed = GGUFMatrix(torch.from_numpy(raw.copy()), fmt, 256).pack()
     calls = []
-    linear = BlockLinear(packed, None, lambda x: calls.append(len(x)) or F.linear(x, dense), int8_activations=True)
+    fallback = (lambda x: calls.append(len(x)) or F.linear(x, dense)) if has_dense else None
+    linear = BlockLinear(packed, None, fallback, int8_activations=True)
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(7))
     got = linear(x)
     vnni = torch.ops.kvserve.gguf_q8_isa() == "vnni" and fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0)
-    if vnni:
+    if vnni or not has_dense:
         assert linear.max_rows == sys.maxsize and calls == []
         assert torch.equal(got, torch.ops.kvserve.gguf_linear_q8(x, packed.data, 40, int(fmt)))
     else:
         assert linear.max_rows == BlockLinear.INT8_MAX_ROWS and calls == [70]
         assert torch.equal(got, F.linear(x, dense))
-    linear.use_int8_activations(False)  # fp32 activations: prefill back on the dense copy
-    assert linear.max_rows == BlockLinear.MAX_ROWS[fmt] and torch.equal(linear(x), F.linear(x, dense))
+    linear.use_int8_activations(False)  # fp32 activations: prefill back on the dense copy or the panels
+    assert linear.max_rows == BlockLinear.MAX_ROWS[fmt]
+    torch.testing.assert_close(linear(x), F.linear(x, dense), rtol=1e-4, atol=1e-4)
 
 
 def test_formats_without_an_int8_kernel_keep_fp32_activations():
