@@ -48,7 +48,8 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
 
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(
-        model=ModelConfig(model=model, num_threads=threads, weights_resident=resident, max_model_len=4096),
+        model=ModelConfig(model=model, num_threads=threads, weights_resident=resident, max_model_len=4096,
+                          activation_quant=activation_quants[0]),
         cache=CacheConfig(kv_cache_memory_gib=kv_gib, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16)))
     load_s = time.perf_counter() - start
