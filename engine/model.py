@@ -306,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
         fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
         # calls over INT8_MAX_ROWS rows (prefill) stay on the int8 kernel where max_rows is unbounded
         unbounded = [mm.max_rows == sys.maxsize for mm in self.block_linears()]
-        prefill = ("int8 as well (AVX512-VNNI kernels)" if unbounded and all(unbounded) else
+        prefill = ("int8 as well" if unbounded and all(unbounded) else
                    f"int8 for {sum(unbounded)} of {len(unbounded)} matmuls, fp32 for the rest" if any(unbounded)
                    else "fp32 activations")
         return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "
