@@ -289,7 +289,9 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   // cheaper than another barrier) for the parts that have an int8 kernel
   const auto quantized = [&](const Matrix& m, const float* x, int64_t K) -> const kvserve::Q8Act* {
     if (!in.int8_activations || !any_q8(m)) return nullptr;
-    ts.qx.quantize(x, B, K);
+    unsigned layouts = 0;
+    for (const Part& p : m.parts) layouts |= kvserve::q8_layouts(p.format);
+    ts.qx.quantize(x, B, K, layouts);
     return &ts.qx;
   };
   const auto add_residual = [&](const float* bias) {

@@ -24,14 +24,20 @@ void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, i
 struct Q8Act {
   int64_t M = 0, K = 0;
   std::vector<int8_t> q8;    // [M, K] the codes
-  std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0)
-  std::vector<int8_t> kq;    // [M, K] the codes per 256 in transpose_k's order (K % 256 == 0, AVX2 only)
-  std::vector<int16_t> q16;  // [M, K] the codes as int16
-  std::vector<int32_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32)
+  std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0; kOffset)
+  std::vector<int8_t> kq;    // [M, K] the codes per 256 in transpose_k's order (K % 256 == 0, AVX2 only; kTransposed)
+  std::vector<int16_t> q16;  // [M, K] the codes as int16 (kWide)
+  std::vector<int32_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32; kSums16)
   std::vector<float> d, s;   // [M, K / 32]
+  // The layouts beyond q8, d and s (which are always made), as a bit set: each kernel reads
+  // some of them (q8_layouts), so a call makes only those (the others are left empty).
+  enum Layout : unsigned { kTransposed = 1, kWide = 2, kOffset = 4, kSums16 = 8, kAll = 15 };
   // Quantize x [M, K] (row stride K, K a multiple of 32) into this buffer, reusing its memory.
-  void quantize(const float* x, int64_t M, int64_t K);
+  void quantize(const float* x, int64_t M, int64_t K, unsigned layouts = kAll);
 };
+
+// The Q8Act layouts the int8 kernel of `format` reads on this CPU (0 where it has none).
+unsigned q8_layouts(int64_t format);
 
 // Whether this CPU runs the AVX2 kernels (AVX2, FMA and F16C, and KVSERVE_PORTABLE_KERNELS unset);
 // both block-matmul sources choose their path by it.

@@ -630,6 +630,7 @@ void transpose_codes_k(const int8_t* q8, int8_t* kq, int64_t n) {
 // One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
 // loop, so the same codes): scale, codes as int8 and int16, the code sums.
 inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int32_t* s16) {
+  // q16 and s16 may be null (layouts not asked for); the block sum s_out is always made
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
@@ -648,8 +649,10 @@ inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8), bytes);
   const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
   const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), w0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), w1);
+  if (q16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), w0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), w1);
+  }
   const auto hsum_i32 = [](__m256i x) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
@@ -657,8 +660,9 @@ inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int
     return _mm_cvtsi128_si32(t);
   };
   const __m256i ones = _mm256_set1_epi16(1);
-  s16[0] = hsum_i32(_mm256_madd_epi16(w0, ones)), s16[1] = hsum_i32(_mm256_madd_epi16(w1, ones));
-  d_out = d, s_out = d * static_cast<float>(s16[0] + s16[1]);
+  const int32_t sum0 = hsum_i32(_mm256_madd_epi16(w0, ones)), sum1 = hsum_i32(_mm256_madd_epi16(w1, ones));
+  if (s16) s16[0] = sum0, s16[1] = sum1;
+  d_out = d, s_out = d * static_cast<float>(sum0 + sum1);
 }
 
 // Strips [s0, s1): strip s writes columns s * 8 .. of out. Rows go in passes of Kernel::kMaxRows,
@@ -719,7 +723,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
   if (M == 0) return out;
   const auto xc = x.contiguous();
   kvserve::Q8Act q;
-  q.quantize(xc.data_ptr<float>(), M, K);
+  q.quantize(xc.data_ptr<float>(), M, K, kvserve::q8_layouts(format));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (strips) {
@@ -743,7 +747,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
   kvserve::Q8Act q;
   q.quantize(xc.data_ptr<float>(), M, K);
   at::Tensor codes = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / kBlock}, x.options());
-  std::copy(q.q16.begin(), q.q16.end(), codes.data_ptr<int8_t>());
+  std::copy(q.q8.begin(), q.q8.end(), codes.data_ptr<int8_t>());
   std::copy(q.d.begin(), q.d.end(), d.data_ptr<float>());
   return {codes, d};
 }
@@ -760,45 +764,68 @@ std::string gguf_q8_isa() {
 
 }  // namespace
 
-void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width) {
+void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsigned layouts) {
   M = rows, K = width;
   const int64_t nb = K / kBlock;
-  q8.resize(M * K), kq.resize(K % 256 == 0 ? M * K : 0), q16.resize(M * K), sum16.resize(M * K / 16), d.resize(M * nb),
-      s.resize(M * nb);
+  const bool avx2 = cpu_has_avx2();
+  q8.resize(M * K), d.resize(M * nb), s.resize(M * nb);
+  kq.resize(avx2 && (layouts & kTransposed) && K % 256 == 0 ? M * K : 0);
+  q16.resize(layouts & kWide ? M * K : 0);
+  sum16.resize(layouts & kSums16 ? M * K / 16 : 0);
+  u8.resize(avx2 && (layouts & kOffset) && cpu_has_vnni() ? M * K : 0);
+  int16_t* const wide = q16.empty() ? nullptr : q16.data();
+  int32_t* const sums = sum16.empty() ? nullptr : sum16.data();
+  // rows [r0, r1): each row's layouts depend on that row alone
+  const auto rows_range = [&](int64_t r0, int64_t r1) {
 #ifdef KVSERVE_X86
-  if (cpu_has_avx2()) {
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nb; ++b)
-        quantize_block_avx2(x + r * K + b * kBlock, d[r * nb + b], s[r * nb + b], q8.data() + r * K + b * kBlock,
-                            q16.data() + r * K + b * kBlock, sum16.data() + (r * K + b * kBlock) / 16);
-    transpose_codes_k(q8.data(), kq.data(), static_cast<int64_t>(kq.size()));
-    if (cpu_has_vnni()) {
-      u8.resize(M * K);
-      for (int64_t i = 0; i < M * K; ++i) u8[i] = static_cast<uint8_t>(q8[i]) ^ 0x80;  // x + 128
+    if (avx2) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t o = r * K + b * kBlock;
+          quantize_block_avx2(x + o, d[r * nb + b], s[r * nb + b], q8.data() + o, wide ? wide + o : nullptr,
+                              sums ? sums + o / 16 : nullptr);
+        }
+      if (!kq.empty()) transpose_codes_k(q8.data() + r0 * K, kq.data() + r0 * K, (r1 - r0) * K);
+      for (int64_t i = r0 * K; i < static_cast<int64_t>(u8.size()) && i < r1 * K; ++i)
+        u8[i] = static_cast<uint8_t>(q8[i]) ^ 0x80;  // x + 128
+      return;
     }
-    return;
-  }
 #endif
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + r * K + b * kBlock;
-      float amax = 0.f;
-      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
-      int16_t* qb = q16.data() + r * K + b * kBlock;
-      int8_t* q8b = q8.data() + r * K + b * kBlock;
-      int32_t* s16 = sum16.data() + (r * K + b * kBlock) / 16;
-      s16[0] = s16[1] = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
-        qb[k] = static_cast<int16_t>(v);
-        q8b[k] = static_cast<int8_t>(v);
-        s16[k / 16] += qb[k];
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * K + b * kBlock;
+        float amax = 0.f;
+        for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+        const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+        const int64_t o = r * K + b * kBlock;
+        int32_t half[2] = {0, 0};
+        for (int k = 0; k < kBlock; ++k) {
+          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
+          q8[o + k] = static_cast<int8_t>(v);
+          if (wide) wide[o + k] = static_cast<int16_t>(v);
+          half[k / 16] += static_cast<int32_t>(v);
+        }
+        if (sums) sums[o / 16] = half[0], sums[o / 16 + 1] = half[1];
+        d[r * nb + b] = db;
+        s[r * nb + b] = db * static_cast<float>(half[0] + half[1]);
       }
-      const int sum = s16[0] + s16[1];
-      d[r * nb + b] = db;
-      s[r * nb + b] = db * static_cast<float>(sum);
-    }
+  };
+  // Prefill-sized inputs on ATen's threads (inside the native layer's OpenMP region, where each
+  // thread quantizes its own copy, parallel_for runs inline).
+  if (M * K >= (1 << 16))
+    at::parallel_for(0, M, 1, rows_range);
+  else
+    rows_range(0, M);
+}
+
+unsigned kvserve::q8_layouts(int64_t format) {
+  if (!q8_supported(format)) return 0;
+  switch (format) {
+    case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset : Q8Act::kWide;
+    case kQ4_K: return Q8Act::kTransposed;
+    case kQ6_K: return Q8Act::kTransposed | Q8Act::kSums16;
+    default: return 0;  // Q4_1: the codes, scales and block sums
+  }
 }
 
 bool kvserve::q8_supported(int64_t format) {
