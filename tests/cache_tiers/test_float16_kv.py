@@ -15,8 +15,8 @@ from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from tests.cache_tiers.test_int8_kv import against_fp32_kv
-from tests.helpers import require_native_kernel, tiny_engine, tiny_hf_model
+from tests.cache_tiers.test_int8_kv import against_fp32_kv, native_and_torch_decode
+from tests.helpers import tiny_engine, tiny_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +45,8 @@ def test_float16_kv_agrees_with_fp32_teacher_forced(hf_model):
 def test_float16_native_decode_equals_the_torch_float16_path(hf_model):
     """Batched greedy decode over ragged prompts (block edges included): the native kernels
     (DecodeStack, F16C reads) give the torch backend's tokens and logprobs on fp16 pools."""
-    require_native_kernel()
-    prompts = [[random.Random(10 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((3, 4, 9, 17, 30))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    results = {}
-    for backend in ("torch", "native"):
-        engine = tiny_engine(hf_model, kv_cache_dtype="float16", attention_backend=backend)
-        assert engine.runner.model.attn.name == backend
-        assert engine.runner.model.decode_path == ("native" if backend == "native" else "python")
-        results[backend] = engine.generate(prompts, params)
-        engine.kv_cache.check_invariants()
-        assert engine.kv_cache.usage == 0
+    results, paths = native_and_torch_decode(hf_model, "float16")
+    assert paths == {"torch": "python", "native": "native"}
     for ref, got in zip(results["torch"], results["native"]):
         assert got.token_ids == ref.token_ids
         for a, b in zip(ref.logprobs, got.logprobs):

@@ -54,19 +54,28 @@ def test_int8_capacity_and_disk_tier_roundtrip(hf_model, tmp_path):
     int8.close()
 
 
-def test_int8_native_decode_equals_the_torch_int8_path(hf_model):
-    """``--kv-cache-dtype int8`` on the native backend: batched greedy decode over ragged prompts
-    (block edges included) gives the torch int8 reference's tokens and logprobs."""
+def native_and_torch_decode(hf_model, kv_cache_dtype: str) -> tuple[dict[str, list], dict[str, str]]:
+    """Batched greedy decode (logprobs on) over ragged prompts, block edges included, on the
+    torch and the native attention backend with a ``kv_cache_dtype`` pool: each backend's
+    outputs and decode path, after checking that it ran and left no block held."""
     require_native_kernel()
     prompts = [[random.Random(10 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((3, 4, 9, 17, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    results = {}
+    results, paths = {}, {}
     for backend in ("torch", "native"):
-        engine = tiny_engine(hf_model, kv_cache_dtype="int8", attention_backend=backend)
+        engine = tiny_engine(hf_model, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
         assert engine.runner.model.attn.name == backend
+        paths[backend] = engine.runner.model.decode_path
         results[backend] = engine.generate(prompts, params)
         engine.kv_cache.check_invariants()
         assert engine.kv_cache.usage == 0
+    return results, paths
+
+
+def test_int8_native_decode_equals_the_torch_int8_path(hf_model):
+    """``--kv-cache-dtype int8`` on the native backend: batched greedy decode over ragged prompts
+    (block edges included) gives the torch int8 reference's tokens and logprobs."""
+    results, _ = native_and_torch_decode(hf_model, "int8")
     auto = tiny_engine(hf_model, kv_cache_dtype="int8")
     assert auto.runner.model.attn.name == "native"  # auto no longer falls back to torch for int8
     for ref, got in zip(results["torch"], results["native"]):
