@@ -182,11 +182,11 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
 // ---- AVX512-VNNI (Zen 4 and 5, Ice Lake and later): vpdpbusd multiplies 4 unsigned by 4 signed
 // bytes and adds the 4 products to an int32 lane in one instruction. Where two adjacent strips
 // are full, Q4_1 and Q8_0 run them together in 512-bit registers (pair_q4_1 / pair_q8_0 below);
-// a lone or partial strip runs in 256-bit ones (Q8_0: strip_q8_0_vnni; Q4_1: the AVX2 kernel,
-// as one ymm vpdpbusd chain per row measured ~13% slower than maddubs + add on this project's
-// Zen 5 machine). The integer sums are the AVX2 kernels', so the results are bit for bit the
-// same. Compiled for that target whatever the build flags, and run only where the CPU has it
-// (cpu_has_vnni).
+// a lone or partial strip (the end of a matrix or of a thread's range) runs the AVX2 kernel
+// (for Q4_1 one ymm vpdpbusd chain per row had measured ~13% slower than maddubs + add on this
+// project's Zen 5 machine). The integer sums are the AVX2 kernels', so the results are bit for
+// bit the same. Compiled for that target whatever the build flags, and run only where the CPU
+// has it (cpu_has_vnni).
 // The K-quant row kernels below take vpdpbusd only where the build itself targets AVX512-VNNI
 // (the default -march=native on such a CPU): there it sits inside their AVX2-target loops, which
 // a separately targeted function could not be inlined into.
@@ -202,39 +202,6 @@ bool cpu_has_vnni() {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-
-// Q8_0 codes are signed on both sides: |w| goes in the unsigned operand (128 fits) and the row's
-// codes take w's sign (_mm256_sign_epi8; |x| <= 127, so negating never overflows).
-template <int R>
-void strip_q8_0_vnni(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo,
-                     int64_t cols) {
-  const int64_t nb = x.K / kBlock;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* sb = strip + b * kQ8_0Bytes;
-    prefetch_ahead(sb, kQ8_0Bytes);
-    __m256i w[8], aw[8];  // w[j]: dword c % 4 of lane c / 4 = column c's codes at k = 4j .. 4j + 3
-    for (int j = 0; j < 8; ++j) {
-      // per lane: (k, k + 1) then (k + 2, k + 3) code pairs of the 8 columns
-      const __m256i t = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)));
-      const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
-      w[j] = _mm256_setr_m128i(_mm_unpacklo_epi16(lo, hi), _mm_unpackhi_epi16(lo, hi));
-      aw[j] = _mm256_abs_epi8(w[j]);
-    }
-    const __m256 d = halves8(sb);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * nb + b;
-      const int8_t* xq = x.q8.data() + rb * kBlock;
-      __m256i s[4];  // four chains: one dependent vpdpbusd after another would wait on its latency
-      for (int j = 0; j < 4; ++j) s[j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw[j], _mm256_sign_epi8(quad_at(xq, j), w[j]));
-      for (int j = 4; j < 8; ++j) s[j - 4] = _mm256_dpbusd_epi32(s[j - 4], aw[j], _mm256_sign_epi8(quad_at(xq, j), w[j]));
-      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
-}
 
 // ---- Strip pairs in 512-bit registers (AVX512-VNNI CPUs): two adjacent full strips are 16
 // columns, one zmm; the same integer dot products and the same fp32 operations per column as the
@@ -607,10 +574,7 @@ template <int R>
 struct Q8_0Kernel {
   static constexpr int kMaxRows = 8;
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
-    if (cpu_has_vnni())
-      strip_q8_0_vnni<R>(x, r0, s, o, ldo, cols);
-    else
-      strip_q8_0<R>(x, r0, s, o, ldo, cols);
+    strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
   static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo) {
     pair_q8_0<R>(x, r0, s, bytes, o, ldo);
@@ -821,7 +785,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
 unsigned kvserve::q8_layouts(int64_t format) {
   if (!q8_supported(format)) return 0;
   switch (format) {
-    case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset : Q8Act::kWide;
+    case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
     case kQ4_K: return Q8Act::kTransposed;
     case kQ6_K: return Q8Act::kTransposed | Q8Act::kSums16;
     default: return 0;  // Q4_1: the codes, scales and block sums

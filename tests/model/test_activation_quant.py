@@ -115,7 +115,7 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
 
 def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
     """On AVX512-VNNI, Q4_1 and Q8_0 run strip pairs in 512-bit registers (vpdpbusd; Q8_0's
-    codes offset by 128 and the column sums taken off) and a lone or partial strip on ymm, and
+    codes offset by 128 and the column sums taken off) and a lone or partial strip on AVX2, and
     the K-quants' many-row passes take vpdpbusd (in -march=native builds); all sum the same
     integers as the AVX2 kernels, so every output is the same float. The AVX2 side runs in a
     subprocess with KVSERVE_NO_VNNI (read once per process). 45 features: two pairs, a lone full
