@@ -380,10 +380,6 @@ class LlamaForCausalLM(nn.Module):
                 return 0
         return group.end
 
-    def _runs_native(self, meta: AttentionMetadata, rows: int, kv_caches: list) -> bool:
-        """Whether this step is all decode rows and takes the native decode path."""
-        return not meta.prefills and self._native_rows(meta, kv_caches) == rows
-
     def _native_decode(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         group = meta.decode_groups[0]
