@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from engine.arch import ModelArch
-from engine.quant import BlockFormat, GGUFMatrix, hf_name, unpermute_rows
+from engine.gguf_index import read_gguf_index
+from engine.quant import BlockFormat, GGUFMatrix, gguf_row_order, hf_name
 
 logger = logging.getLogger(__name__)
 
@@ -49,39 +50,27 @@ def read_gguf_tensors(path: Path, arch: ModelArch) -> tuple[dict[str, GGUFMatrix
     dequantized to fp32; transformers' names, llama's q/k row permutation undone."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    gguf_arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    index = read_gguf_index(path)
     blocks: dict[str, GGUFMatrix] = {}
     dense: dict[str, torch.Tensor] = {}
-    # Block bytes are read with plain file reads, not through the reader's memory map: mapped
-    # pages count in this process's RSS until unmapped, and the copies are what stays.
-    raw = open(path, "rb")  # noqa: SIM115 (closed below)
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            logger.info("GGUF tensor %s is not used", tensor.name)
-            continue
-        order = None
-        if gguf_arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            heads = arch.num_heads if ".attn_q." in tensor.name else arch.num_kv_heads
-            order = unpermute_rows(int(tensor.shape[-1]), heads)
-        fmt = BlockFormat.from_ggml(tensor.tensor_type) if hf_name(tensor.name) is not None else None
-        if fmt is not None:
-            data = np.empty(int(tensor.n_bytes), dtype=np.uint8)
-            raw.seek(int(tensor.data_offset))
-            raw.readinto(data)
-            data = data.reshape(np.asarray(tensor.data).shape)  # (rows, row bytes); the shape touches no page
-            if order is not None:
-                data = data[order]
-            blocks[name] = GGUFMatrix(torch.from_numpy(data), fmt, int(tensor.shape[0]))
-            continue
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        values = values.reshape([int(d) for d in reversed(tensor.shape)])
-        if order is not None:
-            values = values[order]
-        dense[name] = torch.from_numpy(np.array(values))
-    raw.close()
+    # Plain file reads, not a memory map: mapped pages count in this process's RSS until
+    # unmapped, and the copies are what stays.
+    with open(path, "rb") as raw:
+        for tensor in index.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                logger.info("GGUF tensor %s is not used", tensor.name)
+                continue
+            data = tensor.read(raw)  # [rows, row bytes]
+            order = gguf_row_order(index.architecture, tensor.name, tensor.shape[-1], arch)  # a bias's too
+            fmt = BlockFormat.from_ggml(tensor.ggml_type) if hf_name(tensor.name) is not None else None
+            if fmt is not None:
+                blocks[name] = GGUFMatrix(torch.from_numpy(data if order is None else data[order]), fmt,
+                                          tensor.shape[0])
+                continue
+            values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(tensor.ggml_type))
+            values = values.astype(np.float32, copy=False).reshape(tensor.shape[::-1])
+            dense[name] = torch.from_numpy(np.array(values if order is None else values[order]))
     return blocks, dense
 
 

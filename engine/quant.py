@@ -281,26 +281,32 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
+def gguf_row_order(gguf_arch: str, tensor_name: str, rows: int, arch: ModelArch) -> np.ndarray | None:
+    """The row order that gives transformers' q/k matrix (and bias) from a llama GGUF's, else None."""
+    if gguf_arch != "llama" or not (".attn_q." in tensor_name or ".attn_k." in tensor_name):
+        return None
+    return unpermute_rows(rows, arch.num_heads if ".attn_q." in tensor_name else arch.num_kv_heads)
+
+
 def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
     """The linear weights of a GGUF file stored in a ``BlockFormat`` (Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, Q4_K, Q5_K, Q6_K) under transformers' names; matrices in other formats (F32, F16,
     Q2_K, Q3_K, IQ*, ...) are left out and run dense."""
-    import gguf
+    from engine.gguf_index import read_gguf_index
 
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    gguf_arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    index = read_gguf_index(path)
     blocks: dict[str, GGUFMatrix] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        fmt = BlockFormat.from_ggml(tensor.tensor_type)
-        if name is None or fmt is None:
-            continue
-        data = np.asarray(tensor.data)
-        if gguf_arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            heads = arch.num_heads if ".attn_q." in tensor.name else arch.num_kv_heads
-            data = data[unpermute_rows(data.shape[0], heads)]
-        blocks[name] = GGUFMatrix(torch.from_numpy(np.array(data)), fmt, int(tensor.shape[0]))  # a copy: the file is mapped
+    with open(path, "rb") as raw:
+        for tensor in index.tensors:
+            name = hf_name(tensor.name)
+            fmt = BlockFormat.from_ggml(tensor.ggml_type)
+            if name is None or fmt is None:
+                continue
+            data = tensor.read(raw)
+            order = gguf_row_order(index.architecture, tensor.name, data.shape[0], arch)
+            if order is not None:
+                data = data[order]
+            blocks[name] = GGUFMatrix(torch.from_numpy(data), fmt, tensor.shape[0])
     return blocks
 
 
