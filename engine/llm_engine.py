@@ -25,6 +25,7 @@ from engine.attention import resolve_backend, select_attention
 from engine.config import EngineCoreConfig, ModelConfig
 from engine.core_protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
 from engine.gpu_memory import profile_kv_budget
+from engine.host_malloc import limit_malloc_arenas
 from engine.kernels import load_kernels
 from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
@@ -102,6 +103,7 @@ def available_cores() -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        limit_malloc_arenas()  # before the load and the first OpenMP region (engine/host_malloc.py)
         torch.set_num_threads(config.model.num_threads or available_cores())
         if config.cache.kv_cache_dtype == config.model.dtype:  # float16 under a float16 model: its own dtype
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"))
