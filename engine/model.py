@@ -66,8 +66,8 @@ def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     a plain half swap; the products and the final sum are the same operations as HF's.
     """
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin_signed
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed)
+    return (x * cos).add_(swapped)  # in place: two [T, heads, d] temporaries instead of four
 
 
 def onednn_linear_available() -> bool:
@@ -193,19 +193,34 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        """``sin`` is the sign-adjusted table of :func:`signed_sin`."""
-        t = x.shape[0]
-        y = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        """``sin`` is the sign-adjusted table of :func:`signed_sin`.
+
+        Each stage is a method that takes its input as a temporary, so a prefill chunk's
+        intermediates (qkv, the normed rows, the MLP's ``[T, 2 * intermediate]``) are freed as
+        soon as the stage ends rather than when this frame returns: the step's peak memory is
+        one stage's, not the layer's sum."""
+        x = x + self.o_mm(self._attention(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps),
+                                          cos, sin, k_cache, v_cache, meta, attn))
+        return x + self._mlp(F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps))
+
+    def _attention(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        t = y.shape[0]
         qkv = self.qkv_mm(y)
+        del y
         # RoPE on q and k together: they are adjacent columns of qkv, so one view covers both.
         qk = apply_rope_signed(qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                                            self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        x = x + self.o_mm(attn.forward(q, k, v, k_cache, v_cache, meta))
-        y = F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps)
+        return attn.forward(q, k, v, k_cache, v_cache, meta)
+
+    def _mlp(self, y: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_mm(y).chunk(2, dim=-1)
-        return x + self.down_mm(F.silu(gate).mul_(up))
+        del y
+        h = F.silu(gate).mul_(up)
+        del gate, up  # the [T, 2 * intermediate] product goes before down_mm allocates
+        return self.down_mm(h)
 
 
 class LlamaForCausalLM(nn.Module):
