@@ -28,9 +28,10 @@ from typing import Any, Sequence
 
 
 def _rss_mb() -> float:
+    """VmRSS in MB (10^6 bytes, as every other size this bench prints)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+            return int(line.split()[1]) * 1024 / 1e6
     return 0.0
 
 
@@ -94,7 +95,7 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
         if set(activation_quants) == {"none", "int8"} and len(decode_paths) == 1:
             run["int8_over_none"] = round(run["int8_decode_tok_s"] / run["none_decode_tok_s"], 2)
         out["runs"].append(run)
-    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6)  # ru_maxrss: KiB
     return out
 
 
