@@ -32,7 +32,7 @@ from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner, SampledToken, kv_pool_dtype
 from engine.output_processor import OutputProcessor
-from engine.quant import gguf_blocks
+from engine.quant import read_gguf_blocks
 from engine.structured_output import GrammarCompiler, RequestGrammar
 from engine.tokenizer import encode_prompt
 from kvtypes.outputs import TokenLogprob
@@ -328,7 +328,7 @@ class LLMEngine:
         runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
         fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
         if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
-            covered = model.attach_blocks(gguf_blocks(loaded.gguf_path, loaded.path, loaded.arch))
+            covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
             logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
                         torch.ops.kvserve.gguf_kernel_isa())
         chosen = model.select_linear_backend(backend)

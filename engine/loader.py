@@ -27,7 +27,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from engine.arch import ModelArch, UnsupportedModelError  # noqa: E402
-from engine.quant import BLOCKS_FILE, read_gguf_blocks, save_blocks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +113,7 @@ def _file_sha256(path: Path) -> str:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize ``gguf`` to a dense fp32 safetensors directory, once; return that directory.
-
-    The directory also keeps the file's block-format matrices as they are (``BLOCKS_FILE``, see
-    engine/quant.py), so later starts need not parse the GGUF again."""
+    (The block-format matrices are read from the GGUF itself at each start: engine/quant.py.)"""
     target = conversion_cache_dir() / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
     if (target / "config.json").is_file():
         return target
@@ -132,15 +129,8 @@ def convert_gguf(gguf: Path) -> Path:
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
-    try:
-        arch: ModelArch | None = ModelArch.from_hf_config(model.config)
-    except UnsupportedModelError:
-        arch = None  # load_model reports it
-
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
-        if arch is not None:  # the original blocks too, for the decode matmuls (engine/quant.py)
-            save_blocks(read_gguf_blocks(gguf, arch), tmp / BLOCKS_FILE)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
 

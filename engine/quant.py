@@ -17,10 +17,7 @@ same weights and differ only in summation order, like any two fp32 matmul kernel
 """
 from __future__ import annotations
 
-import logging
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -31,7 +28,6 @@ import torch
 
 from engine.arch import ModelArch
 
-logger = logging.getLogger(__name__)
 
 class BlockFormat(IntEnum):
     """GGUF block formats the kernel reads; the values are the kernel's format codes.
@@ -307,50 +303,4 @@ def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
             if order is not None:
                 data = data[order]
             blocks[name] = GGUFMatrix(torch.from_numpy(data), fmt, tensor.shape[0])
-    return blocks
-
-
-BLOCKS_FILE = "gguf_blocks.safetensors"  # beside the dense checkpoint a GGUF was converted to
-
-
-def save_blocks(blocks: dict[str, GGUFMatrix], path: Path) -> None:
-    """Write block matrices as uint8 tensors, their format and width in the metadata."""
-    from safetensors.torch import save_file
-
-    save_file({name: m.data for name, m in blocks.items()}, str(path),
-              metadata={name: f"{m.format.name}:{m.in_features}" for name, m in blocks.items()})
-
-
-def load_blocks(path: Path) -> dict[str, GGUFMatrix]:
-    from safetensors import safe_open
-
-    blocks = {}
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        for name in f.keys():
-            fmt, width = meta[name].split(":")
-            blocks[name] = GGUFMatrix(f.get_tensor(name), BlockFormat[fmt], int(width))
-    return blocks
-
-
-def gguf_blocks(gguf_path: Path, converted_dir: Path | None, arch: ModelArch) -> dict[str, GGUFMatrix]:
-    """The GGUF's block matrices, from ``converted_dir/BLOCKS_FILE`` when the conversion wrote it
-    (reading them from the GGUF parses its whole header, tokenizer included: seconds). A
-    conversion made without that file gets it now where the folder is writable."""
-    cached = converted_dir / BLOCKS_FILE if converted_dir is not None else None
-    if cached is not None and cached.is_file():
-        return load_blocks(cached)
-    blocks = read_gguf_blocks(gguf_path, arch)
-    if cached is not None:
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-            os.close(fd)
-            save_blocks(blocks, Path(tmp))
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, cached)
-        except OSError as exc:  # a read-only cache (a container's baked model): read the GGUF each start
-            logger.info("not caching GGUF blocks in %s: %s", cached.parent, exc)
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
     return blocks

@@ -217,26 +217,13 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-def test_blocks_file_round_trip(tmp_path):
-    from engine.quant import load_blocks, save_blocks
-
-    a, _ = random_blocks(BlockFormat.Q4_1, 3, 64)
-    b, _ = random_blocks(BlockFormat.Q8_0, 5, 96)
-    save_blocks({"a.weight": a, "b.weight": b}, tmp_path / "blocks.safetensors")
-    loaded = load_blocks(tmp_path / "blocks.safetensors")
-    assert set(loaded) == {"a.weight", "b.weight"}
-    for name, original in (("a.weight", a), ("b.weight", b)):
-        got = loaded[name]
-        assert (got.format, got.in_features) == (original.format, original.in_features)
-        assert torch.equal(got.data, original.data)
-
-
 @pytest.mark.slow
-def test_the_conversion_keeps_the_blocks(default_engine):
-    """Later starts read the blocks from the conversion folder instead of parsing the GGUF."""
-    from engine.loader import resolve_model_dir
-    from engine.quant import BLOCKS_FILE, load_blocks
+def test_the_default_models_blocks(default_engine):
+    """Every matrix of the shipped SmolLM2 Q4_1 is read as blocks: q k v o gate up down per layer
+    and the (tied) embedding, which is Q8_0."""
+    from engine.loader import default_gguf_path
+    from engine.quant import read_gguf_blocks
 
-    blocks = load_blocks(resolve_model_dir(None)[0] / BLOCKS_FILE)
-    assert len(blocks) == 7 * default_engine.arch.num_layers + 1  # q k v o gate up down per layer, embeddings
+    blocks = read_gguf_blocks(default_gguf_path(), default_engine.arch)
+    assert len(blocks) == 7 * default_engine.arch.num_layers + 1
     assert blocks["model.embed_tokens.weight"].format is BlockFormat.Q8_0
