@@ -129,6 +129,7 @@ def convert_gguf(gguf: Path) -> Path:
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
+
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
