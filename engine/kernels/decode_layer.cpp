@@ -43,6 +43,8 @@ struct Part {
 struct Matrix {
   std::vector<Part> parts;
   int64_t N = 0, K = 0;
+  bool int8 = false;         // some part has an int8-activation kernel (quant_linear_q8.cpp) on this CPU
+  unsigned q8_layouts = 0;   // the Q8Act layouts those kernels read (kvserve::q8_layouts, ORed)
 };
 
 Matrix make_matrix(at::TensorList data, at::IntArrayRef rows, at::IntArrayRef formats, int64_t K, const char* name) {
@@ -64,6 +66,8 @@ Matrix make_matrix(at::TensorList data, at::IntArrayRef rows, at::IntArrayRef fo
     }
     m.parts.push_back({t.data_ptr(), rows[i], formats[i]});
     m.N += rows[i];
+    m.int8 |= kvserve::q8_supported(formats[i]);
+    m.q8_layouts |= kvserve::q8_layouts(formats[i]);
   }
   return m;
 }
@@ -81,11 +85,6 @@ void dense_range(const float* x, int64_t M, int64_t K, const float* w, int64_t n
       out[r * ldo + n - n0] = s;
     }
   }
-}
-
-// Whether some part of m has an int8-activation kernel (quant_linear_q8.cpp) on this CPU.
-bool any_q8(const Matrix& m) {
-  return std::any_of(m.parts.begin(), m.parts.end(), [](const Part& p) { return kvserve::q8_supported(p.format); });
 }
 
 // Features [n0, n1) of y = x @ W^T into y (row stride ldy, column n at y[n]). With qx (x
@@ -288,10 +287,8 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   // int8_activations: each matmul input is quantized once per thread (a few microseconds;
   // cheaper than another barrier) for the parts that have an int8 kernel
   const auto quantized = [&](const Matrix& m, const float* x, int64_t K) -> const kvserve::Q8Act* {
-    if (!in.int8_activations || !any_q8(m)) return nullptr;
-    unsigned layouts = 0;
-    for (const Part& p : m.parts) layouts |= kvserve::q8_layouts(p.format);
-    ts.qx.quantize(x, B, K, layouts);
+    if (!in.int8_activations || !m.int8) return nullptr;
+    ts.qx.quantize(x, B, K, m.q8_layouts);
     return &ts.qx;
   };
   const auto add_residual = [&](const float* bias) {
