@@ -21,7 +21,7 @@ import torch
 
 from engine.arch import ModelArch
 from engine.gguf_index import read_gguf_index
-from engine.quant import BlockFormat, GGUFMatrix, gguf_row_order, hf_name
+from engine.quant import GGUFMatrix, gguf_row_order, hf_name, read_block_matrix
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +61,13 @@ def read_gguf_tensors(path: Path, arch: ModelArch) -> tuple[dict[str, GGUFMatrix
             if name is None:
                 logger.info("GGUF tensor %s is not used", tensor.name)
                 continue
-            data = tensor.read(raw)  # [rows, row bytes]
-            order = gguf_row_order(index.architecture, tensor.name, tensor.shape[-1], arch)  # a bias's too
-            fmt = BlockFormat.from_ggml(tensor.ggml_type) if hf_name(tensor.name) is not None else None
-            if fmt is not None:
-                blocks[name] = GGUFMatrix(torch.from_numpy(data if order is None else data[order]), fmt,
-                                          tensor.shape[0])
+            matrix = read_block_matrix(tensor, raw, index.architecture, arch)
+            if matrix is not None:
+                blocks[name] = matrix
                 continue
-            values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(tensor.ggml_type))
+            values = gguf.quants.dequantize(tensor.read(raw), gguf.GGMLQuantizationType(tensor.ggml_type))
             values = values.astype(np.float32, copy=False).reshape(tensor.shape[::-1])
+            order = gguf_row_order(index.architecture, tensor.name, tensor.shape[-1], arch)  # a q/k bias's
             dense[name] = torch.from_numpy(np.array(values if order is None else values[order]))
     return blocks, dense
 

@@ -21,12 +21,13 @@ import sys
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import numpy as np
 import torch
 
 from engine.arch import ModelArch
+from engine.gguf_index import GGUFTensorInfo, read_gguf_index
 
 
 class BlockFormat(IntEnum):
@@ -284,23 +285,22 @@ def gguf_row_order(gguf_arch: str, tensor_name: str, rows: int, arch: ModelArch)
     return unpermute_rows(rows, arch.num_heads if ".attn_q." in tensor_name else arch.num_kv_heads)
 
 
+def read_block_matrix(tensor: GGUFTensorInfo, raw: BinaryIO, gguf_arch: str, arch: ModelArch) -> GGUFMatrix | None:
+    """``tensor`` (of the GGUF open as ``raw``) as blocks when it is a linear weight stored in a
+    ``BlockFormat``, q/k rows in transformers' order; None otherwise, having read nothing."""
+    fmt = BlockFormat.from_ggml(tensor.ggml_type) if hf_name(tensor.name) is not None else None
+    if fmt is None:
+        return None
+    data = tensor.read(raw)  # [rows, row bytes]
+    order = gguf_row_order(gguf_arch, tensor.name, tensor.shape[-1], arch)
+    return GGUFMatrix(torch.from_numpy(data if order is None else data[order]), fmt, tensor.shape[0])
+
+
 def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
     """The linear weights of a GGUF file stored in a ``BlockFormat`` (Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, Q4_K, Q5_K, Q6_K) under transformers' names; matrices in other formats (F32, F16,
     Q2_K, Q3_K, IQ*, ...) are left out and run dense."""
-    from engine.gguf_index import read_gguf_index
-
     index = read_gguf_index(path)
-    blocks: dict[str, GGUFMatrix] = {}
     with open(path, "rb") as raw:
-        for tensor in index.tensors:
-            name = hf_name(tensor.name)
-            fmt = BlockFormat.from_ggml(tensor.ggml_type)
-            if name is None or fmt is None:
-                continue
-            data = tensor.read(raw)
-            order = gguf_row_order(index.architecture, tensor.name, data.shape[0], arch)
-            if order is not None:
-                data = data[order]
-            blocks[name] = GGUFMatrix(torch.from_numpy(data), fmt, tensor.shape[0])
-    return blocks
+        found = ((hf_name(t.name), read_block_matrix(t, raw, index.architecture, arch)) for t in index.tensors)
+        return {name: matrix for name, matrix in found if matrix is not None}
