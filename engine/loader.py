@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 # No code path may reach a model hub; set before transformers is imported anywhere.
@@ -157,13 +158,45 @@ def publish_dir(target: Path, fill: Callable[[Path], None]) -> Path:
     return target
 
 
+def read_config(path: Path, written_by_kvserve: bool) -> Any:
+    """The checkpoint's config: transformers' config class, or for a ``config.json`` that kvserve
+    wrote itself from a config's full ``to_dict()`` (a GGUF's, see ``convert_gguf`` and
+    ``gguf_config_dir``) a plain namespace of its values.
+
+    The namespace is the same values without importing transformers' config classes, which pull
+    in accelerate, torch.distributed and sympy: ~70 MB and ~0.8 s in every engine process. A
+    config.json from a hub checkpoint holds only what differs from its class's defaults, and a
+    scaled RoPE is computed by transformers' initialisers from a config object, so those two
+    still go through ``AutoConfig``."""
+    if written_by_kvserve:
+        values = json.loads((path / "config.json").read_text())
+        if (values.get("rope_parameters") or {}).get("rope_type", "default") == "default":
+            return SimpleNamespace(**values)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer in ``path``, built by the class its ``tokenizer_config.json`` names when
+    transformers exports one; otherwise (and for a class it does not export) ``AutoTokenizer``,
+    which resolves the same class but reads the model's config to do it (see ``read_config``)."""
+    import transformers
+
+    config_file = path / "tokenizer_config.json"
+    name = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(path, local_files_only=True)
+
+
 def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_only: bool = False) -> LoadedModel:
     """Load config, tokenizer and weights; raise ModelLoadError with a one-line reason.
 
     ``blocks_only`` (a GGUF only): no dense conversion; the matrices come back as GGUF blocks
     in ``LoadedModel.blocks`` and the state dict holds the rest (engine/gguf_direct.py)."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
 
     gguf = gguf_source(model) if blocks_only else None
     if blocks_only and gguf is None:
@@ -175,7 +208,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_onl
     else:
         path, name = resolve_model_dir(model)
     try:
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_config = read_config(path, written_by_kvserve=gguf_source(model) is not None)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from None
     try:
@@ -183,7 +216,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_onl
     except UnsupportedModelError as exc:
         raise ModelLoadError(str(exc)) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
     state_dict: dict[str, torch.Tensor] = {}
