@@ -216,10 +216,12 @@ class DecoderLayer(nn.Module):
         return attn.forward(q, k, v, k_cache, v_cache, meta)
 
     def _mlp(self, y: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_mm(y).chunk(2, dim=-1)
+        h = self.gate_up_mm.swiglu(y) if isinstance(self.gate_up_mm, BlockLinear) else None
+        if h is None:
+            gate, up = self.gate_up_mm(y).chunk(2, dim=-1)
+            h = F.silu(gate).mul_(up)
+            del gate, up  # the [T, 2 * intermediate] product goes before down_mm allocates
         del y
-        h = F.silu(gate).mul_(up)
-        del gate, up  # the [T, 2 * intermediate] product goes before down_mm allocates
         return self.down_mm(h)
 
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "silu_mul.h"
 #include "quant_linear.h"
 
 namespace {
@@ -235,17 +236,6 @@ void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
               "the caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one shape and one dtype");
 }
 
-// act[j] = SiLU(gate[j]) * up[j], vectorized: sigmoid from exp(-|g|) <= 1 (paged_attention.h's
-// exp_nonpositive, ~2e-7 relative), where std::exp was a libm call per element (~4% of a
-// 16-row decode step).
-inline void silu_mul(const float* gate, const float* up, int64_t n, float* act) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float g = gate[j], e = kvserve::exp_nonpositive(-std::fabs(g));
-    act[j] = g * (g >= 0.f ? 1.f : e) / (1.f + e) * up[j];
-  }
-}
-
 // A new K or V row into the pool: copied (fp32) or rounded to nearest even (fp16).
 inline void store_row(const float* src, int64_t D, float* dst) { std::copy(src, src + D, dst); }
 inline void store_row(const float* src, int64_t D, c10::Half* dst) {
@@ -332,7 +322,7 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
     const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
     matmul_range(l.gate_up, y, B, j0, j1, s.gu, 2 * I, qy);
     matmul_range(l.gate_up, y, B, I + j0, I + j1, s.gu, 2 * I, qy);
-    for (int64_t r = 0; r < B; ++r) silu_mul(s.gu + r * 2 * I + j0, s.gu + r * 2 * I + I + j0, j1 - j0, s.act + r * I + j0);
+    for (int64_t r = 0; r < B; ++r) kvserve::silu_mul(s.gu + r * 2 * I + j0, s.gu + r * 2 * I + I + j0, j1 - j0, s.act + r * I + j0);
   }
   matmul(l.down, s.act, B, s.tmp, add_residual(nullptr), quantized(l.down, s.act, I));
 }

@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include "quant_linear.h"
+#include "silu_mul.h"
 
 #include <algorithm>
 #include <cmath>
@@ -702,6 +703,35 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
   return out;
 }
 
+// SiLU(x @ gate^T) * (x @ up^T) -> [M, I], for a gate/up matrix packed as one [2I, K] matrix of
+// one format (gate rows first): gguf_linear_q8 on it, then SiLU * up, without the [M, 2I] product.
+// Each thread takes kCols features at a time: their gate and up products ([M, kCols] each, in
+// L2) feed silu_mul at once, and their weight rows (<= 74 KB for K = 2048 Q4_K) stay in L2
+// across the passes over the rows. The products are gguf_linear_q8's, bit for bit.
+at::Tensor gguf_swiglu_q8(const at::Tensor& x, const at::Tensor& packed, int64_t I, int64_t format) {
+  constexpr int64_t kCols = 64;  // a multiple of kStrip: strip formats' chunks start on a strip
+  TORCH_CHECK(I % kStrip == 0, "the gate/up width must be a multiple of ", kStrip, ", got ", I);
+  const int64_t M = x.size(0);
+  (void)gguf_linear_q8(x.narrow(0, 0, 0), packed, 2 * I, format);  // its argument checks, on no rows
+  auto out = at::empty({M, I}, x.options());
+  if (M == 0) return out;
+  const auto xc = x.contiguous();
+  kvserve::Q8Act q;
+  q.quantize(xc.data_ptr<float>(), M, x.size(1), kvserve::q8_layouts(format));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (I + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> gate(M * kCols), up(M * kCols);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kCols, n1 = std::min(I, n0 + kCols), w = n1 - n0;
+      kvserve::gguf_linear_q8_range(q, wp, 2 * I, format, n0, n1, gate.data(), w);
+      kvserve::gguf_linear_q8_range(q, wp, 2 * I, format, I + n0, I + n1, up.data(), w);
+      for (int64_t r = 0; r < M; ++r) kvserve::silu_mul(gate.data() + r * w, up.data() + r * w, w, op + r * I + n0);
+    }
+  });
+  return out;
+}
+
 // The activation quantization alone, for tests: (codes int8 [M, K], scales fp32 [M, K / 32]).
 std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0,
@@ -816,10 +846,12 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_q8_supported(int format) -> bool", &gguf_q8_supported);
   m.def("gguf_q8_isa() -> str", &gguf_q8_isa);
   m.def("gguf_linear_q8(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("gguf_swiglu_q8(Tensor x, Tensor packed, int intermediate, int format) -> Tensor");
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("gguf_linear_q8", &gguf_linear_q8);
+  m.impl("gguf_swiglu_q8", &gguf_swiglu_q8);
   m.impl("quantize_q8", &quantize_q8);
 }

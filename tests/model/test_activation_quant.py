@@ -258,3 +258,41 @@ def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypa
           f"{max((a - b).abs().max().item() for a, b in zip(ref[:compared], got[:compared])):.4f} of "
           f"{max(a.abs().max().item() for a in ref):.2f}")
     assert max((a - b).abs().max().item() for a, b in zip(ref[:compared], got[:compared])) > 0
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_fused_gate_up_equals_silu_of_the_gate_times_the_up(fmt, rows):
+    """gguf_swiglu_q8 (the MLP's gate/up matmul and SiLU * up in one pass, no [rows, 2I]
+    product) against gguf_linear_q8 on the same packed [2I, K] matrix, split and combined by
+    torch. I = 136: two chunks of 64 features and a partial one of 8; gate and up must not be
+    swapped or shifted (a shifted column is O(1) off)."""
+    intermediate = 136
+    packed, _ = random_matrix(fmt, 2 * intermediate, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    both = torch.ops.kvserve.gguf_linear_q8(x, packed, 2 * intermediate, int(fmt))
+    want = F.silu(both[:, :intermediate]) * both[:, intermediate:]
+    got = torch.ops.kvserve.gguf_swiglu_q8(x, packed, intermediate, int(fmt))
+    assert got.shape == (rows, intermediate)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+
+
+def test_block_linear_fuses_the_gate_up_only_where_one_int8_kernel_runs():
+    from bench.make_gguf import random_blocks
+
+    fmt, intermediate = BlockFormat.Q4_K, 64
+    raw = random_blocks(fmt, 2 * intermediate, 256, np.random.default_rng(5))
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(2 * intermediate, 256)).float()
+    matrix = GGUFMatrix(torch.from_numpy(raw.copy()), fmt, 256)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(5))
+    blocks_only = BlockLinear(matrix.pack(), None, None, int8_activations=True)
+    got = blocks_only.swiglu(x)
+    gate, up = blocks_only(x).chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-5)
+    with_dense = BlockLinear(matrix.pack(), None, lambda t: F.linear(t, dense), int8_activations=True)
+    assert with_dense.swiglu(x[:16]) is not None
+    assert with_dense.swiglu(x) is None  # 20 rows run the dense copy
+    assert BlockLinear(matrix.pack(), None, None, int8_activations=False).swiglu(x) is None  # fp32 panels
+    halves = [GGUFMatrix(torch.from_numpy(raw[i * intermediate:(i + 1) * intermediate].copy()), fmt, 256).pack()
+              for i in range(2)]
+    assert BlockLinear(BlockMatrix(halves), None, None, int8_activations=True).swiglu(x) is None  # two parts
