@@ -27,7 +27,7 @@ struct Q8Act {
   std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0; kOffset)
   std::vector<int8_t> kq;    // [M, K] the codes per 256 in transpose_k's order (K % 256 == 0, AVX2 only; kTransposed)
   std::vector<int16_t> q16;  // [M, K] the codes as int16 (kWide)
-  std::vector<int32_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32; kSums16)
+  std::vector<int16_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32; kSums16), |.| <= 2032
   std::vector<float> d, s;   // [M, K / 32]
   // The layouts beyond q8, d and s (which are always made), as a bit set: each kernel reads
   // some of them (q8_layouts), so a call makes only those (the others are left empty).

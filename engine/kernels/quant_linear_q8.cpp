@@ -468,9 +468,9 @@ struct Q6_KRows {
       for (int g = 0; g < 4; ++g)
         scv[4 * h + g] = _mm256_shuffle_epi8(w, _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<char>(4 * g))));
     }
-    // the 16 scales as int32, for the -32 offset: 32 * (sc[2g] * S[2g] + sc[2g + 1] * S[2g + 1])
+    // the 16 scales as int16, for the -32 offset: 32 * (sc[2g] * S[2g] + sc[2g + 1] * S[2g + 1])
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-    const __m256i sca = _mm256_cvtepi8_epi32(sc16), scb = _mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8));
+    const __m256i sc_words = _mm256_cvtepi8_epi16(sc16);
     const __m256 dv = _mm256_set1_ps(d);
     // many rows: the codes transposed (transpose_k) and their scales in the same lanes: dword
     // lane m of tsc[g] is block 4g + m % 4's first-16 scale in the low half (t 0-3), second in the high
@@ -490,7 +490,7 @@ struct Q6_KRows {
     for (int r = 0; r < nr; ++r) {
       const int64_t xb = (r0 + r) * nbx + 8 * sb;
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
-      const __m256i* s16 = reinterpret_cast<const __m256i*>(x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb);
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb));
       __m256i sum;  // [sum of block j's scaled products] j = 0..7 (exact)
       if (R == 1) {
         __m256i p[8];  // 8 int32 scaled pair sums each
@@ -515,11 +515,8 @@ struct Q6_KRows {
         sum = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
                                _mm256_permute2x128_si256(half[0], half[1], 0x31));
       }
-      // hadd of the 16 products: g order [0, 1, 4, 5 | 2, 3, 6, 7] -> [0 .. 7] by 64-bit permute
-      const __m256i off = _mm256_permute4x64_epi64(
-          _mm256_hadd_epi32(_mm256_mullo_epi32(sca, _mm256_loadu_si256(s16)),
-                            _mm256_mullo_epi32(scb, _mm256_loadu_si256(s16 + 1))),
-          0xD8);
+      // lane j = sc[2j] * S[2j] + sc[2j + 1] * S[2j + 1]: one madd of int16 pairs (|.| <= 2 * 128 * 2032)
+      const __m256i off = _mm256_madd_epi16(sc_words, s16);
       // exact: |dot| <= 32 * 63 * 127 * 128 + 32 * 32 * 127 * 128
       const __m256i dot = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)), acc[r]);
@@ -594,7 +591,7 @@ void transpose_codes_k(const int8_t* q8, int8_t* kq, int64_t n) {
 
 // One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
 // loop, so the same codes): scale, codes as int8 and int16, the code sums.
-inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int32_t* s16) {
+inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int16_t* s16) {
   // q16 and s16 may be null (layouts not asked for); the block sum s_out is always made
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
@@ -626,7 +623,7 @@ inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int
   };
   const __m256i ones = _mm256_set1_epi16(1);
   const int32_t sum0 = hsum_i32(_mm256_madd_epi16(w0, ones)), sum1 = hsum_i32(_mm256_madd_epi16(w1, ones));
-  if (s16) s16[0] = sum0, s16[1] = sum1;
+  if (s16) s16[0] = static_cast<int16_t>(sum0), s16[1] = static_cast<int16_t>(sum1);  // |.| <= 16 * 127
   d_out = d, s_out = d * static_cast<float>(sum0 + sum1);
 }
 
@@ -768,7 +765,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
   sum16.resize(layouts & kSums16 ? M * K / 16 : 0);
   u8.resize(avx2 && (layouts & kOffset) && cpu_has_vnni() ? M * K : 0);
   int16_t* const wide = q16.empty() ? nullptr : q16.data();
-  int32_t* const sums = sum16.empty() ? nullptr : sum16.data();
+  int16_t* const sums = sum16.empty() ? nullptr : sum16.data();
   // rows [r0, r1): each row's layouts depend on that row alone
   const auto rows_range = [&](int64_t r0, int64_t r1) {
 #ifdef KVSERVE_X86
@@ -799,7 +796,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
           if (wide) wide[o + k] = static_cast<int16_t>(v);
           half[k / 16] += static_cast<int32_t>(v);
         }
-        if (sums) sums[o / 16] = half[0], sums[o / 16 + 1] = half[1];
+        if (sums) sums[o / 16] = static_cast<int16_t>(half[0]), sums[o / 16 + 1] = static_cast<int16_t>(half[1]);
         d[r * nb + b] = db;
         s[r * nb + b] = db * static_cast<float>(half[0] + half[1]);
       }
