@@ -198,7 +198,8 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_onl
     in ``LoadedModel.blocks`` and the state dict holds the rest (engine/gguf_direct.py)."""
     from safetensors.torch import load_file
 
-    gguf = gguf_source(model) if blocks_only else None
+    source = gguf_source(model)
+    gguf = source if blocks_only else None
     if blocks_only and gguf is None:
         raise ModelLoadError("weights_resident 'blocks' needs a .gguf model")
     if gguf is not None:
@@ -208,7 +209,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_onl
     else:
         path, name = resolve_model_dir(model)
     try:
-        hf_config = read_config(path, written_by_kvserve=gguf_source(model) is not None)
+        hf_config = read_config(path, written_by_kvserve=source is not None)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from None
     try:
@@ -231,4 +232,4 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, blocks_onl
     if not arch.eos_token_ids and tokenizer.eos_token_id is not None:
         arch = ModelArch(**{**arch.__dict__, "eos_token_ids": frozenset([tokenizer.eos_token_id])})
     return LoadedModel(path=path, name=name, hf_config=hf_config, arch=arch,
-                       state_dict=state_dict, tokenizer=tokenizer, gguf_path=gguf_source(model), blocks=blocks)
+                       state_dict=state_dict, tokenizer=tokenizer, gguf_path=source, blocks=blocks)

@@ -238,18 +238,19 @@ class BlockLinear:
             unbounded = self.dense is None or (vnni and fmt in self.INT8_VNNI_FORMATS)
             return sys.maxsize if unbounded else self.INT8_MAX_ROWS
         self.max_rows = min(rows(q, p.format) for q, p in zip(int8, self.blocks.parts))
+        # swiglu's fused kernel: one part, no bias, an int8 kernel, gate and up halves of whole strips
+        half = self.blocks.out_features // 2
+        fusable = len(self.parts) == 1 and self.bias is None and int8[0] and half % 8 == 0
+        self.swiglu_args = (self.parts[0][0], half, self.parts[0][2]) if fusable else None
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``SiLU(gate) * up`` for a gate/up matrix (the gate's rows first) where this call would
         run one int8 kernel over the whole matrix: ``gguf_swiglu_q8`` computes the same products
         without the ``[rows, 2 * intermediate]`` tensor (32 MiB per 512-row prefill chunk of a
         1B model). None where it does not apply; the caller then splits ``self(x)``."""
-        intermediate = self.blocks.out_features // 2
-        if (len(self.parts) > 1 or self.bias is not None or x.shape[0] > self.max_rows or intermediate % 8
-                or self.kernels[0] is not torch.ops.kvserve.gguf_linear_q8):
+        if self.swiglu_args is None or x.shape[0] > self.max_rows:
             return None
-        data, _, fmt = self.parts[0]
-        return torch.ops.kvserve.gguf_swiglu_q8(x, data, intermediate, fmt)
+        return torch.ops.kvserve.gguf_swiglu_q8(x, *self.swiglu_args)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:

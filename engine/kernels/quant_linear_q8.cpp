@@ -669,10 +669,12 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
 
 // x [M, K] fp32, packed strips [ceil(N / 8), ...] -> [M, N] fp32 through int8 activations;
 // callers check gguf_q8_supported(format) first (engine/quant.py BlockLinear).
-at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
+// The arguments of the int8 ops: x [M, K] fp32 and `packed` holding N x K weights of `format`,
+// which has an int8 kernel on this CPU.
+void check_q8_args(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
   TORCH_CHECK(kvserve::q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   const bool strips = format == kQ4_1 || format == kQ8_0;
   const int64_t per = strips ? kBlock : 256;
   const int64_t width = K / per * (format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes
@@ -681,14 +683,24 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
                   packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
                   packed.size(1) == width,
               "packed weights do not hold ", N, " x ", K, " weights of this format");
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+}
+
+// x [M, K] quantized with the layouts `format`'s kernel reads.
+kvserve::Q8Act quantize_for(const at::Tensor& x, int64_t format) {
   const auto xc = x.contiguous();
   kvserve::Q8Act q;
-  q.quantize(xc.data_ptr<float>(), M, K, kvserve::q8_layouts(format));
+  q.quantize(xc.data_ptr<float>(), x.size(0), x.size(1), kvserve::q8_layouts(format));
+  return q;
+}
+
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
+  check_q8_args(x, packed, N, format);
+  auto out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return out;
+  const kvserve::Q8Act q = quantize_for(x, format);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (strips) {
+  if (format == kQ4_1 || format == kQ8_0) {  // strips of kStrip features
     at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
       kvserve::gguf_linear_q8_range(q, wp, N, format, s0 * kStrip, std::min(N, s1 * kStrip), op + s0 * kStrip, N);
     });
@@ -708,13 +720,11 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
 at::Tensor gguf_swiglu_q8(const at::Tensor& x, const at::Tensor& packed, int64_t I, int64_t format) {
   constexpr int64_t kCols = 64;  // a multiple of kStrip: strip formats' chunks start on a strip
   TORCH_CHECK(I % kStrip == 0, "the gate/up width must be a multiple of ", kStrip, ", got ", I);
+  check_q8_args(x, packed, 2 * I, format);
   const int64_t M = x.size(0);
-  (void)gguf_linear_q8(x.narrow(0, 0, 0), packed, 2 * I, format);  // its argument checks, on no rows
   auto out = at::empty({M, I}, x.options());
   if (M == 0) return out;
-  const auto xc = x.contiguous();
-  kvserve::Q8Act q;
-  q.quantize(xc.data_ptr<float>(), M, x.size(1), kvserve::q8_layouts(format));
+  const kvserve::Q8Act q = quantize_for(x, format);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (I + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
