@@ -15,24 +15,34 @@ namespace kvserve {
 void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
                        int64_t n0, int64_t n1, float* out, int64_t ldo);
 
-// Rows of activations quantized to int8 in blocks of 32 along K, as llama.cpp's Q8_0/Q8_1 do:
-// block b of row r has the fp32 scale d = max|x| / 127, codes q = round-half-even(x * (1 / d))
-// in [-127, 127] (all 0 when the block is 0), and s = d * sum(q) (the block sum the offset
-// formats need). The value the kernels multiply by is d * q. The codes are held in the two
-// layouts the kernels read (see quant_linear_q8.cpp): int8 `q8` (Q4_1, the K-quants), int16 `q16`
-// (Q8_0 on AVX2) and offset `u8` (Q8_0 on AVX512-VNNI).
+// Rows of activations quantized to int8, as llama.cpp quantizes them for each weight format:
+// - per 32 along K (its Q8_0/Q8_1, for Q4_1 and Q8_0 weights; layout kBlocks): block b of row r
+//   has the fp32 scale d = max|x| / 127, codes q = round-half-even(x * (1 / d)) in [-127, 127]
+//   (all 0 when the block is 0), and s = d * sum(q) (the block sum the offset formats need);
+// - per 256 (its Q8_K, for the K-quants Q4_K and Q6_K; layout kSuper): the same rule over each
+//   super-block of 256, with the code sums of each 16 kept as integers. One scale per weight
+//   super-block lets the kernels sum a super-block's integer products before any float work.
+// The value the kernels multiply by is d * q. The per-32 codes are held in the layouts the
+// strip kernels read (see quant_linear_q8.cpp): int8 `q8` (Q4_1), int16 `q16` (Q8_0 on AVX2) and
+// offset `u8` (Q8_0 on AVX512-VNNI); the per-256 codes as they are (`k8`, one-row kernels) and
+// transposed (`kq`, many-row kernels).
 struct Q8Act {
   int64_t M = 0, K = 0;
+  // per 32 (kBlocks; kWide, kOffset imply it)
   std::vector<int8_t> q8;    // [M, K] the codes
-  std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0; kOffset)
-  std::vector<int8_t> kq;    // [M, K] the codes per 256 in transpose_k's order (K % 256 == 0, AVX2 only; kTransposed)
-  std::vector<int16_t> q16;  // [M, K] the codes as int16 (kWide)
-  std::vector<int16_t> sum16; // [M, K / 16] sum of the codes of each 16 (Q6_K's offset of 32; kSums16), |.| <= 2032
   std::vector<float> d, s;   // [M, K / 32]
-  // The layouts beyond q8, d and s (which are always made), as a bit set: each kernel reads
-  // some of them (q8_layouts), so a call makes only those (the others are left empty).
-  enum Layout : unsigned { kTransposed = 1, kWide = 2, kOffset = 4, kSums16 = 8, kAll = 15 };
-  // Quantize x [M, K] (row stride K, K a multiple of 32) into this buffer, reusing its memory.
+  std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0; kOffset)
+  std::vector<int16_t> q16;  // [M, K] the codes as int16 (kWide)
+  // per 256 (kSuper; K % 256 == 0)
+  std::vector<int8_t> k8;      // [M, K] the codes
+  std::vector<int8_t> kq;      // [M, K] the same codes, each 256 in transpose_k's order (AVX2 only)
+  std::vector<int16_t> ksum16; // [M, K / 16] the sum of each 16 codes, |.| <= 2032
+  std::vector<float> kd;       // [M, K / 256]
+  // The layouts as a bit set: each kernel reads some of them (q8_layouts), so a call makes only
+  // those (the others are left empty).
+  enum Layout : unsigned { kBlocks = 1, kWide = 2, kOffset = 4, kSuper = 8, kAll = 15 };
+  // Quantize x [M, K] (row stride K, K a multiple of 32, of 256 for kSuper) into this buffer,
+  // reusing its memory.
   void quantize(const float* x, int64_t M, int64_t K, unsigned layouts = kAll);
 };
 

@@ -1,6 +1,6 @@
 // Block matmuls on int8 activations (ModelConfig.activation_quant "int8"): y[M, N] = x[M, K] @ W^T
-// with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) and W
-// the strip-packed Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads,
+// with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) for
+// Q4_1 / Q8_0 weights and per 256 (llama.cpp's Q8_K) for Q4_K / Q6_K, and W the strip-packed Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads,
 // as they are (the same bytes the fp32 kernel reads; no second copy). Other formats, and CPUs
 // without AVX2, have no int8 kernel here (q8_supported): callers multiply fp32 activations.
 //
@@ -61,6 +61,11 @@ constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weight
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 3, kQ6_K = 5;  // engine/quant.py BlockFormat codes
 constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;          // GGUF super-blocks of 256 weights
+
+// Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
+// 512-bit one-row kernels read blocks [4c | 4c + 2] and [4c + 1 | 4c + 3] as one 64-byte load each.
+// Position of block j (its own inverse).
+constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -194,12 +199,18 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVSERVE_VNNI_BUILD 1
 #endif
+// Likewise the K-quants' one-row kernels take 512-bit registers (two 32-blocks per instruction).
+#if defined(KVSERVE_VNNI_BUILD) && defined(__AVX512BW__)
+#define KVSERVE_ZMM_ROWS 1
+#endif
 
-bool cpu_has_vnni() {
-  static const bool yes = cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bw") && !std::getenv("KVSERVE_NO_VNNI");
-  return yes;
+bool detect_vnni() {
+  __builtin_cpu_init();  // may run among the library's constructors
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && !std::getenv("KVSERVE_NO_VNNI");
 }
+const bool kHasVnni = detect_vnni();  // once, at load: the kernels test it per block (a call would spill their registers)
+inline bool cpu_has_vnni() { return kHasVnni; }
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
@@ -315,31 +326,44 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 
 #pragma GCC pop_options
 
-// ---- Row formats (GGUF rows as stored, super-blocks of 256 along K: 8 of the activations'
-// 32-blocks). Per output feature n and row: for each 32 weights an integer dot product of the
-// codes (maddubs of unsigned codes by the int8 activations), scaled in fp32 by the weight's
-// sub-block scale times the activations' block scale; the offsets (Q4_K's mins, Q6_K's -32)
-// through the activations' block sums.
-//   Q4_K: w = (d sc_j) q - (dmin m_j), sub-block j of 32: dot = d sc_j dx_j I_j - dmin m_j s_j.
-//   Q6_K: w = (d sc_i) (q - 32), sub-blocks of 16 (two per 32-block, the scales applied by madd):
-//         dot = d dx (sc_a I_a + sc_b I_b) - 32 d dx (sc_a S_a + sc_b S_b), S the code sums of 16.
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// ---- Row formats (GGUF rows as stored, super-blocks of 256 along K) against the activations
+// per 256 (Q8Act kSuper: one scale dx per super-block, llama.cpp's Q8_K). Per output feature,
+// row and super-block the weights' sub-block scales multiply the integer dot products in
+// integers, so one exact int32 (two for Q4_K) per super-block reaches fp32:
+//   Q4_K: w = (d sc_j) q - (dmin m_j), sub-blocks j of 32, I_j the codes' dot product and S_j the
+//         activation codes' sum: A = sum_j sc_j I_j, B = sum_j m_j S_j; acc += A (d dx), corr += B (dmin dx).
+//   Q6_K: w = (d sc_i) (q - 32), sub-blocks i of 16: A = sum_i sc_i (I_i - 32 S_i); acc += A (d dx).
+// Exact: |A| <= 8 * 63 * 32 * 15 * 127 (Q4_K) and 16 * 128 * 16 * 63 * 127 (Q6_K), both < 2^31.
+// A row's acc (lane 0) and corr (lane 1) are one __m128, added to in super-block order by one
+// fmadd of [A, B] and [d dx, dmin dx], so the one-row and the many-row paths, which reach A and B
+// by different integer routes, give the same floats, and a row's result does not depend on the
+// other rows of its pass. The result is acc - corr.
+// (Per-32 activations, an earlier version, needed 8 float scales per super-block and so an
+// 8-way horizontal reduction per row and super-block: the one-row Q4_K kernel was compute bound
+// at ~22 GB/s per thread.)
+
+// The sums of a's and of b's lanes, exact, as int32 lanes 0 and 1.
+inline __m128i hsum2_epi32(__m256i a, __m256i b) {
+  const __m128i sa = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  const __m128i sb = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  const __m128i t = _mm_add_epi32(_mm_unpacklo_epi64(sa, sb), _mm_unpackhi_epi64(sa, sb));
+  return _mm_hadd_epi32(t, t);
 }
 
-// 8 vectors of 8 int32 -> [sum(v[0]), ..., sum(v[7])] (exact).
-inline __m256i sums8_epi32(const __m256i* v) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+#ifdef KVSERVE_ZMM_ROWS
+// int16 lanes 0-7 = a, 8-15 = b, 16-23 = c, 24-31 = d (vpermw indices, vpsrlvw counts).
+inline __m512i four_quarters(int a, int b, int c, int d) {
+  const auto two = [](int v) { return v | (v << 16); };
+  return _mm512_setr_epi32(two(a), two(a), two(a), two(a), two(b), two(b), two(b), two(b), two(c), two(c), two(c),
+                           two(c), two(d), two(d), two(d), two(d));
 }
+// int16 lanes 0-15 = a (the low 256 bits), 16-31 = b.
+inline __m512i two_halves(int a, int b) { return four_quarters(a, a, b, b); }
+#endif
 
 // The 8 32-byte blocks v[j] of a super-block as 4-byte groups v[j].t (k = 32 j + 4 t .. + 3)
 // -> out[4 g + i] = [v[4g].i v[4g+1].i v[4g+2].i v[4g+3].i | the same at t = i + 4]: a dword
-// lane then holds one block j = 4 g + lane % 4 (Q8Act::kq is the activations in this order).
+// lane m then holds block j = 4 g + m % 4 (Q8Act::kq is the activations in this order).
 inline void transpose_k(const __m256i* v, __m256i* out) {
   for (int g = 0; g < 2; ++g) {
     const __m256i* w = v + 4 * g;
@@ -350,91 +374,118 @@ inline void transpose_k(const __m256i* v, __m256i* out) {
   }
 }
 
-// Q4_K's 8 6-bit sub-block scales and mins (as gguf's dequantize reads them) times d and dmin,
-// unpacked as 32-bit words: words 0-1 the 8 scales, 2-3 the 8 mins, one byte each.
-inline void q4_k_scales(const uint8_t* b, __m256& dsc, __m256& dm) {
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  uint32_t s[3], u[4];
-  std::memcpy(s, b + 4, 12);
-  u[0] = s[0] & k6;
-  u[1] = (s[2] & k4) | (((s[0] >> 6) & k2) << 4);
-  u[2] = s[1] & k6;
-  u[3] = ((s[2] >> 4) & k4) | (((s[1] >> 6) & k2) << 4);
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-  dsc = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
-  dm = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+// Per dword lane m of a transposed half g (transpose_k), the int16 pair or int32 of block 4g + m % 4's
+// value in v (8 bytes, one per block): words[g] as int16 lane pairs, dwords[g] as int32.
+inline void per_transposed_lane(__m128i v8, __m256i* words, __m256i* dwords) {
+  for (int g = 0; g < 2; ++g) {
+    const char a = static_cast<char>(4 * g);
+    const __m128i b = _mm_shuffle_epi8(v8, _mm_setr_epi8(a, a + 1, a + 2, a + 3, a, a + 1, a + 2, a + 3, -1, -1, -1,
+                                                          -1, -1, -1, -1, -1));
+    dwords[g] = _mm256_cvtepi8_epi32(b);
+    words[g] = _mm256_or_si256(dwords[g], _mm256_slli_epi32(dwords[g], 16));
+  }
+}
+
+// Q4_K's 8 6-bit sub-block scales and 8 mins (as gguf's dequantize reads them), one byte each:
+// dwords [s0 & k6, (s2 & k4) | ((s0 >> 6) & k2) << 4, s1 & k6, ((s2 >> 4) & k4) | ((s1 >> 6) & k2) << 4]
+// of the 12 bytes s0 s1 s2 at b + 4 (in registers: scalar stores and a vector load would stall).
+inline __m128i q4_k_scales(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // s0 s1 s2 and 4 code bytes
+  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6),
+                                    _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
+  return _mm_or_si128(_mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_slli_epi32(top, 4));
 }
 
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
-// serves up to kKRows rows. Per row the 8 integer dot products of the 32-blocks are reduced
-// exactly to one int32 vector [I_0 .. I_7] (int16 / int32 horizontal adds, no overflow), then
-// converted and scaled with one fmadd: acc += I * (weight scale * activation scale), lane j
-// for 32-block j; each row's result is independent of the other rows in the pass.
-// (prefetch_ahead: the weights kPrefetch bytes on; rows n, n + 1, ... are contiguous)
+// serves up to kKRows rows. acc[r]: row r's [acc, corr] (see above).
 struct Q4_KRows {
   static constexpr int64_t kBytes = kQ4_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
-                           __m256* corr) {
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
-    __m256 dscv, dmv;  // d * sc_j, dmin * m_j
-    q4_k_scales(b, dscv, dmv);
-    const __m256i mask = _mm256_set1_epi8(15);
-    __m256i q[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      q[2 * c] = _mm256_and_si256(v, mask);
-      q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    }
-    const int64_t nbx = x.K / kBlock;
-    if (R == 1) {  // one row: three levels of int16 horizontal adds, cheaper than transposing the codes
-      const int64_t xb = r0 * nbx + 8 * sb;
-      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + r0 * x.K + 256 * sb);
-      __m256i u[8];  // 16 int16 pair sums each, |.| <= 2 * 15 * 127
-      for (int j = 0; j < 8; ++j) u[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(xq + j));
-      // lane half h of u[j] -> int16 j of half h (|.| <= 30480)
-      const __m256i h = _mm256_hadd_epi16(
-          _mm256_hadd_epi16(_mm256_hadd_epi16(u[0], u[1]), _mm256_hadd_epi16(u[2], u[3])),
-          _mm256_hadd_epi16(_mm256_hadd_epi16(u[4], u[5]), _mm256_hadd_epi16(u[6], u[7])));
-      const __m256i dot = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(h)),
-                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h, 1)));
-      const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
-      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[0]);
-      corr[0] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[0]);
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(b)));  // [d, dmin, 0, 0]
+    const __m128i sm = q4_k_scales(b);  // bytes 0-7 the scales, 8-15 the mins
+    // the mins as int16, each twice: lane i pairs with the activations' sum of 16 codes i
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    __m256i q[8];  // the codes of block j (AVX2 paths)
+    const auto unpack = [&] {
+      const __m256i mask = _mm256_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+        q[2 * c] = _mm256_and_si256(v, mask);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+    };
+    const int64_t nbk = x.K / 256;
+    if (R == 1) {
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
+      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;  // blocks in k8_order
+      __m256i a;  // lanes in any order: only their sum A is used
+#ifdef KVSERVE_ZMM_ROWS
+      if (cpu_has_vnni()) {  // two blocks per instruction: 64 code bytes are blocks [4c | 4c + 2] (low
+        // nibbles) and [4c + 1 | 4c + 3] (high), which is k8_order; vpermw puts each block's scale in its half
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+        const __m512i m15 = _mm512_set1_epi8(15);
+        __m512i a16 = _mm512_setzero_si512();
+        const __m512i pick[4] = {two_halves(0, 2), two_halves(1, 3), two_halves(4, 6), two_halves(5, 7)};
+        for (int c = 0; c < 2; ++c) {
+          const __m512i v = _mm512_loadu_si512(b + 16 + 64 * c);
+          const __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+          const __m512i slo = _mm512_permutexvar_epi16(pick[2 * c], sc), shi = _mm512_permutexvar_epi16(pick[2 * c + 1], sc);
+          a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(xk + 128 * c)), slo));
+          a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(xk + 128 * c + 64)), shi));
+        }
+        a = _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1));
+      } else
+#endif
+      {  // maddubs, then the scale of block j in every int16 lane (madd)
+        unpack();
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        a = _mm256_setzero_si256();  // |lane| <= 8 * 2 * 2 * 15 * 127 * 63
+        for (int j = 0; j < 8; ++j) {
+          const __m256i scj = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>((2 * j) | ((2 * j + 1) << 8))));
+          const __m256i xj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xk + 32 * k8_order(j)));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xj), scj));
+        }
+      }
+      const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, _mm256_madd_epi16(mins, s16)));
+      acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
       return;
     }
     // many rows: transpose the codes once (transpose_k), so that with Q8Act::kq each row's dot
-    // products are vertical adds: the same exact integers as the one-row path
-    __m256i t[8];
+    // products are vertical adds, each dword lane within one block j and scaled by its sc_j
+    __m256i t[8], tsc[2], tsc32[2];
+    unpack();
     transpose_k(q, t);
-    const __m256i ones = _mm256_set1_epi16(1);
+    per_transposed_lane(sm, tsc, tsc32);
     const bool vnni = cpu_has_vnni();
     for (int r = 0; r < nr; ++r) {
-      const int64_t xb = (r0 + r) * nbx + 8 * sb;
-      const __m256i* xq = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
-      __m256i half[2];  // [I_4g .. I_4g+3 (t 0-3) | the same (t 4-7)] for g = 0, 1
+      const int64_t row = r0 + r;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.kq.data() + row * x.K + 256 * sb);
+      __m256i a = _mm256_setzero_si256();
       for (int g = 0; g < 2; ++g) {
 #ifdef KVSERVE_VNNI_BUILD
         if (vnni) {  // the same integers, 4 products per int32 lane per instruction (two short chains)
           const __m256i* xg = xq + 4 * g;
-          const __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(xg));
-          const __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g + 2], _mm256_loadu_si256(xg + 2));
-          half[g] = _mm256_add_epi32(_mm256_dpbusd_epi32(a, t[4 * g + 1], _mm256_loadu_si256(xg + 1)),
-                                     _mm256_dpbusd_epi32(b, t[4 * g + 3], _mm256_loadu_si256(xg + 3)));
+          const __m256i u = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(xg));
+          const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g + 2], _mm256_loadu_si256(xg + 2));
+          const __m256i i = _mm256_add_epi32(_mm256_dpbusd_epi32(u, t[4 * g + 1], _mm256_loadu_si256(xg + 1)),
+                                             _mm256_dpbusd_epi32(v, t[4 * g + 3], _mm256_loadu_si256(xg + 3)));
+          a = _mm256_add_epi32(a, _mm256_mullo_epi32(i, tsc32[g]));
           continue;
         }
 #endif
         __m256i u = _mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(xq + 4 * g));
         for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 15 * 127
           u = _mm256_add_epi16(u, _mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(xq + 4 * g + i)));
-        half[g] = _mm256_madd_epi16(u, ones);
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(u, tsc[g]));
       }
-      const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
-                                           _mm256_permute2x128_si256(half[0], half[1], 0x31));
-      const __m256 dx = _mm256_loadu_ps(x.d.data() + xb);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dscv, dx), acc[r]);
-      corr[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.s.data() + xb), corr[r]);
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nbk + sb) * 16));
+      const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, _mm256_madd_epi16(mins, s16)));
+      acc[r] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
     }
   }
 };
@@ -442,13 +493,51 @@ struct Q4_KRows {
 struct Q6_KRows {
   static constexpr int64_t kBytes = kQ6_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m256* acc,
-                           __m256*) {
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
-    const float d = half_at(b + 208);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(b + 208)));  // [d, 0, 0, 0]
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    // the 16 scales as int16, for the -32 offset: 32 * sum_i sc_i S_i, one madd of int16 pairs
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sc_words = _mm256_cvtepi8_epi16(sc16);
+    const int64_t nbk = x.K / 256;
+    // row's scaled products a (lanes in any order: only their sum is used) -> acc[r]
+    const auto finish = [&](int r, __m256i a) {
+      const int64_t row = r0 + r;
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nbk + sb) * 16));
+      const __m256i off = _mm256_madd_epi16(sc_words, s16);  // |.| <= 2 * 128 * 2032
+      const __m128 A = _mm_cvtepi32_ps(hsum2_epi32(_mm256_sub_epi32(a, _mm256_slli_epi32(off, 5)), _mm256_setzero_si256()));
+      acc[r] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
+    };
+#ifdef KVSERVE_ZMM_ROWS
+    if (R == 1 && cpu_has_vnni()) {  // two blocks per instruction, in k8_order: [4h | 4h + 2] from
+      // the low/high nibbles of ql's first 32 bytes, [4h + 1 | 4h + 3] of its next 32 (shifted per
+      // 256-bit half by vpsrlvw); vpermw puts each 16 weights' scale in their int16 lanes
+      const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+      const __m512i sh04 = two_halves(0, 4), sh26 = two_halves(2, 6);
+      const __m512i scw = _mm512_castsi256_si512(sc_words);
+      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
+      __m512i a16 = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const auto both = [&](const uint8_t* p) {
+          return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        };
+        const __m512i l0 = both(b + 64 * h), l1 = both(b + 64 * h + 32), qh = both(b + 128 + 32 * h);
+        const auto codes = [&](__m512i l, __m512i qh_shift) {
+          const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, qh_shift), m2);
+          return _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(l, sh04), m4), _mm512_slli_epi16(high, 4));
+        };
+        const int s = 8 * h;  // block 4h + g's scales: sc[s + 2g], sc[s + 2g + 1]
+        const __m512i sa = _mm512_permutexvar_epi16(four_quarters(s, s + 1, s + 4, s + 5), scw);
+        const __m512i sb2 = _mm512_permutexvar_epi16(four_quarters(s + 2, s + 3, s + 6, s + 7), scw);
+        a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l0, sh04), _mm512_loadu_si512(xk + 128 * h)), sa));
+        a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l1, sh26), _mm512_loadu_si512(xk + 128 * h + 64)), sb2));
+      }
+      return finish(0, _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1)));
+    }
+#endif
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-    __m256i q[8], scv[8];
+    __m256i q[8];  // block j's 6-bit codes
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
       const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
@@ -460,66 +549,53 @@ struct Q6_KRows {
       q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
       q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
       q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
-      // the 32 weights of group g: first 16 scale sc[2g], last 16 sc[2g + 1] (int16 lanes, by one shuffle)
-      const __m256i w = _mm256_broadcastsi128_si256(
-          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+    }
+    if (R == 1) {
+      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
+      // the 32 weights of block j: first 16 scale sc[2j], last 16 sc[2j + 1] (int16 lanes, by one shuffle)
       const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-      for (int g = 0; g < 4; ++g)
-        scv[4 * h + g] = _mm256_shuffle_epi8(w, _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<char>(4 * g))));
+      __m256i a = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_broadcastsi128_si256(
+            _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+        for (int g = 0; g < 4; ++g) {
+          const int j = 4 * h + g;
+          const __m256i scj = _mm256_shuffle_epi8(w, _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<char>(4 * g))));
+          const __m256i xj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xk + 32 * k8_order(j)));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xj), scj));
+        }
+      }
+      return finish(0, a);
     }
-    // the 16 scales as int16, for the -32 offset: 32 * (sc[2g] * S[2g] + sc[2g + 1] * S[2g + 1])
-    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-    const __m256i sc_words = _mm256_cvtepi8_epi16(sc16);
-    const __m256 dv = _mm256_set1_ps(d);
     // many rows: the codes transposed (transpose_k) and their scales in the same lanes: dword
     // lane m of tsc[g] is block 4g + m % 4's first-16 scale in the low half (t 0-3), second in the high
     __m256i t[8], tsc[2], tsc32[2];  // tsc32: the same scales, one int32 per lane
     const bool vnni = cpu_has_vnni();
-    if (R != 1) {
-      transpose_k(q, t);
-      for (int g = 0; g < 2; ++g) {
-        const char a = static_cast<char>(8 * g);
-        tsc[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-            sc16, _mm_setr_epi8(a, a, a + 2, a + 2, a + 4, a + 4, a + 6, a + 6, a + 1, a + 1, a + 3, a + 3, a + 5, a + 5,
-                                a + 7, a + 7)));
-        tsc32[g] = _mm256_srai_epi32(_mm256_slli_epi32(tsc[g], 16), 16);
-      }
+    transpose_k(q, t);
+    for (int g = 0; g < 2; ++g) {
+      const char a = static_cast<char>(8 * g);
+      tsc[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+          sc16, _mm_setr_epi8(a, a, a + 2, a + 2, a + 4, a + 4, a + 6, a + 6, a + 1, a + 1, a + 3, a + 3, a + 5, a + 5,
+                              a + 7, a + 7)));
+      tsc32[g] = _mm256_srai_epi32(_mm256_slli_epi32(tsc[g], 16), 16);
     }
-    const int64_t nbx = x.K / kBlock;
     for (int r = 0; r < nr; ++r) {
-      const int64_t xb = (r0 + r) * nbx + 8 * sb;
-      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q8.data() + (r0 + r) * x.K + 256 * sb);
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + (r0 + r) * (x.K / 16) + 16 * sb));
-      __m256i sum;  // [sum of block j's scaled products] j = 0..7 (exact)
-      if (R == 1) {
-        __m256i p[8];  // 8 int32 scaled pair sums each
-        for (int g = 0; g < 8; ++g) p[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256(xq + g)), scv[g]);
-        sum = sums8_epi32(p);
-      } else {  // the transposed codes (see Q4_KRows): vertical int32 adds
-        const __m256i* tx = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
-        __m256i half[2];
-        for (int g = 0; g < 2; ++g) {
+      const __m256i* tx = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
+      __m256i a = _mm256_setzero_si256();
+      for (int g = 0; g < 2; ++g) {
 #ifdef KVSERVE_VNNI_BUILD
-          if (vnni) {  // a lane's 4 quads share one scale: sum the products, then scale once (exact)
-            __m256i u = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(tx + 4 * g));
-            for (int i = 1; i < 4; ++i) u = _mm256_dpbusd_epi32(u, t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i));
-            half[g] = _mm256_mullo_epi32(u, tsc32[g]);
-            continue;
-          }
-#endif
-          half[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(tx + 4 * g)), tsc[g]);
-          for (int i = 1; i < 4; ++i)
-            half[g] = _mm256_add_epi32(half[g], _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i)), tsc[g]));
+        if (vnni) {  // a lane's 4 quads share one scale: sum the products, then scale once (exact)
+          __m256i u = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(tx + 4 * g));
+          for (int i = 1; i < 4; ++i) u = _mm256_dpbusd_epi32(u, t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i));
+          a = _mm256_add_epi32(a, _mm256_mullo_epi32(u, tsc32[g]));
+          continue;
         }
-        sum = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
-                               _mm256_permute2x128_si256(half[0], half[1], 0x31));
+#endif
+        for (int i = 0; i < 4; ++i)
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i)), tsc[g]));
       }
-      // lane j = sc[2j] * S[2j] + sc[2j + 1] * S[2j + 1]: one madd of int16 pairs (|.| <= 2 * 128 * 2032)
-      const __m256i off = _mm256_madd_epi16(sc_words, s16);
-      // exact: |dot| <= 32 * 63 * 127 * 128 + 32 * 32 * 127 * 128
-      const __m256i dot = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_loadu_ps(x.d.data() + xb)), acc[r]);
+      finish(r, a);
     }
   }
 };
@@ -535,14 +611,14 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
   const int nr = R ? R : rn;
   const int64_t nb = x.K / 256;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R ? R : kKRows], corr[R ? R : kKRows];
-    for (int r = 0; r < nr; ++r) acc[r] = corr[r] = _mm256_setzero_ps();
+    __m128 acc[R ? R : kKRows];  // [acc, corr, 0, 0] per row
+    for (int r = 0; r < nr; ++r) acc[r] = _mm_setzero_ps();
     const uint8_t* row = w + n * nb * Format::kBytes;
     for (int64_t sb = 0; sb < nb; ++sb) {
       prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
-      Format::template block<R>(row + sb * Format::kBytes, x, r0, nr, sb, acc, corr);
+      Format::template block<R>(row + sb * Format::kBytes, x, r0, nr, sb, acc);
     }
-    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum(_mm256_sub_ps(acc[r], corr[r]));
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = _mm_cvtss_f32(_mm_sub_ss(acc[r], _mm_movehdup_ps(acc[r])));
   }
 }
 
@@ -579,32 +655,36 @@ struct Q8_0Kernel {
   }
 };
 
-// Q8Act::kq from the codes q8: each 256 in transpose_k's order.
-void transpose_codes_k(const int8_t* q8, int8_t* kq, int64_t n) {
+// Q8Act::kq from Q8Act::k8 (blocks in k8_order): each 256 in transpose_k's order.
+void transpose_codes_k(const int8_t* k8, int8_t* kq, int64_t n) {
   for (int64_t o = 0; o < n; o += 256) {
     __m256i v[8], t[8];
-    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + o + 32 * j));
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k8 + o + 32 * k8_order(j)));
     transpose_k(v, t);
     for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(kq + o + 32 * j), t[j]);
   }
 }
 
-// One 32-block of kvserve::Q8Act::quantize, vectorized (the same fp32 operations as the scalar
-// loop, so the same codes): scale, codes as int8 and int16, the code sums.
-inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int8_t* q8, int16_t* q16, int16_t* s16) {
-  // q16 and s16 may be null (layouts not asked for); the block sum s_out is always made
+// The activation quantizer's pieces, vectorized (the same fp32 operations as the scalar loop
+// in Q8Act::quantize, so the same codes).
+inline float amax_avx2(const float* x, int64_t n) {  // max |x[i]|, n a multiple of 8
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  return _mm_cvtss_f32(m);
+}
+
+// 32 codes round-half-even(x * id) clamped to [-127, 127] into q8 (and q16 when not null); the
+// sums of the first and the last 16 into sums.
+inline void codes32_avx2(const float* xb, float id, int8_t* q8, int16_t* q16, int32_t* sums) {
   const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
   __m256i q[4];
   for (int i = 0; i < 4; ++i)  // round half to even, as nearbyint in the default rounding mode
-    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(
-        hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), idv),
+                                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
   const __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -615,16 +695,8 @@ inline void quantize_block_avx2(const float* xb, float& d_out, float& s_out, int
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), w0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), w1);
   }
-  const auto hsum_i32 = [](__m256i x) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-    return _mm_cvtsi128_si32(t);
-  };
   const __m256i ones = _mm256_set1_epi16(1);
-  const int32_t sum0 = hsum_i32(_mm256_madd_epi16(w0, ones)), sum1 = hsum_i32(_mm256_madd_epi16(w1, ones));
-  if (s16) s16[0] = static_cast<int16_t>(sum0), s16[1] = static_cast<int16_t>(sum1);  // |.| <= 16 * 127
-  d_out = d, s_out = d * static_cast<float>(sum0 + sum1);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(sums), hsum2_epi32(_mm256_madd_epi16(w0, ones), _mm256_madd_epi16(w1, ones)));
 }
 
 // Strips [s0, s1): strip s writes columns s * 8 .. of out. Rows go in passes of Kernel::kMaxRows,
@@ -739,17 +811,25 @@ at::Tensor gguf_swiglu_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
   return out;
 }
 
-// The activation quantization alone, for tests: (codes int8 [M, K], scales fp32 [M, K / 32]).
-std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0,
-              "x must be a 2-D float32 tensor whose width is a multiple of 32");
+// The activation quantization alone, for tests: (codes int8 [M, K], scales fp32 [M, K / block]),
+// per 32 (the strip formats' activations) or per 256 (the K-quants').
+std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(block == kBlock || block == 256, "block must be 32 or 256");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0,
+              "x must be a 2-D float32 tensor whose width is a multiple of ", block);
   const int64_t M = x.size(0), K = x.size(1);
   const auto xc = x.contiguous();
   kvserve::Q8Act q;
-  q.quantize(xc.data_ptr<float>(), M, K);
-  at::Tensor codes = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / kBlock}, x.options());
-  std::copy(q.q8.begin(), q.q8.end(), codes.data_ptr<int8_t>());
-  std::copy(q.d.begin(), q.d.end(), d.data_ptr<float>());
+  q.quantize(xc.data_ptr<float>(), M, K, block == kBlock ? kvserve::Q8Act::kBlocks : kvserve::Q8Act::kSuper);
+  const auto& d_v = block == kBlock ? q.d : q.kd;
+  at::Tensor codes = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / block}, x.options());
+  int8_t* c = codes.data_ptr<int8_t>();
+  if (block == kBlock)
+    std::copy(q.q8.begin(), q.q8.end(), c);
+  else  // k8 back to natural order
+    for (int64_t o = 0; o < M * K; o += 256)
+      for (int j = 0; j < 8; ++j) std::memcpy(c + o + 32 * j, q.k8.data() + o + 32 * k8_order(j), 32);
+  std::copy(d_v.begin(), d_v.end(), d.data_ptr<float>());
   return {codes, d};
 }
 
@@ -767,49 +847,59 @@ std::string gguf_q8_isa() {
 
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsigned layouts) {
   M = rows, K = width;
-  const int64_t nb = K / kBlock;
-  const bool avx2 = cpu_has_avx2();
-  q8.resize(M * K), d.resize(M * nb), s.resize(M * nb);
-  kq.resize(avx2 && (layouts & kTransposed) && K % 256 == 0 ? M * K : 0);
+  if (layouts & (kWide | kOffset)) layouts |= kBlocks;
+  const bool avx2 = cpu_has_avx2(), blocks = layouts & kBlocks, super = layouts & kSuper;
+  TORCH_CHECK(K % kBlock == 0 && (!super || K % 256 == 0), "cannot quantize a width of ", K, " per 32 / 256");
+  q8.resize(blocks ? M * K : 0), d.resize(blocks ? M * K / kBlock : 0), s.resize(d.size());
   q16.resize(layouts & kWide ? M * K : 0);
-  sum16.resize(layouts & kSums16 ? M * K / 16 : 0);
   u8.resize(avx2 && (layouts & kOffset) && cpu_has_vnni() ? M * K : 0);
+  k8.resize(super ? M * K : 0), ksum16.resize(super ? M * K / 16 : 0), kd.resize(super ? M * K / 256 : 0);
+  kq.resize(avx2 && super ? M * K : 0);
   int16_t* const wide = q16.empty() ? nullptr : q16.data();
-  int16_t* const sums = sum16.empty() ? nullptr : sum16.data();
-  // rows [r0, r1): each row's layouts depend on that row alone
-  const auto rows_range = [&](int64_t r0, int64_t r1) {
+  // n values at xb -> scale, codes (and int16 codes), sums of each 16 codes; per 32 or per 256
+  const auto group = [&](const float* xb, int64_t n, float& dg, int8_t* codes, int16_t* codes16, int32_t* sums) {
 #ifdef KVSERVE_X86
     if (avx2) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t b = 0; b < nb; ++b) {
-          const int64_t o = r * K + b * kBlock;
-          quantize_block_avx2(x + o, d[r * nb + b], s[r * nb + b], q8.data() + o, wide ? wide + o : nullptr,
-                              sums ? sums + o / 16 : nullptr);
-        }
-      if (!kq.empty()) transpose_codes_k(q8.data() + r0 * K, kq.data() + r0 * K, (r1 - r0) * K);
-      for (int64_t i = r0 * K; i < static_cast<int64_t>(u8.size()) && i < r1 * K; ++i)
-        u8[i] = static_cast<uint8_t>(q8[i]) ^ 0x80;  // x + 128
+      dg = amax_avx2(xb, n) / 127.f;
+      const float id = dg > 0.f ? 1.f / dg : 0.f;
+      for (int64_t o = 0; o < n; o += kBlock)
+        codes32_avx2(xb + o, id, codes + o, codes16 ? codes16 + o : nullptr, sums + o / 16);
       return;
     }
 #endif
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + b * kBlock;
-        float amax = 0.f;
-        for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-        const float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
-        const int64_t o = r * K + b * kBlock;
-        int32_t half[2] = {0, 0};
-        for (int k = 0; k < kBlock; ++k) {
-          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
-          q8[o + k] = static_cast<int8_t>(v);
-          if (wide) wide[o + k] = static_cast<int16_t>(v);
-          half[k / 16] += static_cast<int32_t>(v);
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    dg = amax / 127.f;
+    const float id = dg > 0.f ? 1.f / dg : 0.f;
+    for (int64_t k = 0; k < n; ++k) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
+      codes[k] = static_cast<int8_t>(v);
+      if (codes16) codes16[k] = static_cast<int16_t>(v);
+      sums[k / 16] = (k % 16 ? sums[k / 16] : 0) + static_cast<int32_t>(v);
+    }
+  };
+  // rows [r0, r1): each row's layouts depend on that row alone
+  const auto rows_range = [&](int64_t r0, int64_t r1) {
+    int32_t sums[16];
+    int8_t natural[256];
+    for (int64_t r = r0; r < r1; ++r) {
+      if (blocks)
+        for (int64_t b = r * K / kBlock; b < (r + 1) * K / kBlock; ++b) {
+          group(x + b * kBlock, kBlock, d[b], q8.data() + b * kBlock, wide ? wide + b * kBlock : nullptr, sums);
+          s[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
         }
-        if (sums) sums[o / 16] = static_cast<int16_t>(half[0]), sums[o / 16 + 1] = static_cast<int16_t>(half[1]);
-        d[r * nb + b] = db;
-        s[r * nb + b] = db * static_cast<float>(half[0] + half[1]);
-      }
+      if (super)
+        for (int64_t b = r * K / 256; b < (r + 1) * K / 256; ++b) {
+          group(x + b * 256, 256, kd[b], natural, nullptr, sums);
+          for (int j = 0; j < 8; ++j) std::memcpy(k8.data() + b * 256 + 32 * k8_order(j), natural + 32 * j, 32);
+          for (int i = 0; i < 16; ++i) ksum16[b * 16 + i] = static_cast<int16_t>(sums[i]);  // |.| <= 16 * 127
+        }
+    }
+#ifdef KVSERVE_X86
+    if (!kq.empty()) transpose_codes_k(k8.data() + r0 * K, kq.data() + r0 * K, (r1 - r0) * K);
+#endif
+    for (int64_t i = r0 * K; i < static_cast<int64_t>(u8.size()) && i < r1 * K; ++i)
+      u8[i] = static_cast<uint8_t>(q8[i]) ^ 0x80;  // x + 128
   };
   // Prefill-sized inputs on ATen's threads (inside the native layer's OpenMP region, where each
   // thread quantizes its own copy, parallel_for runs inline).
@@ -823,9 +913,8 @@ unsigned kvserve::q8_layouts(int64_t format) {
   if (!q8_supported(format)) return 0;
   switch (format) {
     case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
-    case kQ4_K: return Q8Act::kTransposed;
-    case kQ6_K: return Q8Act::kTransposed | Q8Act::kSums16;
-    default: return 0;  // Q4_1: the codes, scales and block sums
+    case kQ4_K: case kQ6_K: return Q8Act::kSuper;
+    default: return Q8Act::kBlocks;  // Q4_1: the codes, scales and block sums
   }
 }
 
@@ -854,7 +943,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_q8_isa() -> str", &gguf_q8_isa);
   m.def("gguf_linear_q8(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
   m.def("gguf_swiglu_q8(Tensor x, Tensor packed, int intermediate, int format) -> Tensor");
-  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_q8(Tensor x, int block=32) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

@@ -38,14 +38,19 @@ def kernel():
         pytest.skip("no AVX2: the int8-activation kernels do not run on this CPU (the flag falls back to fp32)")
 
 
-def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [M, K] as float, scales [M, K / 32]): the contract of kvserve::Q8Act in torch."""
+def quantize_reference(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] as float, scales [M, K / block]): the contract of kvserve::Q8Act in torch."""
     m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32)
+    blocks = x.reshape(m, k // block, block)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(blocks * inv).clamp(-127, 127)
-    return q.reshape(m, k), d.reshape(m, k // 32)
+    return q.reshape(m, k), d.reshape(m, k // block)
+
+
+def activation_block(fmt: BlockFormat) -> int:
+    """The activations' quantization block for a weight format: per 256 for the K-quants (llama.cpp's Q8_K)."""
+    return 256 if fmt in (BlockFormat.Q4_K, BlockFormat.Q6_K) else 32
 
 
 # the formats with an int8 kernel: Q4_1 strips (passes of 16 rows, then 8, 4, 2, 1), Q8_0 strips
@@ -63,14 +68,17 @@ def random_matrix(fmt: BlockFormat, rows: int, cols: int, seed: int) -> tuple[to
     return GGUFMatrix(torch.from_numpy(raw.copy()), fmt, cols).pack().data, dense
 
 
-def test_quantizer_matches_the_reference():
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
-    x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0
-    x[2, :32] = torch.linspace(-1, 1, 32)  # exact halves after scaling: round half to even
-    codes, scales = torch.ops.kvserve.quantize_q8(x)
-    want_q, want_d = quantize_reference(x)
+@pytest.mark.parametrize("block", [32, 256])
+def test_quantizer_matches_the_reference(block):
+    x = torch.randn(5, 3 * block, generator=torch.Generator().manual_seed(0)) * 3
+    x[1, block : 2 * block] = 0  # an all-zero block: scale 0, codes 0
+    x[2, 0] = 127  # scale 1: the other values, all halves, round half to even
+    x[2, 1:block] = torch.arange(block - 1) % 20 - 9.5
+    codes, scales = torch.ops.kvserve.quantize_q8(x, block)
+    want_q, want_d = quantize_reference(x, block)
     assert torch.equal(codes.float(), want_q) and torch.equal(scales, want_d)
-    assert codes.abs().max() == 127 and torch.all(codes[1, 32:64] == 0)
+    assert codes.abs().max() == 127 and torch.all(codes[1, block : 2 * block] == 0)
+    assert torch.equal(codes[2, 1:5], torch.tensor([-10, -8, -8, -6], dtype=torch.int8))
 
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
@@ -101,14 +109,15 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
     packed, dense = random_matrix(fmt, out_features, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     got = torch.ops.kvserve.gguf_linear_q8(x, packed, out_features, int(fmt))
-    q, d = quantize_reference(x)
-    x_deq = (q.reshape(rows, -1, 32) * d[..., None]).reshape(rows, 512)
+    block = activation_block(fmt)
+    q, d = quantize_reference(x, block)
+    x_deq = (q.reshape(rows, -1, block) * d[..., None]).reshape(rows, 512)
     oracle = F.linear(x_deq.double(), dense.double())
     assert got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
     # against fp32 activations: within the rounding bound, and not equal (the int8 path ran)
     exact = F.linear(x.double(), dense.double())
-    bound = F.linear(d.repeat_interleave(32, dim=1).double() / 2, dense.abs().double())
+    bound = F.linear(d.repeat_interleave(block, dim=1).double() / 2, dense.abs().double())
     assert torch.all((got.double() - exact).abs() <= bound + 1e-4)
     assert (got.double() - exact).abs().max() > 1e-5 * exact.abs().max()
 
@@ -116,8 +125,9 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
 def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
     """On AVX512-VNNI, Q4_1 and Q8_0 run strip pairs in 512-bit registers (vpdpbusd; Q8_0's
     codes offset by 128 and the column sums taken off) and a lone or partial strip on AVX2, and
-    the K-quants' many-row passes take vpdpbusd (in -march=native builds); all sum the same
-    integers as the AVX2 kernels, so every output is the same float. The AVX2 side runs in a
+    the K-quants' many-row passes take vpdpbusd and their one-row kernels 512-bit registers (in
+    -march=native builds); all sum the same integers as the AVX2 kernels, so every output is the
+    same float. The AVX2 side runs in a
     subprocess with KVSERVE_NO_VNNI (read once per process). 45 features: two pairs, a lone full
     strip and a partial one; rows 1-17 cover the 16/8/4/2/1 passes (K-quants: 16 and 1)."""
     if torch.ops.kvserve.gguf_q8_isa() != "vnni":
