@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSERVE_X86 1
@@ -602,6 +603,127 @@ struct Q6_KRows {
 
 constexpr int kKRows = 16;  // rows per pass over the K-quant rows: the weights leave DRAM once per 16 rows
 
+#ifdef KVSERVE_ZMM_ROWS
+// ---- Many rows, two features per instruction (AVX512-VNNI builds): features n and n + 1's
+// super-blocks sit in the low and the high 256 bits of each zmm, unpacked and transposed as the
+// ymm many-row path does it (transpose_k's unpacks stay within 128-bit lanes), and each row's
+// transposed activations are broadcast to both halves. Per row and super-block the two features'
+// A (and B) are the same exact integers as in Q4_KRows / Q6_KRows, reduced together (hsum4_epi32),
+// and [A_n, B_n, A_n+1, B_n+1] take one fmadd with [d_n dx, dmin_n dx, d_n+1 dx, dmin_n+1 dx]: lane
+// for lane the one-row path's operations, so the floats are the same.
+
+// [sum of a's low 8 lanes, of b's low 8, of a's high 8, of b's high 8] (exact).
+inline __m128i hsum4_epi32(__m512i a, __m512i b) {
+  a = _mm512_add_epi32(a, _mm512_shuffle_i64x2(a, a, _MM_SHUFFLE(2, 3, 0, 1)));  // 128-bit units u0+u1, u2+u3
+  b = _mm512_add_epi32(b, _mm512_shuffle_i64x2(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
+  __m512i z = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // [a n, a n+1, b n, b n+1] (4 lanes each)
+  z = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_CDAB));
+  z = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_BADC));
+  return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 4, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), z));
+}
+
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+}
+inline void transpose_k512(const __m512i* v, __m512i* out) {
+  for (int g = 0; g < 2; ++g) {
+    const __m512i* w = v + 4 * g;
+    const __m512i a0 = _mm512_unpacklo_epi32(w[0], w[1]), a1 = _mm512_unpackhi_epi32(w[0], w[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(w[2], w[3]), a3 = _mm512_unpackhi_epi32(w[2], w[3]);
+    out[4 * g] = _mm512_unpacklo_epi64(a0, a2), out[4 * g + 1] = _mm512_unpackhi_epi64(a0, a2);
+    out[4 * g + 2] = _mm512_unpacklo_epi64(a1, a3), out[4 * g + 3] = _mm512_unpackhi_epi64(a1, a3);
+  }
+}
+
+// Two features' super-block, ready for the rows: transposed codes t, per-lane int32 scales sc[g],
+// `side` (Q4_K: the mins as int16, each twice; Q6_K: the 16 scales as int16) and dd.
+struct PairBlock {
+  __m512i t[8], sc[2], side;
+  __m128 dd;  // Q4_K [d, dmin, d', dmin'], Q6_K [d, 0, d', 0]
+};
+
+inline void q4_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
+  const __m128i s0 = q4_k_scales(b0), s1 = q4_k_scales(b1);
+  p.dd = _mm_cvtph_ps(_mm_setr_epi32(*reinterpret_cast<const int32_t*>(b0), *reinterpret_cast<const int32_t*>(b1), 0, 0));
+  p.side = join(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s0, s0)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s1, s1)));
+  const __m512i mask = _mm512_set1_epi8(15);
+  __m512i q[8];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = load_pair(b0 + 16 + 32 * c, b1 + 16 + 32 * c);
+    q[2 * c] = _mm512_and_si512(v, mask);
+    q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+  transpose_k512(q, p.t);
+  __m256i w0[2], d0[2], w1[2], d1[2];
+  per_transposed_lane(s0, w0, d0);
+  per_transposed_lane(s1, w1, d1);
+  p.sc[0] = join(d0[0], d1[0]), p.sc[1] = join(d0[1], d1[1]);
+}
+
+inline void q6_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
+  // fp16 lanes [d, 0, d', 0]
+  p.dd = _mm_cvtph_ps(_mm_setr_epi32(*reinterpret_cast<const uint16_t*>(b0 + 208), *reinterpret_cast<const uint16_t*>(b1 + 208), 0, 0));
+  const __m128i sc0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 192));
+  const __m128i sc1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + 192));
+  p.side = join(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  __m512i q[8];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l0 = load_pair(b0 + 64 * h, b1 + 64 * h), l1 = load_pair(b0 + 64 * h + 32, b1 + 64 * h + 32);
+    const __m512i qh = load_pair(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
+    const auto high = [&](int shift) {
+      return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
+    };
+    q[4 * h] = _mm512_or_si512(_mm512_and_si512(l0, m4), high(0));
+    q[4 * h + 1] = _mm512_or_si512(_mm512_and_si512(l1, m4), high(2));
+    q[4 * h + 2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), high(4));
+    q[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), high(6));
+  }
+  transpose_k512(q, p.t);
+  for (int g = 0; g < 2; ++g) {  // Q6_KRows' tsc32: block 4g + m % 4's first-16 scale (t 0-3), second (t 4-7)
+    const char a = static_cast<char>(8 * g);
+    const __m128i pick = _mm_setr_epi8(a, a + 2, a + 4, a + 6, a + 1, a + 3, a + 5, a + 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    p.sc[g] = join(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, pick)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, pick)));
+  }
+}
+
+// Features n, n + 1 (their super-block rows at w0, w1) for rows [r0, r0 + nr): out[r * ldo + n], [.. + 1].
+template <bool kQ4_K>
+void pair_rows(const kvserve::Q8Act& x, int64_t r0, int nr, const uint8_t* w0, const uint8_t* w1, float* out,
+               int64_t ldo) {
+  constexpr int64_t kBytes = kQ4_K ? kQ4_KBytes : kQ6_KBytes;
+  const int64_t nb = x.K / 256;
+  __m128 acc[kKRows];  // [acc, corr, acc', corr'] per row
+  for (int r = 0; r < nr; ++r) acc[r] = _mm_setzero_ps();
+  PairBlock p;
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const uint8_t *b0 = w0 + sb * kBytes, *b1 = w1 + sb * kBytes;
+    prefetch_ahead(b0, kBytes), prefetch_ahead(b1, kBytes);
+    if (kQ4_K) q4_k_pair(b0, b1, p); else q6_k_pair(b0, b1, p);
+    for (int r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = x.kq.data() + row * x.K + 256 * sb;
+      const auto xs = [&](int i) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i))); };
+      __m512i a = _mm512_setzero_si512();
+      for (int g = 0; g < 2; ++g) {
+        const __m512i u = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p.t[4 * g], xs(4 * g)), p.t[4 * g + 1], xs(4 * g + 1));
+        const __m512i v = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p.t[4 * g + 2], xs(4 * g + 2)), p.t[4 * g + 3], xs(4 * g + 3));
+        a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_add_epi32(u, v), p.sc[g]));
+      }
+      const __m512i s16 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nb + sb) * 16)));
+      const __m512i side = _mm512_madd_epi16(p.side, s16);
+      const __m128i ab = kQ4_K ? hsum4_epi32(a, side) : hsum4_epi32(_mm512_sub_epi32(a, _mm512_slli_epi32(side, 5)), _mm512_setzero_si512());
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(ab), _mm_mul_ps(p.dd, _mm_set1_ps(x.kd[row * nb + sb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; ++r) {
+    const __m128 v = _mm_sub_ps(acc[r], _mm_movehdup_ps(acc[r]));  // [n, *, n + 1, *]
+    out[r * ldo] = _mm_cvtss_f32(v), out[r * ldo + 1] = _mm_cvtss_f32(_mm_movehl_ps(v, v));
+  }
+}
+#endif
+
 // Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
 // or 0): out[r * ldo + n]. Feature n's row of super-blocks (<= a few KB) is read once from
 // memory and each super-block serves every row.
@@ -610,7 +732,14 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
              int64_t ldo) {
   const int nr = R ? R : rn;
   const int64_t nb = x.K / 256;
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+#ifdef KVSERVE_ZMM_ROWS
+  if (R != 1 && cpu_has_vnni())
+    for (; n + 2 <= n1; n += 2)
+      pair_rows<std::is_same<Format, Q4_KRows>::value>(x, r0, nr, w + n * nb * Format::kBytes,
+                                                       w + (n + 1) * nb * Format::kBytes, out + n, ldo);
+#endif
+  for (; n < n1; ++n) {
     __m128 acc[R ? R : kKRows];  // [acc, corr, 0, 0] per row
     for (int r = 0; r < nr; ++r) acc[r] = _mm_setzero_ps();
     const uint8_t* row = w + n * nb * Format::kBytes;
