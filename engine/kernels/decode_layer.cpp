@@ -18,6 +18,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,7 +33,14 @@
 namespace {
 
 constexpr int64_t kDense = -1;  // format code of a dense fp32 [rows, K] part
-constexpr int64_t kChunk = 32;  // output features per work item: whole 8-column strips
+// Output features per work item of an N-feature matmul on `threads` threads: about two items per
+// thread, whole 32-feature groups (whole 8-column strips), at most 512. Small items cost: 32 per
+// item measured 3.3-3.7 ms of native layers per SmolLM2 decode step against 2.1-2.5 at 256 (each
+// item restarts the weight stream and its prefetch, and is dealt out by the dynamic schedule).
+inline int64_t chunk_for(int64_t N, int threads) {
+  const int64_t per = (N + 2 * threads - 1) / (2 * threads);
+  return std::min<int64_t>(512, std::max<int64_t>(32, (per + 31) / 32 * 32));
+}
 
 struct Part {
   const void* data;
@@ -115,10 +124,11 @@ void matmul_range(const Matrix& m, const float* x, int64_t M, int64_t n0, int64_
 template <typename Epilogue>
 void matmul(const Matrix& m, const float* x, int64_t M, float* y, Epilogue&& epilogue,
             const kvserve::Q8Act* qx = nullptr) {
-  const int64_t chunks = (m.N + kChunk - 1) / kChunk;
+  const int64_t chunk = chunk_for(m.N, omp_get_num_threads());
+  const int64_t chunks = (m.N + chunk - 1) / chunk;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * kChunk, n1 = std::min(m.N, n0 + kChunk);
+    const int64_t n0 = c * chunk, n1 = std::min(m.N, n0 + chunk);
     matmul_range(m, x, M, n0, n1, y, m.N, qx);
     epilogue(n0, n1);
   }
@@ -317,9 +327,10 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   rms_norm(xp, l.post_norm, B, hidden, l.eps, y);
   const kvserve::Q8Act* qy = quantized(l.gate_up, y, hidden);
   // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
+  const int64_t gu_chunk = chunk_for(I, omp_get_num_threads());
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t c = 0; c < (I + kChunk - 1) / kChunk; ++c) {
-    const int64_t j0 = c * kChunk, j1 = std::min(I, j0 + kChunk);
+  for (int64_t c = 0; c < (I + gu_chunk - 1) / gu_chunk; ++c) {
+    const int64_t j0 = c * gu_chunk, j1 = std::min(I, j0 + gu_chunk);
     matmul_range(l.gate_up, y, B, j0, j1, s.gu, 2 * I, qy);
     matmul_range(l.gate_up, y, B, I + j0, I + j1, s.gu, 2 * I, qy);
     for (int64_t r = 0; r < B; ++r) kvserve::silu_mul(s.gu + r * 2 * I + j0, s.gu + r * 2 * I + I + j0, j1 - j0, s.act + r * I + j0);
