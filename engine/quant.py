@@ -204,11 +204,13 @@ class BlockLinear:
     # 16 rows for every format that has one (bench.activation_quant speed, 16 streams). Beyond
     # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
     # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
-    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls), and for every
-    # int8 format when there is no dense copy (against the fp32 panels: 8192 x 2048 Q4_K at 64 /
-    # 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51).
+    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls), and when there is
+    # no dense copy for the formats whose int8 kernel beats the fp32 panels (8192 x 2048 Q4_K at 64
+    # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
+    # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
     INT8_MAX_ROWS = 16
     INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0})
+    INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
@@ -235,7 +237,8 @@ class BlockLinear:
         def rows(q: bool, fmt: BlockFormat) -> int:
             if not q:
                 return self.MAX_ROWS[fmt]
-            unbounded = self.dense is None or (vnni and fmt in self.INT8_VNNI_FORMATS)
+            unbounded = ((self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS)
+                         or (vnni and fmt in self.INT8_VNNI_FORMATS))
             return sys.maxsize if unbounded else self.INT8_MAX_ROWS
         self.max_rows = min(rows(q, p.format) for q, p in zip(int8, self.blocks.parts))
         # swiglu's fused kernel: one part, no bias, an int8 kernel, gate and up halves of whole strips

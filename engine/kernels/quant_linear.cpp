@@ -25,6 +25,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "block_codes.h"
 #include "quant_linear.h"
 
 #include <algorithm>
@@ -244,11 +245,7 @@ struct Q4_0 {
 };
 
 // Q5_0 / Q5_1: 32 fifth bits in a little-endian uint32 before the nibbles; d * (q - 16) and d * q + m.
-inline uint32_t u32_at(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+using kvserve::u32_at;  // block_codes.h
 
 struct Q5_0 {
   static constexpr int64_t kWeights = 32, kBytes = 22;
@@ -399,18 +396,7 @@ struct Avx2Rows<Q4_0> {
   }
 };
 
-// 32 five-bit codes of a Q5_0/Q5_1 block: nibbles of qs (low then high) | bit j of qh << 4.
-inline __m256i q5_codes(const uint8_t* qh_bytes, const uint8_t* qs) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
-  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-  // byte j of `spread` = byte j / 8 of qh; then test bit j % 8
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(u32_at(qh_bytes))),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-}
+using kvserve::q5_codes;  // block_codes.h
 
 template <>
 struct Avx2Rows<Q5_0> {

@@ -36,6 +36,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "block_codes.h"
 #include "quant_linear.h"
 #include "silu_mul.h"
 
@@ -61,8 +62,9 @@ constexpr int64_t kStrip = 8;
 #endif
 constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weights being read
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 3, kQ6_K = 5;  // engine/quant.py BlockFormat codes
-constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;          // GGUF super-blocks of 256 weights
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;  // BlockFormat codes
+constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;                 // GGUF super-blocks of 256 weights
+constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
 
 // Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
 // 512-bit one-row kernels read blocks [4c | 4c + 2] and [4c + 1 | 4c + 3] as one 64-byte load each.
@@ -343,6 +345,12 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 // (Per-32 activations, an earlier version, needed 8 float scales per super-block and so an
 // 8-way horizontal reduction per row and super-block: the one-row Q4_K kernel was compute bound
 // at ~22 GB/s per thread.)
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 
 // The sums of a's and of b's lanes, exact, as int32 lanes 0 and 1.
 inline __m128i hsum2_epi32(__m256i a, __m256i b) {
@@ -764,6 +772,80 @@ void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
   }
 }
 
+// ---- Legacy row formats (Q4_0, Q5_0, Q5_1: GGUF rows of 32-weight blocks) against the per-32
+// activations (Q8Act kBlocks). The codes of 4 blocks are unpacked once for all rows of the pass;
+// per row and block an exact integer dot product in int32 lanes (maddubs, madd by 1; |pair| <=
+// 2 * 31 * 127) is scaled lane-wise by d dx, the 4 blocks' products summed in a fixed tree and
+// added to the row's accumulator (one dependent add per 4 blocks, not one fmadd per block, which
+// bound one row at ~5 GB/s), one horizontal sum per output. Q4_0 and Q5_0 store q with w = d (q - 8)
+// or d (q - 16): the signed codes multiply by llama.cpp's sign trick, |w| times x with w's sign
+// (maddubs needs one unsigned operand). Q5_1's w = d q + m adds m s_x per block (s_x = dx * the
+// activation codes' sum, Q8Act::s), summed per group the same way into a scalar. A row's
+// operations do not depend on the other rows of the pass, so its result does not either.
+template <int64_t kFmt, int R>  // R: the row count at compile time (1: registers), or 0: rn
+void legacy_rows(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+                 int64_t ldo) {
+  const int nr = R ? R : rn;
+  constexpr int64_t kBytes = kFmt == kQ4_0 ? kQ4_0Bytes : kFmt == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes;
+  constexpr bool kSigned = kFmt != kQ5_1;
+  constexpr int kGroup = 4;
+  const int64_t nb = x.K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R ? R : kKRows];
+    float corr[R ? R : kKRows];
+    for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    const uint8_t* row = w + n * nb * kBytes;
+    for (int64_t b0 = 0; b0 < nb; b0 += kGroup) {
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, nb - b0));
+      __m256i q[kGroup], uq[kGroup];  // Q4_0 / Q5_0: the signed codes q - 8 / q - 16, and |.|; Q5_1: q
+      float d[kGroup], m[kGroup];
+      for (int i = 0; i < g; ++i) {
+        const uint8_t* blk = row + (b0 + i) * kBytes;
+        prefetch_ahead(blk, kBytes);
+        d[i] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
+        if (kFmt == kQ4_0) q[i] = _mm256_sub_epi8(kvserve::q4_codes(blk + 2), _mm256_set1_epi8(8));
+        else if (kFmt == kQ5_0) q[i] = _mm256_sub_epi8(kvserve::q5_codes(blk + 2, blk + 6), _mm256_set1_epi8(16));
+        else q[i] = kvserve::q5_codes(blk + 4, blk + 8), m[i] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2));
+        uq[i] = kSigned ? _mm256_sign_epi8(q[i], q[i]) : q[i];
+      }
+      for (int r = 0; r < nr; ++r) {
+        const int64_t xb = (r0 + r) * nb + b0;
+        __m256 p[kGroup];
+        for (int i = 0; i < g; ++i) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q8.data() + (xb + i) * kBlock));
+          if (kSigned) xv = _mm256_sign_epi8(xv, q[i]);
+          p[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(uq[i], xv), ones)),
+                               _mm256_set1_ps(d[i] * x.d[xb + i]));
+        }
+        if (kFmt == kQ5_1) {  // the group's m s_x, summed as the products are (one dependent add per group)
+          float c[kGroup];
+          for (int i = 0; i < g; ++i) c[i] = m[i] * x.s[xb + i];
+          corr[r] += g == kGroup ? (c[0] + c[1]) + (c[2] + c[3]) : g == 3 ? (c[0] + c[1]) + c[2] : g == 2 ? c[0] + c[1] : c[0];
+        }
+        // the group's sum: ((p0 + p1) + (p2 + p3)) for a whole group; the tail group left to right
+        const __m256 sum = g == kGroup ? _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]))
+                           : g == 3    ? _mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2])
+                           : g == 2    ? _mm256_add_ps(p[0], p[1])
+                                       : p[0];
+        acc[r] = _mm256_add_ps(acc[r], sum);
+      }
+    }
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum8(acc[r]) + corr[r];
+  }
+}
+
+template <int64_t kFmt>
+void legacy_rows_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < x.M; r += kKRows) {
+    const int rn = static_cast<int>(std::min<int64_t>(kKRows, x.M - r));
+    if (rn == 1)
+      legacy_rows<kFmt, 1>(x, r, 1, w, n0, n1, out + r * ldo, ldo);
+    else
+      legacy_rows<kFmt, 0>(x, r, rn, w, n0, n1, out + r * ldo, ldo);
+  }
+}
+
 template <int R>
 struct Q4_1Kernel {
   static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
@@ -878,9 +960,10 @@ void check_q8_args(const at::Tensor& x, const at::Tensor& packed, int64_t N, int
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t K = x.size(1);
   const bool strips = format == kQ4_1 || format == kQ8_0;
-  const int64_t per = strips ? kBlock : 256;
+  const int64_t per = format == kQ4_K || format == kQ6_K ? 256 : kBlock;
   const int64_t width = K / per * (format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes
-                                   : format == kQ4_K ? kQ4_KBytes : kQ6_KBytes);
+                                   : format == kQ4_K ? kQ4_KBytes : format == kQ6_K ? kQ6_KBytes
+                                   : format == kQ4_0 ? kQ4_0Bytes : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes);
   TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
                   packed.size(1) == width,
@@ -1049,7 +1132,8 @@ unsigned kvserve::q8_layouts(int64_t format) {
 }
 
 bool kvserve::q8_supported(int64_t format) {
-  return (format == kQ4_1 || format == kQ8_0 || format == kQ4_K || format == kQ6_K) && cpu_has_avx2();
+  return (format == kQ4_1 || format == kQ8_0 || format == kQ4_0 || format == kQ4_K || format == kQ6_K ||
+          format == kQ5_0 || format == kQ5_1) && cpu_has_avx2();
 }
 
 void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0,
@@ -1059,6 +1143,9 @@ void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, 
 #ifdef KVSERVE_X86
   if (format == kQ4_K) return rows_q8_all<Q4_KRows>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ6_K) return rows_q8_all<Q6_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ4_0) return legacy_rows_all<kQ4_0>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ5_0) return legacy_rows_all<kQ5_0>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ5_1) return legacy_rows_all<kQ5_1>(x, w, n0, n1, out - n0, ldo);
   const int64_t s0 = n0 / kStrip, s1 = (n1 + kStrip - 1) / kStrip, n_end = std::min(n1, N);
   // strips_q8 writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
   if (format == kQ4_1)

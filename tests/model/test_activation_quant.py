@@ -54,8 +54,10 @@ def activation_block(fmt: BlockFormat) -> int:
 
 
 # the formats with an int8 kernel: Q4_1 strips (passes of 16 rows, then 8, 4, 2, 1), Q8_0 strips
-# (8, 4, 2, 1), Q4_K / Q6_K rows (16 per pass)
-INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K]
+# (8, 4, 2, 1), Q4_K / Q6_K rows (16 per pass; two features at a time on AVX512-VNNI), Q4_0 / Q5_0 /
+# Q5_1 rows (16 per pass)
+INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_0,
+                BlockFormat.Q5_0, BlockFormat.Q5_1]
 
 
 def random_matrix(fmt: BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +90,7 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
     check_against_oracle(fmt, rows, out_features)
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q4_K, BlockFormat.Q6_K])
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q5_1])
 @pytest.mark.parametrize("rows", [16, 31, 33])  # one full pass of 16 rows; 16 + 8 + 4 + 2 + 1; two and a single row
 def test_sixteen_row_kernels_at_a_full_pass_and_beyond(fmt, rows):
     check_against_oracle(fmt, rows, 37)
@@ -134,7 +136,7 @@ def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
         pytest.skip("this CPU has no AVX512-VNNI: the VNNI kernels do not run here")
     cases = {}
     for fmt, width in ((BlockFormat.Q4_1, 128), (BlockFormat.Q8_0, 128), (BlockFormat.Q4_K, 512),
-                       (BlockFormat.Q6_K, 512)):
+                       (BlockFormat.Q6_K, 512), (BlockFormat.Q5_0, 128)):
         packed, _ = random_matrix(fmt, 45, width, seed=int(fmt))
         x = torch.randn(17, width, generator=torch.Generator().manual_seed(int(fmt)))
         cases[int(fmt)] = (packed, x, [torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, int(fmt))
@@ -155,13 +157,14 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K])
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
 @pytest.mark.parametrize("has_dense", [True, False], ids=["dense-copy", "blocks-only"])
 def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     """With int8 activations, a call over 16 rows (a prefill chunk) runs the int8 block kernel
-    where it beats the alternative: always without a dense copy (the fp32 panels are slower),
-    and beside one on AVX512-VNNI CPUs for Q4_1 and Q8_0 (their strip-pair kernels beat dense
-    fp32 GEMM at any row count); the dense fp32 copy everywhere else."""
+    where it beats the alternative: without a dense copy for Q4_1, Q8_0, Q4_K and Q6_K (the fp32
+    panels are slower; Q4_0 / Q5_0 / Q5_1's row kernel is not), and beside one on AVX512-VNNI CPUs
+    for Q4_1 and Q8_0 (their strip-pair kernels beat dense fp32 GEMM at any row count); the dense
+    fp32 copy or the panels everywhere else."""
     from bench.make_gguf import random_blocks
 
     raw = random_blocks(fmt, 40, 256, np.random.default_rng(7))
@@ -173,12 +176,16 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(7))
     got = linear(x)
     vnni = torch.ops.kvserve.gguf_q8_isa() == "vnni" and fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0)
-    if vnni or not has_dense:
+    over_panels = fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K)
+    if vnni or (not has_dense and over_panels):
         assert linear.max_rows == sys.maxsize and calls == []
         assert torch.equal(got, torch.ops.kvserve.gguf_linear_q8(x, packed.data, 40, int(fmt)))
-    else:
+    elif has_dense:
         assert linear.max_rows == BlockLinear.INT8_MAX_ROWS and calls == [70]
         assert torch.equal(got, F.linear(x, dense))
+    else:  # blocks only: the fp32 panels
+        assert linear.max_rows == BlockLinear.INT8_MAX_ROWS
+        assert torch.equal(got, torch.ops.kvserve.gguf_linear_panels(x, packed.data, 40, int(fmt), linear.tile_rows))
     linear.use_int8_activations(False)  # fp32 activations: prefill back on the dense copy or the panels
     assert linear.max_rows == BlockLinear.MAX_ROWS[fmt]
     torch.testing.assert_close(linear(x), F.linear(x, dense), rtol=1e-4, atol=1e-4)
@@ -223,7 +230,7 @@ def _engine(path, mode: str):
         cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4)))
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, "Q4_K_M"])
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, "Q4_K_M", BlockFormat.Q5_0])
 def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypatch):
     """Greedy decode of 3 streams on both engines; logits compared step by step while the
     tokens agree. Tolerance 5% of the largest logit: 2 layers of 8-bit activations (relative
