@@ -46,7 +46,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSERVE_X86 1
@@ -62,8 +61,8 @@ constexpr int64_t kStrip = 8;
 #endif
 constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weights being read
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;  // BlockFormat codes
-constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;                 // GGUF super-blocks of 256 weights
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;  // BlockFormat codes
+constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;  // GGUF super-blocks of 256 weights
 constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
 
 // Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
@@ -330,11 +329,11 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 
 #pragma GCC pop_options
 
-// ---- Row formats (GGUF rows as stored, super-blocks of 256 along K) against the activations
+// ---- K-quant row formats (GGUF rows as stored, super-blocks of 256 along K) against the activations
 // per 256 (Q8Act kSuper: one scale dx per super-block, llama.cpp's Q8_K). Per output feature,
 // row and super-block the weights' sub-block scales multiply the integer dot products in
 // integers, so one exact int32 (two for Q4_K) per super-block reaches fp32:
-//   Q4_K: w = (d sc_j) q - (dmin m_j), sub-blocks j of 32, I_j the codes' dot product and S_j the
+//   Q4_K (and Q5_K, 5-bit q): w = (d sc_j) q - (dmin m_j), sub-blocks j of 32, I_j the codes' dot product and S_j the
 //         activation codes' sum: A = sum_j sc_j I_j, B = sum_j m_j S_j; acc += A (d dx), corr += B (dmin dx).
 //   Q6_K: w = (d sc_i) (q - 32), sub-blocks i of 16: A = sum_i sc_i (I_i - 32 S_i); acc += A (d dx).
 // Exact: |A| <= 8 * 63 * 32 * 15 * 127 (Q4_K) and 16 * 128 * 16 * 63 * 127 (Q6_K), both < 2^31.
@@ -411,8 +410,12 @@ inline __m128i q4_k_scales(const uint8_t* b) {
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
 // serves up to kKRows rows. acc[r]: row r's [acc, corr] (see above).
-struct Q4_KRows {
-  static constexpr int64_t kBytes = kQ4_KBytes;
+// Q4_K and Q5_K (kQ5): the same scales and mins, Q5_K's codes with a fifth bit, bit j of qh[32]
+// for sub-block j (|pair| <= 2 * 31 * 127; 4 summed in int16 <= 31496).
+template <bool kQ5>
+struct KRows {
+  static constexpr int64_t kCode = kQ5 ? kQ5_K : kQ4_K, kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes;
+  static constexpr int64_t kCodes = kQ5 ? 48 : 16;  // the nibbles' offset (Q5_K: after qh)
   template <int R>
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
@@ -424,9 +427,14 @@ struct Q4_KRows {
     const auto unpack = [&] {
       const __m256i mask = _mm256_set1_epi8(15);
       for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kCodes + 32 * c));
         q[2 * c] = _mm256_and_si256(v, mask);
         q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      if (kQ5) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), one = _mm256_set1_epi8(1);
+        for (int j = 0; j < 8; ++j)  // per 16-bit lane: bit j of each byte to bit 4
+          q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
       }
     };
     const int64_t nbk = x.K / 256;
@@ -441,9 +449,15 @@ struct Q4_KRows {
         const __m512i m15 = _mm512_set1_epi8(15);
         __m512i a16 = _mm512_setzero_si512();
         const __m512i pick[4] = {two_halves(0, 2), two_halves(1, 3), two_halves(4, 6), two_halves(5, 7)};
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
         for (int c = 0; c < 2; ++c) {
-          const __m512i v = _mm512_loadu_si512(b + 16 + 64 * c);
-          const __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+          const __m512i v = _mm512_loadu_si512(b + kCodes + 64 * c);
+          __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+          if (kQ5) {  // blocks [4c | 4c + 2] and [4c + 1 | 4c + 3]: their bits of qh, shifted per half
+            const __m512i one = _mm512_set1_epi8(1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c]), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c + 1]), one), 4));
+          }
           const __m512i slo = _mm512_permutexvar_epi16(pick[2 * c], sc), shi = _mm512_permutexvar_epi16(pick[2 * c + 1], sc);
           a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(xk + 128 * c)), slo));
           a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(xk + 128 * c + 64)), shi));
@@ -489,7 +503,7 @@ struct Q4_KRows {
         }
 #endif
         __m256i u = _mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(xq + 4 * g));
-        for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 15 * 127
+        for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 31 * 127
           u = _mm256_add_epi16(u, _mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(xq + 4 * g + i)));
         a = _mm256_add_epi32(a, _mm256_madd_epi16(u, tsc[g]));
       }
@@ -500,7 +514,11 @@ struct Q4_KRows {
   }
 };
 
+using Q4_KRows = KRows<false>;
+using Q5_KRows = KRows<true>;
+
 struct Q6_KRows {
+  static constexpr int64_t kCode = kQ6_K;
   static constexpr int64_t kBytes = kQ6_KBytes;
   template <int R>
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
@@ -652,16 +670,23 @@ struct PairBlock {
   __m128 dd;  // Q4_K [d, dmin, d', dmin'], Q6_K [d, 0, d', 0]
 };
 
+template <bool kQ5>  // Q4_K or Q5_K (KRows)
 inline void q4_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
+  constexpr int64_t kCodes = KRows<kQ5>::kCodes;
   const __m128i s0 = q4_k_scales(b0), s1 = q4_k_scales(b1);
   p.dd = _mm_cvtph_ps(_mm_setr_epi32(*reinterpret_cast<const int32_t*>(b0), *reinterpret_cast<const int32_t*>(b1), 0, 0));
   p.side = join(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s0, s0)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s1, s1)));
   const __m512i mask = _mm512_set1_epi8(15);
   __m512i q[8];
   for (int c = 0; c < 4; ++c) {
-    const __m512i v = load_pair(b0 + 16 + 32 * c, b1 + 16 + 32 * c);
+    const __m512i v = load_pair(b0 + kCodes + 32 * c, b1 + kCodes + 32 * c);
     q[2 * c] = _mm512_and_si512(v, mask);
     q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+  if (kQ5) {
+    const __m512i qh = load_pair(b0 + 16, b1 + 16), one = _mm512_set1_epi8(1);
+    for (int j = 0; j < 8; ++j)
+      q[j] = _mm512_or_si512(q[j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
   }
   transpose_k512(q, p.t);
   __m256i w0[2], d0[2], w1[2], d1[2];
@@ -698,10 +723,11 @@ inline void q6_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
 }
 
 // Features n, n + 1 (their super-block rows at w0, w1) for rows [r0, r0 + nr): out[r * ldo + n], [.. + 1].
-template <bool kQ4_K>
+template <typename Format>  // KRows<.> or Q6_KRows
 void pair_rows(const kvserve::Q8Act& x, int64_t r0, int nr, const uint8_t* w0, const uint8_t* w1, float* out,
                int64_t ldo) {
-  constexpr int64_t kBytes = kQ4_K ? kQ4_KBytes : kQ6_KBytes;
+  constexpr int64_t kBytes = Format::kBytes;
+  constexpr bool kQ4_K = Format::kCode != kQ6_K;  // Q4_K or Q5_K: the mins' B beside A
   const int64_t nb = x.K / 256;
   __m128 acc[kKRows];  // [acc, corr, acc', corr'] per row
   for (int r = 0; r < nr; ++r) acc[r] = _mm_setzero_ps();
@@ -709,7 +735,7 @@ void pair_rows(const kvserve::Q8Act& x, int64_t r0, int nr, const uint8_t* w0, c
   for (int64_t sb = 0; sb < nb; ++sb) {
     const uint8_t *b0 = w0 + sb * kBytes, *b1 = w1 + sb * kBytes;
     prefetch_ahead(b0, kBytes), prefetch_ahead(b1, kBytes);
-    if (kQ4_K) q4_k_pair(b0, b1, p); else q6_k_pair(b0, b1, p);
+    if (Format::kCode == kQ6_K) q6_k_pair(b0, b1, p); else q4_k_pair<Format::kCode == kQ5_K>(b0, b1, p);
     for (int r = 0; r < nr; ++r) {
       const int64_t row = r0 + r;
       const int8_t* xq = x.kq.data() + row * x.K + 256 * sb;
@@ -745,7 +771,7 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
 #ifdef KVSERVE_ZMM_ROWS
   if (R != 1 && cpu_has_vnni())
     for (; n + 2 <= n1; n += 2)
-      pair_rows<std::is_same<Format, Q4_KRows>::value>(x, r0, nr, w + n * nb * Format::kBytes,
+      pair_rows<Format>(x, r0, nr, w + n * nb * Format::kBytes,
                                                        w + (n + 1) * nb * Format::kBytes, out + n, ldo);
 #endif
   for (; n < n1; ++n) {
@@ -960,10 +986,11 @@ void check_q8_args(const at::Tensor& x, const at::Tensor& packed, int64_t N, int
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t K = x.size(1);
   const bool strips = format == kQ4_1 || format == kQ8_0;
-  const int64_t per = format == kQ4_K || format == kQ6_K ? 256 : kBlock;
+  const int64_t per = format == kQ4_K || format == kQ5_K || format == kQ6_K ? 256 : kBlock;
   const int64_t width = K / per * (format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes
-                                   : format == kQ4_K ? kQ4_KBytes : format == kQ6_K ? kQ6_KBytes
-                                   : format == kQ4_0 ? kQ4_0Bytes : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes);
+                                   : format == kQ4_K ? kQ4_KBytes : format == kQ5_K ? kQ5_KBytes
+                                   : format == kQ6_K ? kQ6_KBytes : format == kQ4_0 ? kQ4_0Bytes
+                                   : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes);
   TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
                   packed.size(1) == width,
@@ -1126,14 +1153,13 @@ unsigned kvserve::q8_layouts(int64_t format) {
   if (!q8_supported(format)) return 0;
   switch (format) {
     case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
-    case kQ4_K: case kQ6_K: return Q8Act::kSuper;
+    case kQ4_K: case kQ5_K: case kQ6_K: return Q8Act::kSuper;
     default: return Q8Act::kBlocks;  // Q4_1: the codes, scales and block sums
   }
 }
 
 bool kvserve::q8_supported(int64_t format) {
-  return (format == kQ4_1 || format == kQ8_0 || format == kQ4_0 || format == kQ4_K || format == kQ6_K ||
-          format == kQ5_0 || format == kQ5_1) && cpu_has_avx2();
+  return format >= kQ4_1 && format <= kQ5_1 && cpu_has_avx2();  // every BlockFormat
 }
 
 void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0,
@@ -1142,6 +1168,7 @@ void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, 
   TORCH_CHECK(q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
 #ifdef KVSERVE_X86
   if (format == kQ4_K) return rows_q8_all<Q4_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ5_K) return rows_q8_all<Q5_KRows>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ6_K) return rows_q8_all<Q6_KRows>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ4_0) return legacy_rows_all<kQ4_0>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ5_0) return legacy_rows_all<kQ5_0>(x, w, n0, n1, out - n0, ldo);

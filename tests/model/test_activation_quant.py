@@ -50,14 +50,14 @@ def quantize_reference(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, 
 
 def activation_block(fmt: BlockFormat) -> int:
     """The activations' quantization block for a weight format: per 256 for the K-quants (llama.cpp's Q8_K)."""
-    return 256 if fmt in (BlockFormat.Q4_K, BlockFormat.Q6_K) else 32
+    return 256 if fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K) else 32
 
 
 # the formats with an int8 kernel: Q4_1 strips (passes of 16 rows, then 8, 4, 2, 1), Q8_0 strips
-# (8, 4, 2, 1), Q4_K / Q6_K rows (16 per pass; two features at a time on AVX512-VNNI), Q4_0 / Q5_0 /
-# Q5_1 rows (16 per pass)
+# (8, 4, 2, 1), Q4_K / Q5_K / Q6_K rows (16 per pass; two features at a time on AVX512-VNNI), Q4_0 /
+# Q5_0 / Q5_1 rows (16 per pass)
 INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_0,
-                BlockFormat.Q5_0, BlockFormat.Q5_1]
+                BlockFormat.Q5_0, BlockFormat.Q5_1, BlockFormat.Q5_K]
 
 
 def random_matrix(fmt: BlockFormat, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,8 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
     check_against_oracle(fmt, rows, out_features)
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q5_1])
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q5_1,
+                                 BlockFormat.Q5_K])
 @pytest.mark.parametrize("rows", [16, 31, 33])  # one full pass of 16 rows; 16 + 8 + 4 + 2 + 1; two and a single row
 def test_sixteen_row_kernels_at_a_full_pass_and_beyond(fmt, rows):
     check_against_oracle(fmt, rows, 37)
@@ -136,7 +137,7 @@ def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
         pytest.skip("this CPU has no AVX512-VNNI: the VNNI kernels do not run here")
     cases = {}
     for fmt, width in ((BlockFormat.Q4_1, 128), (BlockFormat.Q8_0, 128), (BlockFormat.Q4_K, 512),
-                       (BlockFormat.Q6_K, 512), (BlockFormat.Q5_0, 128)):
+                       (BlockFormat.Q6_K, 512), (BlockFormat.Q5_0, 128), (BlockFormat.Q5_K, 512)):
         packed, _ = random_matrix(fmt, 45, width, seed=int(fmt))
         x = torch.randn(17, width, generator=torch.Generator().manual_seed(int(fmt)))
         cases[int(fmt)] = (packed, x, [torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, int(fmt))
@@ -176,7 +177,7 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(7))
     got = linear(x)
     vnni = torch.ops.kvserve.gguf_q8_isa() == "vnni" and fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0)
-    over_panels = fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K)
+    over_panels = fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K)
     if vnni or (not has_dense and over_panels):
         assert linear.max_rows == sys.maxsize and calls == []
         assert torch.equal(got, torch.ops.kvserve.gguf_linear_q8(x, packed.data, 40, int(fmt)))
@@ -191,20 +192,28 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     torch.testing.assert_close(linear(x), F.linear(x, dense), rtol=1e-4, atol=1e-4)
 
 
-def test_formats_without_an_int8_kernel_keep_fp32_activations():
-    assert torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q8_0))
-    assert not torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q5_K))
-    q4_1 = GGUFMatrix(torch.from_numpy(gguf.quants.quantize(np.ones((8, 256), np.float32), GGML[BlockFormat.Q4_1])),
-                      BlockFormat.Q4_1, 256)
-    q5_k = GGUFMatrix(torch.zeros(8, 176, dtype=torch.uint8), BlockFormat.Q5_K, 256)  # d = 0: valid blocks
-    linear = BlockLinear(BlockMatrix.stack([q4_1, q5_k]), None, None, int8_activations=True)
-    assert linear.kernels == [torch.ops.kvserve.gguf_linear_q8, torch.ops.kvserve.gguf_linear]
-    x = torch.randn(2, 256)
-    torch.testing.assert_close(linear(x)[:, :8], torch.ops.kvserve.gguf_linear_q8(x, linear.parts[0][0], 8, 0))
-    assert torch.equal(linear(x)[:, 8:], torch.zeros(2, 8))
-    assert BlockLinear(BlockMatrix.stack([q4_1]), None, None).kernels == [torch.ops.kvserve.gguf_linear]  # flag off
-    with pytest.raises(RuntimeError, match="no int8-activation kernel for format 4"):
-        torch.ops.kvserve.gguf_linear_q8(torch.randn(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 1, 4)
+def test_cpus_without_an_int8_kernel_keep_fp32_activations():
+    """Every block format has an int8 kernel on AVX2; where the CPU has none (forced here by
+    KVSERVE_PORTABLE_KERNELS, read once per process) the flag leaves fp32 activations and the op
+    refuses with a clear error."""
+    assert all(torch.ops.kvserve.gguf_q8_supported(int(f)) for f in BlockFormat)
+    script = """
+import numpy as np, torch, gguf, pytest
+from engine.kernels import load_kernels
+from engine.quant import BlockFormat, BlockLinear, BlockMatrix, GGUFMatrix
+assert load_kernels() and torch.ops.kvserve.gguf_q8_isa() == "none"
+assert not any(torch.ops.kvserve.gguf_q8_supported(int(f)) for f in BlockFormat)
+q5_k = GGUFMatrix(torch.zeros(8, 176, dtype=torch.uint8), BlockFormat.Q5_K, 256)  # d = 0: valid blocks
+linear = BlockLinear(BlockMatrix.stack([q5_k]), None, None, int8_activations=True)
+assert linear.kernels == [torch.ops.kvserve.gguf_linear] and linear.swiglu_args is None
+assert torch.equal(linear(torch.randn(2, 256)), torch.zeros(2, 8))
+with pytest.raises(RuntimeError, match="no int8-activation kernel for format 4"):
+    torch.ops.kvserve.gguf_linear_q8(torch.randn(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 1, 4)
+print("ok")
+"""
+    env = {**os.environ, "KVSERVE_PORTABLE_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_flag_is_validated():
