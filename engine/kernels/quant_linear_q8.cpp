@@ -65,6 +65,14 @@ constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K =
 constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;  // GGUF super-blocks of 256 weights
 constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
 
+// The weights along K and the bytes of one block of `format` as the int8 kernels read it.
+constexpr int64_t block_weights(int64_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K ? 256 : 32; }
+constexpr int64_t block_bytes(int64_t format) {
+  return format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes : format == kQ4_0 ? kQ4_0Bytes
+       : format == kQ4_K ? kQ4_KBytes : format == kQ5_K ? kQ5_KBytes : format == kQ6_K ? kQ6_KBytes
+       : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes;
+}
+
 // Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
 // 512-bit one-row kernels read blocks [4c | 4c + 2] and [4c + 1 | 4c + 3] as one 64-byte load each.
 // Position of block j (its own inverse).
@@ -333,10 +341,11 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 // per 256 (Q8Act kSuper: one scale dx per super-block, llama.cpp's Q8_K). Per output feature,
 // row and super-block the weights' sub-block scales multiply the integer dot products in
 // integers, so one exact int32 (two for Q4_K) per super-block reaches fp32:
-//   Q4_K (and Q5_K, 5-bit q): w = (d sc_j) q - (dmin m_j), sub-blocks j of 32, I_j the codes' dot product and S_j the
-//         activation codes' sum: A = sum_j sc_j I_j, B = sum_j m_j S_j; acc += A (d dx), corr += B (dmin dx).
+//   Q4_K, Q5_K (5-bit q): w = (d sc_j) q - (dmin m_j), sub-blocks j of 32, I_j the codes' dot
+//         product and S_j the activation codes' sum: A = sum_j sc_j I_j, B = sum_j m_j S_j;
+//         acc += A (d dx), corr += B (dmin dx).
 //   Q6_K: w = (d sc_i) (q - 32), sub-blocks i of 16: A = sum_i sc_i (I_i - 32 S_i); acc += A (d dx).
-// Exact: |A| <= 8 * 63 * 32 * 15 * 127 (Q4_K) and 16 * 128 * 16 * 63 * 127 (Q6_K), both < 2^31.
+// Exact: |A| <= 8 * 63 * 32 * 31 * 127 (Q4_K, Q5_K) and 16 * 128 * 16 * 63 * 127 (Q6_K), all < 2^31.
 // A row's acc (lane 0) and corr (lane 1) are one __m128, added to in super-block order by one
 // fmadd of [A, B] and [d dx, dmin dx], so the one-row and the many-row paths, which reach A and B
 // by different integer routes, give the same floats, and a row's result does not depend on the
@@ -812,7 +821,7 @@ template <int64_t kFmt, int R>  // R: the row count at compile time (1: register
 void legacy_rows(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int64_t n0, int64_t n1, float* out,
                  int64_t ldo) {
   const int nr = R ? R : rn;
-  constexpr int64_t kBytes = kFmt == kQ4_0 ? kQ4_0Bytes : kFmt == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes;
+  constexpr int64_t kBytes = block_bytes(kFmt);
   constexpr bool kSigned = kFmt != kQ5_1;
   constexpr int kGroup = 4;
   const int64_t nb = x.K / kBlock;
@@ -986,11 +995,7 @@ void check_q8_args(const at::Tensor& x, const at::Tensor& packed, int64_t N, int
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t K = x.size(1);
   const bool strips = format == kQ4_1 || format == kQ8_0;
-  const int64_t per = format == kQ4_K || format == kQ5_K || format == kQ6_K ? 256 : kBlock;
-  const int64_t width = K / per * (format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes
-                                   : format == kQ4_K ? kQ4_KBytes : format == kQ5_K ? kQ5_KBytes
-                                   : format == kQ6_K ? kQ6_KBytes : format == kQ4_0 ? kQ4_0Bytes
-                                   : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes);
+  const int64_t per = block_weights(format), width = K / per * block_bytes(format);
   TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
                   packed.size(1) == width,
