@@ -78,11 +78,14 @@ constexpr int64_t block_bytes(int64_t format) {
 // Position of block j (its own inverse).
 constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return c10::detail::fp16_ieee_to_fp32_value(h);
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
+using kvserve::u32_at;  // block_codes.h
+
+inline float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(u16_at(p)); }
 
 using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both sources
 
@@ -428,7 +431,7 @@ struct KRows {
   template <int R>
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
-    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(b)));  // [d, dmin, 0, 0]
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32_at(b))));  // [d, dmin, 0, 0]
     const __m128i sm = q4_k_scales(b);  // bytes 0-7 the scales, 8-15 the mins
     // the mins as int16, each twice: lane i pairs with the activations' sum of 16 codes i
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
@@ -532,7 +535,7 @@ struct Q6_KRows {
   template <int R>
   static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
-    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const uint16_t*>(b + 208)));  // [d, 0, 0, 0]
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(b + 208)));  // [d, 0, 0, 0]
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     // the 16 scales as int16, for the -32 offset: 32 * sum_i sc_i S_i, one madd of int16 pairs
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
@@ -683,7 +686,7 @@ template <bool kQ5>  // Q4_K or Q5_K (KRows)
 inline void q4_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
   constexpr int64_t kCodes = KRows<kQ5>::kCodes;
   const __m128i s0 = q4_k_scales(b0), s1 = q4_k_scales(b1);
-  p.dd = _mm_cvtph_ps(_mm_setr_epi32(*reinterpret_cast<const int32_t*>(b0), *reinterpret_cast<const int32_t*>(b1), 0, 0));
+  p.dd = _mm_cvtph_ps(_mm_setr_epi32(static_cast<int>(u32_at(b0)), static_cast<int>(u32_at(b1)), 0, 0));
   p.side = join(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s0, s0)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s1, s1)));
   const __m512i mask = _mm512_set1_epi8(15);
   __m512i q[8];
@@ -706,7 +709,7 @@ inline void q4_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
 
 inline void q6_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
   // fp16 lanes [d, 0, d', 0]
-  p.dd = _mm_cvtph_ps(_mm_setr_epi32(*reinterpret_cast<const uint16_t*>(b0 + 208), *reinterpret_cast<const uint16_t*>(b1 + 208), 0, 0));
+  p.dd = _mm_cvtph_ps(_mm_setr_epi32(u16_at(b0 + 208), u16_at(b1 + 208), 0, 0));
   const __m128i sc0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 192));
   const __m128i sc1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + 192));
   p.side = join(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
@@ -838,10 +841,10 @@ void legacy_rows(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, 
       for (int i = 0; i < g; ++i) {
         const uint8_t* blk = row + (b0 + i) * kBytes;
         prefetch_ahead(blk, kBytes);
-        d[i] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
+        d[i] = _cvtsh_ss(u16_at(blk));
         if (kFmt == kQ4_0) q[i] = _mm256_sub_epi8(kvserve::q4_codes(blk + 2), _mm256_set1_epi8(8));
         else if (kFmt == kQ5_0) q[i] = _mm256_sub_epi8(kvserve::q5_codes(blk + 2, blk + 6), _mm256_set1_epi8(16));
-        else q[i] = kvserve::q5_codes(blk + 4, blk + 8), m[i] = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2));
+        else q[i] = kvserve::q5_codes(blk + 4, blk + 8), m[i] = _cvtsh_ss(u16_at(blk + 2));
         uq[i] = kSigned ? _mm256_sign_epi8(q[i], q[i]) : q[i];
       }
       for (int r = 0; r < nr; ++r) {
