@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 
 #include "quant_linear.h"  // cpu_has_avx2
+#include "simd.h"             // hsum8
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVSERVE_ATTN_X86 1
@@ -112,11 +113,6 @@ inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
 // hardware prefetcher cannot follow a sequence across them.
 constexpr int64_t kRowsAhead = 16;
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // 8 values of a float or fp16 pool as fp32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

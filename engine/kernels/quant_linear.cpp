@@ -27,6 +27,7 @@
 
 #include "block_codes.h"
 #include "quant_linear.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -493,12 +494,7 @@ inline void decode_avx2(const uint8_t* b, float* y) {
   Avx2Rows<Format>::run(b, sink);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using kvserve::hsum8;  // simd.h
 
 // Up to 4 rows of x against output features [n0, n1), each 8 weights FMA'd into the rows'
 // accumulators as soon as they are decoded (no round trip through memory): decode is about
@@ -525,7 +521,7 @@ void rows_fused(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t
     for (int r = 0; r < R; ++r) {
       __m256 t = acc[r][0];
       for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-      out[r * ldo + n] = hsum(t);
+      out[r * ldo + n] = hsum8(t);
     }
   }
 }
@@ -571,7 +567,7 @@ void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, in
     }
     for (int64_t r = 0; r < M; ++r) {
       const float* ar = acc.data() + 32 * r;
-      out[r * ldo + n] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(ar), _mm256_loadu_ps(ar + 8)),
+      out[r * ldo + n] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(ar), _mm256_loadu_ps(ar + 8)),
                                           _mm256_add_ps(_mm256_loadu_ps(ar + 16), _mm256_loadu_ps(ar + 24))));
     }
   }

@@ -38,6 +38,7 @@
 
 #include "block_codes.h"
 #include "quant_linear.h"
+#include "simd.h"
 #include "silu_mul.h"
 
 #include <algorithm>
@@ -357,11 +358,7 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 // 8-way horizontal reduction per row and super-block: the one-row Q4_K kernel was compute bound
 // at ~22 GB/s per thread.)
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using kvserve::hsum8;  // simd.h
 
 // The sums of a's and of b's lanes, exact, as int32 lanes 0 and 1.
 inline __m128i hsum2_epi32(__m256i a, __m256i b) {
@@ -1104,14 +1101,17 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
   k8.resize(super ? M * K : 0), ksum16.resize(super ? M * K / 16 : 0), kd.resize(super ? M * K / 256 : 0);
   kq.resize(avx2 && super ? M * K : 0);
   int16_t* const wide = q16.empty() ? nullptr : q16.data();
-  // n values at xb -> scale, codes (and int16 codes), sums of each 16 codes; per 32 or per 256
-  const auto group = [&](const float* xb, int64_t n, float& dg, int8_t* codes, int16_t* codes16, int32_t* sums) {
+  // n values at xb -> scale, codes (and int16 codes), sums of each 16 codes; per 32 or per 256.
+  // The codes of 32-block c go to codes + 32 * (permuted ? k8_order(c) : c); sums stay in order.
+  const auto group = [&](const float* xb, int64_t n, float& dg, int8_t* codes, int16_t* codes16, int32_t* sums,
+                         bool permuted) {
+    const auto at = [&](int64_t c) { return codes + kBlock * (permuted ? k8_order(static_cast<int>(c)) : c); };
 #ifdef KVSERVE_X86
     if (avx2) {
       dg = amax_avx2(xb, n) / 127.f;
       const float id = dg > 0.f ? 1.f / dg : 0.f;
       for (int64_t o = 0; o < n; o += kBlock)
-        codes32_avx2(xb + o, id, codes + o, codes16 ? codes16 + o : nullptr, sums + o / 16);
+        codes32_avx2(xb + o, id, at(o / kBlock), codes16 ? codes16 + o : nullptr, sums + o / 16);
       return;
     }
 #endif
@@ -1121,7 +1121,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
     const float id = dg > 0.f ? 1.f / dg : 0.f;
     for (int64_t k = 0; k < n; ++k) {
       const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
-      codes[k] = static_cast<int8_t>(v);
+      at(k / kBlock)[k % kBlock] = static_cast<int8_t>(v);
       if (codes16) codes16[k] = static_cast<int16_t>(v);
       sums[k / 16] = (k % 16 ? sums[k / 16] : 0) + static_cast<int32_t>(v);
     }
@@ -1129,17 +1129,15 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
   // rows [r0, r1): each row's layouts depend on that row alone
   const auto rows_range = [&](int64_t r0, int64_t r1) {
     int32_t sums[16];
-    int8_t natural[256];
     for (int64_t r = r0; r < r1; ++r) {
       if (blocks)
         for (int64_t b = r * K / kBlock; b < (r + 1) * K / kBlock; ++b) {
-          group(x + b * kBlock, kBlock, d[b], q8.data() + b * kBlock, wide ? wide + b * kBlock : nullptr, sums);
+          group(x + b * kBlock, kBlock, d[b], q8.data() + b * kBlock, wide ? wide + b * kBlock : nullptr, sums, false);
           s[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
         }
       if (super)
         for (int64_t b = r * K / 256; b < (r + 1) * K / 256; ++b) {
-          group(x + b * 256, 256, kd[b], natural, nullptr, sums);
-          for (int j = 0; j < 8; ++j) std::memcpy(k8.data() + b * 256 + 32 * k8_order(j), natural + 32 * j, 32);
+          group(x + b * 256, 256, kd[b], k8.data() + b * 256, nullptr, sums, true);
           for (int i = 0; i < 16; ++i) ksum16[b * 16 + i] = static_cast<int16_t>(sums[i]);  // |.| <= 16 * 127
         }
     }

@@ -192,12 +192,14 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     torch.testing.assert_close(linear(x), F.linear(x, dense), rtol=1e-4, atol=1e-4)
 
 
-def test_cpus_without_an_int8_kernel_keep_fp32_activations():
+def test_cpus_without_an_int8_kernel_keep_fp32_activations(tmp_path):
     """Every block format has an int8 kernel on AVX2; where the CPU has none (forced here by
     KVSERVE_PORTABLE_KERNELS, read once per process) the flag leaves fp32 activations and the op
-    refuses with a clear error."""
+    refuses with a clear error. The scalar quantizer there gives the AVX2 one's codes and scales."""
     assert all(torch.ops.kvserve.gguf_q8_supported(int(f)) for f in BlockFormat)
-    script = """
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11)) * 3
+    torch.save({"x": x, **{b: torch.ops.kvserve.quantize_q8(x, b) for b in (32, 256)}}, tmp_path / "q.pt")
+    script = f"""
 import numpy as np, torch, gguf, pytest
 from engine.kernels import load_kernels
 from engine.quant import BlockFormat, BlockLinear, BlockMatrix, GGUFMatrix
@@ -209,6 +211,10 @@ assert linear.kernels == [torch.ops.kvserve.gguf_linear] and linear.swiglu_args 
 assert torch.equal(linear(torch.randn(2, 256)), torch.zeros(2, 8))
 with pytest.raises(RuntimeError, match="no int8-activation kernel for format 4"):
     torch.ops.kvserve.gguf_linear_q8(torch.randn(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 1, 4)
+want = torch.load({str(tmp_path / "q.pt")!r})
+for block in (32, 256):
+    got = torch.ops.kvserve.quantize_q8(want["x"], block)
+    assert all(torch.equal(a, b) for a, b in zip(got, want[block])), block
 print("ok")
 """
     env = {**os.environ, "KVSERVE_PORTABLE_KERNELS": "1"}
