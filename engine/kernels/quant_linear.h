@@ -38,13 +38,33 @@ struct Q8Act {
   std::vector<int8_t> kq;      // [M, K] the same codes, each 256 in transpose_k's order (AVX2 only)
   std::vector<int16_t> ksum16; // [M, K / 16] the sum of each 16 codes, |.| <= 2032
   std::vector<float> kd;       // [M, K / 256]
+  // per 256, as AMX tiles read them (kTiles; AMX CPUs, M >= kAmxMinRows): rows in tiles of 16
+  // (T = ceil(M / 16), rows past M zero), quant_linear_amx.cpp
+  std::vector<int8_t> kt;      // [T, K / 4, 16, 4] each row's 4 codes at k = 4q .. 4q + 3, natural k order
+  std::vector<float> ktd;      // [T, K / 256, 16] kd
+  std::vector<int32_t> ktsum;  // [T, K / 256, 4, 16] the code sums of 32-blocks 2p and 2p + 1, an int16 pair
   // The layouts as a bit set: each kernel reads some of them (q8_layouts), so a call makes only
   // those (the others are left empty).
-  enum Layout : unsigned { kBlocks = 1, kWide = 2, kOffset = 4, kSuper = 8, kAll = 15 };
+  enum Layout : unsigned { kBlocks = 1, kWide = 2, kOffset = 4, kSuper = 8, kTiles = 16, kAll = 31 };
   // Quantize x [M, K] (row stride K, K a multiple of 32, of 256 for kSuper) into this buffer,
   // reusing its memory.
   void quantize(const float* x, int64_t M, int64_t K, unsigned layouts = kAll);
+  // kt, ktd, ktsum from k8, kd, ksum16 (quant_linear_amx.cpp).
+  void fill_tiles();
 };
+
+// The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the
+// same for 1 row as for 16).
+constexpr int64_t kAmxMinRows = 32;
+
+// Whether this CPU (and OS) runs AMX-INT8 tiles and KVSERVE_NO_AMX is unset.
+bool cpu_has_amx();
+
+// Output features [n0, n0 + 16 g) of the K-quant `format` (Q4_K, Q5_K, Q6_K) for every row of x,
+// on AMX tiles, g the whole groups of 16 in [n0, n1): out[r * ldo + n]. Returns n0 + 16 g, where
+// the caller's own kernel goes on (n0 itself where x has no tile layout or the CPU no AMX).
+int64_t kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t n0, int64_t n1, float* out,
+                        int64_t ldo);
 
 // The Q8Act layouts the int8 kernel of `format` reads on this CPU (0 where it has none).
 unsigned q8_layouts(int64_t format);

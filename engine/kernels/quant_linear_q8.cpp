@@ -797,6 +797,8 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
 
 template <typename Format>
 void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  n0 = kvserve::kquant_rows_amx(x, w, Format::kCode, n0, n1, out, ldo);  // whole groups of 16 on AMX tiles, where it runs
+  if (n0 >= n1) return;
   for (int64_t r = 0; r < x.M; r += kKRows) {
     float* o = out + r * ldo;
     const int rn = static_cast<int>(std::min<int64_t>(kKRows, x.M - r));
@@ -1088,6 +1090,9 @@ std::string gguf_q8_isa() {
   return "none";
 }
 
+// Whether the K-quants' many-row int8 matmul takes AMX tiles here (quant_linear_amx.cpp).
+bool gguf_q8_amx() { return kvserve::cpu_has_amx(); }
+
 }  // namespace
 
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsigned layouts) {
@@ -1153,13 +1158,17 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
     at::parallel_for(0, M, 1, rows_range);
   else
     rows_range(0, M);
+  if (super && (layouts & kTiles) && M >= kAmxMinRows && cpu_has_amx())
+    fill_tiles();
+  else
+    kt.clear(), ktd.clear(), ktsum.clear();
 }
 
 unsigned kvserve::q8_layouts(int64_t format) {
   if (!q8_supported(format)) return 0;
   switch (format) {
     case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
-    case kQ4_K: case kQ5_K: case kQ6_K: return Q8Act::kSuper;
+    case kQ4_K: case kQ5_K: case kQ6_K: return Q8Act::kSuper | (cpu_has_amx() ? Q8Act::kTiles : 0u);
     default: return Q8Act::kBlocks;  // Q4_1: the codes, scales and block sums
   }
 }
@@ -1191,6 +1200,7 @@ void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_q8_supported(int format) -> bool", &gguf_q8_supported);
   m.def("gguf_q8_isa() -> str", &gguf_q8_isa);
+  m.def("gguf_q8_amx() -> bool", &gguf_q8_amx);
   m.def("gguf_linear_q8(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
   m.def("gguf_swiglu_q8(Tensor x, Tensor packed, int intermediate, int format) -> Tensor");
   m.def("quantize_q8(Tensor x, int block=32) -> (Tensor, Tensor)");

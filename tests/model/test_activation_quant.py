@@ -90,6 +90,42 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
     check_against_oracle(fmt, rows, out_features)
 
 
+def test_amx_tiles_equal_the_avx512_kernels_bit_for_bit(tmp_path):
+    """On AMX CPUs the K-quants' matmuls of kAmxMinRows (32) rows and more take tile products
+    with the sub-block scales folded into the codes (quant_linear_amx.cpp); they sum the same
+    integers and run the same float operations as the AVX-512 kernels, so every output is the same
+    float. The reference runs in a subprocess with KVSERVE_NO_AMX (read once per process). 45
+    features: whole groups of 16 and a remainder on the other kernel; 32-70 rows: one, two and
+    a partial tile, and the 31 rows below the threshold."""
+    if not torch.ops.kvserve.gguf_q8_amx():
+        pytest.skip("this CPU (or OS) has no AMX-INT8: the tile kernels do not run here")
+    row_counts = (31, 32, 33, 47, 70)
+    cases = {}
+    for fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K):
+        packed, dense = random_matrix(fmt, 45, 768, seed=int(fmt) + 7)
+        x = torch.randn(70, 768, generator=torch.Generator().manual_seed(int(fmt))) * 2
+        got = [torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, int(fmt)) for m in row_counts]
+        cases[int(fmt)] = (packed, x, got)
+        # and against the oracle: F.linear on the quantized activations and gguf's dequantization
+        q, d = quantize_reference(x, 256)
+        oracle = F.linear((q.reshape(70, -1, 256) * d[..., None]).reshape(70, 768).double(), dense.double())
+        torch.testing.assert_close(got[-1].double(), oracle, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
+    torch.save(cases, tmp_path / "cases.pt")
+    script = f"""
+import torch
+from engine.kernels import load_kernels
+assert load_kernels() and not torch.ops.kvserve.gguf_q8_amx()
+for fmt, (packed, x, want) in torch.load({str(tmp_path / "cases.pt")!r}).items():
+    for m, w in zip({row_counts!r}, want):
+        got = torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, fmt)
+        assert torch.equal(got, w), (fmt, m, (got - w).abs().max())
+print("ok")
+"""
+    env = {**os.environ, "KVSERVE_NO_AMX": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q5_1,
                                  BlockFormat.Q5_K])
 @pytest.mark.parametrize("rows", [16, 31, 33])  # one full pass of 16 rows; 16 + 8 + 4 + 2 + 1; two and a single row

@@ -1,0 +1,308 @@
+// The K-quants' many-row int8 matmul (Q4_K, Q5_K, Q6_K against Q8Act's per-256 activations) on
+// AMX tiles (Sapphire Rapids and later Xeons), for prefill-sized row counts (kAmxMinRows), where
+// the AVX-512 kernels of quant_linear_q8.cpp are compute bound (~80-100 GMAC/s per thread).
+//
+// Per 16 output features (a group) the codes are unpacked once per call with their sub-block
+// scale folded in, v = sc q (see Group), and serve every 16-row tile of activations (Q8Act::kt,
+// AMX's "VNNI" layout: 4-byte groups of the 16 rows side by side). Per tile and super-block two
+// accumulating chains of tile products (TDPBUSD / TDPBSSD, K = 64 a product) give the exact
+// integers I_lo and I_hi with A = I_lo + 256 I_hi = sum_j sc_j I_j; Q4_K / Q5_K's mins multiply
+// the activations' 32-block code sums (Q8Act::ktsum, one vpdpwssd per two sub-blocks) into B.
+// A and B reach fp32 as in quant_linear_q8.cpp's K-quant kernels: acc = fma(A, d dx, acc),
+// corr = fma(B, dmin dx, corr), result acc - corr (Q6_K: signed codes q - 32, so no offset term
+// and no corr). The integers are the same, the float operations the same and in the same order,
+// so every output equals the AVX-512 / AVX2 kernels' bit for bit, and a row's result does not
+// depend on the rows batched with it. Rows past M in the last tile are zeros, their results
+// dropped.
+//
+// Measured (1B Q4_K_M shapes, 2 threads): 1,000-token prefill 6.6 -> 3.7 s; matmuls of 256+
+// rows ~1.4-1.7x the AVX-512 kernels. At 16 rows (batched decode) it was no faster: the unpack
+// and the per-tile-product overheads, not the tile multiplies (~3.3 TMAC/s per core alone),
+// bound it, so decode keeps the AVX-512 kernels.
+#include "block_codes.h"
+#include "quant_linear.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSERVE_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;            // BlockFormat codes
+constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;  // GGUF super-blocks of 256
+constexpr int kTile = 16;  // activation rows per tile, output features per group
+
+#ifdef KVSERVE_AMX
+// AMX-TILE, AMX-INT8 and AVX512 F/BW/VL/VNNI (the post-processing), the kernel's permission to
+// use tile data (Linux grants it per process on request), and neither KVSERVE_NO_AMX nor
+// KVSERVE_NO_VNNI set. Once, at load.
+bool detect_amx() {
+  if (std::getenv("KVSERVE_NO_AMX") || std::getenv("KVSERVE_NO_VNNI") || std::getenv("KVSERVE_PORTABLE_KERNELS"))
+    return false;
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool avx512 = (b >> 16 & 1) && (b >> 30 & 1) && (b >> 31 & 1) && (c >> 11 & 1);
+  const bool amx = (d >> 24 & 1) && (d >> 25 & 1);
+  if (!avx512 || !amx) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // <asm/prctl.h>, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+const bool kHasAmx = detect_amx();
+#else
+const bool kHasAmx = false;
+#endif
+
+}  // namespace
+
+bool kvserve::cpu_has_amx() { return kHasAmx; }
+
+#ifdef KVSERVE_AMX
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
+
+namespace {
+
+// Position of 32-block j of a super-block in Q8Act::k8 (quant_linear_q8.cpp's k8_order).
+constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return _cvtsh_ss(v);
+}
+
+// Every tile is 16 rows x 64 bytes: C (16 features x 16 activation rows of int32), A (16
+// features x 64 bytes of weights along K), B (16 groups of 4 along K x 16 activation rows x 4).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) c.rows[i] = kTile, c.colsb[i] = 64;
+  asm volatile("" ::: "memory");  // ldtilecfg's asm names only 8 bytes of c as its input
+  _tile_loadconfig(&c);
+}
+
+// One group of 16 features, unpacked for the tiles. The sub-block scale is folded into each
+// code: v = sc q (Q4_K, Q5_K: 0 <= v <= 63 * 31; Q6_K: |v| <= 128 * 32), as its low byte `lo`
+// (unsigned) and the rest `hi` = v >> 8 (Q6_K signed), so that v = lo + 256 hi and a super-block's
+// A = sum_k v_k x_k = I_lo + 256 I_hi: two accumulating tile products of K = 64 per 64 weights.
+// (One product per sub-block, each scaled by an int32 multiply after it, had prefilled ~10% slower.)
+// Layout: lo, hi [sb][64-weight chunk][feature][64]; d, dmin [sb][feature]; mins [sb][feature][4]
+// (Q4_K, Q5_K: the mins of sub-blocks 2p, 2p + 1 as an int16 pair).
+struct Group {
+  std::vector<int8_t> lo, hi;
+  std::vector<int32_t> mins;
+  std::vector<float> d, dmin;
+  void resize(int64_t nb) {
+    lo.resize(nb * 4 * kTile * 64), hi.resize(lo.size()), mins.resize(nb * kTile * 4), d.resize(nb * kTile);
+    dmin.resize(nb * kTile);
+  }
+};
+
+// 32 int16 products (one or two sub-blocks) -> their low bytes and high bytes (arithmetic shift:
+// Q6_K's are signed) at lo / hi.
+inline void store_split(__m512i v, int8_t* lo, int8_t* hi) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi16_epi8(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+}
+
+// Q4_K's 8 6-bit sub-block scales (bytes 0-7) and mins (8-15), as gguf's get_scale_min_k4 reads
+// the 12 bytes s0 s1 s2 at b + 4 (quant_linear_q8.cpp's q4_k_scales).
+inline __m128i q4_k_scales(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6),
+                                    _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
+  return _mm_or_si128(_mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_slli_epi32(top, 4));
+}
+
+// Q4_K / Q5_K (kQ5): w = d sc_j q - dmin m_j, sub-blocks j of 32, q 4 (5) bits.
+template <bool kQ5>
+void unpack_q4_k(const uint8_t* w, int64_t n, int64_t nb, Group& g) {
+  constexpr int64_t kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes, kCodes = kQ5 ? 48 : 16;
+  g.resize(nb);
+  const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  for (int f = 0; f < kTile; ++f) {
+    const uint8_t* row = w + (n + f) * nb * kBytes;
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      const uint8_t* b = row + sb * kBytes;
+      const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(kvserve::u32_at(b))));  // [d, dmin]
+      g.d[sb * kTile + f] = _mm_cvtss_f32(dd), g.dmin[sb * kTile + f] = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+      const __m128i sm = q4_k_scales(b);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(g.mins.data() + (sb * kTile + f) * 4), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+      const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));  // int16 lanes 0-7
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles sub-block 2c, high 2c + 1
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kCodes + 32 * c));
+        __m256i q0 = _mm256_and_si256(v, mask), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        if (kQ5) {  // bit j of qh[i] is the fifth bit of sub-block j's code i
+          const auto bit = [&](int j) {
+            return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4);
+          };
+          q0 = _mm256_or_si256(q0, bit(2 * c)), q1 = _mm256_or_si256(q1, bit(2 * c + 1));
+        }
+        const int64_t at = ((sb * 4 + c) * kTile + f) * 64;
+        const __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16(static_cast<short>(2 * c)), sc);
+        const __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16(static_cast<short>(2 * c + 1)), sc);
+        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q0), s0), g.lo.data() + at, g.hi.data() + at);
+        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q1), s1), g.lo.data() + at + 32, g.hi.data() + at + 32);
+      }
+    }
+  }
+}
+
+// Q6_K: w = d sc_i (q - 32), sub-blocks i of 16, q 6 bits.
+void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, Group& g) {
+  g.resize(nb);
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+  for (int f = 0; f < kTile; ++f) {
+    const uint8_t* row = w + (n + f) * nb * kQ6_KBytes;
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      const uint8_t* b = row + sb * kQ6_KBytes;
+      g.d[sb * kTile + f] = half_at(b + 208);
+      const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+      for (int h = 0; h < 2; ++h) {  // q[c]: the codes of weights 128 h + 32 c .. + 31 (gguf's order)
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+        const auto high = [&](int shift) {
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
+        };
+        const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(l0, m4), high(0)),
+                              _mm256_or_si256(_mm256_and_si256(l1, m4), high(2)),
+                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4)),
+                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6))};
+        for (int c = 0; c < 4; ++c) {  // sub-blocks i = 8h + 2c (weights 0-15) and i + 1 (16-31)
+          const short i = static_cast<short>(8 * h + 2 * c);
+          const __m512i s = _mm512_permutexvar_epi16(
+              _mm512_inserti64x4(_mm512_set1_epi16(i), _mm256_set1_epi16(static_cast<short>(i + 1)), 1), sc);
+          const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_sub_epi8(q[c], off)), s);
+          const int64_t at = ((sb * 4 + 2 * h + c / 2) * kTile + f) * 64 + 32 * (c % 2);
+          store_split(v, g.lo.data() + at, g.hi.data() + at);
+        }
+      }
+    }
+  }
+}
+
+// Features [n, n + 16) of rows [0, M): out[r * ldo + n + f].
+template <int64_t kFmt>
+void group_tiles(const kvserve::Q8Act& x, const uint8_t* w, int64_t n, Group& g, float* out, int64_t ldo) {
+  constexpr bool kQ6 = kFmt == kQ6_K;
+  const int64_t nb = x.K / 256, tiles = (x.M + kTile - 1) / kTile;
+  if (kQ6) unpack_q6_k(w, n, nb, g); else unpack_q4_k<kFmt == kQ5_K>(w, n, nb, g);
+  asm volatile("" ::: "memory");  // tileloadd's asm does not name the memory it reads
+  alignas(64) int32_t c[2 * kTile * kTile];  // a super-block's I_lo, I_hi [feature][row]
+  alignas(64) float acc[kTile * kTile], corr[kTile * kTile];
+  for (int64_t t = 0; t < tiles; ++t) {
+    std::fill(acc, acc + kTile * kTile, 0.f), std::fill(corr, corr + kTile * kTile, 0.f);
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      const int8_t* bt = x.kt.data() + (t * x.K / 4 + sb * 64) * 64;
+      const int8_t *lo = g.lo.data() + sb * 4 * kTile * 64, *hi = g.hi.data() + sb * 4 * kTile * 64;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int ch = 0; ch < 4; ++ch) {  // tiles 0 += lo x B, 1 += hi x B
+        _tile_loadd(4, bt + ch * 1024, 64);
+        _tile_loadd(2, lo + ch * 1024, 64);
+        _tile_dpbusd(0, 2, 4);
+        _tile_loadd(3, hi + ch * 1024, 64);
+        if (kQ6) {
+          _tile_dpbssd(1, 3, 4);
+        } else {
+          _tile_dpbusd(1, 3, 4);
+        }
+      }
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + kTile * kTile, 64);
+      const __m512 dx = _mm512_loadu_ps(x.ktd.data() + (t * nb + sb) * kTile);
+      for (int f = 0; f < kTile; ++f) {
+        const __m512i A = _mm512_add_epi32(_mm512_load_si512(c + f * kTile),
+                                           _mm512_slli_epi32(_mm512_load_si512(c + (kTile + f) * kTile), 8));
+        float* af = acc + f * kTile;
+        _mm512_store_ps(af, _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(_mm512_set1_ps(g.d[sb * kTile + f]), dx),
+                                            _mm512_load_ps(af)));
+        if (!kQ6) {
+          const int32_t* sums = x.ktsum.data() + (t * nb + sb) * 4 * kTile;
+          const int32_t* mins = g.mins.data() + (sb * kTile + f) * 4;
+          __m512i B = _mm512_setzero_si512();
+          for (int p = 0; p < 4; ++p) B = _mm512_dpwssd_epi32(B, _mm512_loadu_si512(sums + p * kTile), _mm512_set1_epi32(mins[p]));
+          float* cf = corr + f * kTile;
+          _mm512_store_ps(cf, _mm512_fmadd_ps(_mm512_cvtepi32_ps(B),
+                                              _mm512_mul_ps(_mm512_set1_ps(g.dmin[sb * kTile + f]), dx), _mm512_load_ps(cf)));
+        }
+      }
+    }
+    const int64_t rows = std::min<int64_t>(kTile, x.M - t * kTile);
+    for (int f = 0; f < kTile; ++f)
+      for (int64_t r = 0; r < rows; ++r)
+        out[(t * kTile + r) * ldo + n + f] = kQ6 ? acc[f * kTile + r] : acc[f * kTile + r] - corr[f * kTile + r];
+  }
+}
+
+}  // namespace
+
+int64_t kvserve::kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t n0, int64_t n1, float* out,
+                                 int64_t ldo) {
+  if (!kHasAmx || x.kt.empty() || n1 - n0 < kTile) return n0;
+  thread_local Group g;
+  configure_tiles();
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile) {
+    if (format == kQ4_K) group_tiles<kQ4_K>(x, w, n, g, out, ldo);
+    else if (format == kQ5_K) group_tiles<kQ5_K>(x, w, n, g, out, ldo);
+    else group_tiles<kQ6_K>(x, w, n, g, out, ldo);
+  }
+  _tile_release();
+  return n;
+}
+
+void kvserve::Q8Act::fill_tiles() {
+  const int64_t tiles = (M + kTile - 1) / kTile, nb = K / 256;
+  kt.assign(tiles * kTile * K, 0), ktd.assign(tiles * nb * kTile, 0.f), ktsum.assign(tiles * nb * 4 * kTile, 0);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = std::min<int64_t>(kTile, M - t * kTile);
+    const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1);
+    // dword r of the gather: row t * 16 + r's 4 codes at a K offset
+    const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(K)));
+    const int8_t* base = k8.data() + t * kTile * K;
+    int8_t* dst = kt.data() + t * kTile * K;
+    for (int64_t q = 0; q < K / 4; ++q) {  // K offset 4q: super-block, 32-block (k8_order), within it
+      const int64_t k = 4 * q, sb = k / 256, j = k % 256 / 32;
+      const int8_t* src = base + sb * 256 + 32 * k8_order(static_cast<int>(j)) + k % 32;
+      _mm512_storeu_si512(dst + q * 64, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, index, src, 1));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = t * kTile + r;
+      for (int64_t sb = 0; sb < nb; ++sb) {
+        ktd[(t * nb + sb) * kTile + r] = kd[row * nb + sb];
+        const int16_t* s16 = ksum16.data() + (row * nb + sb) * 16;
+        for (int p = 0; p < 4; ++p) {  // sub-blocks 2p, 2p + 1 of 32: int16 pair (|.| <= 4064)
+          const int32_t lo = s16[4 * p] + s16[4 * p + 1], hi = s16[4 * p + 2] + s16[4 * p + 3];
+          ktsum[((t * nb + sb) * 4 + p) * kTile + r] = static_cast<int32_t>(static_cast<uint16_t>(lo) | (static_cast<uint32_t>(hi) << 16));
+        }
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+#else
+int64_t kvserve::kquant_rows_amx(const Q8Act&, const uint8_t*, int64_t, int64_t n0, int64_t, float*, int64_t) { return n0; }
+void kvserve::Q8Act::fill_tiles() {}
+#endif
