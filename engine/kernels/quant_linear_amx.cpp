@@ -1,6 +1,7 @@
 // The K-quants' many-row int8 matmul (Q4_K, Q5_K, Q6_K against Q8Act's per-256 activations) on
-// AMX tiles (Sapphire Rapids and later Xeons), for prefill-sized row counts (kAmxMinRows), where
-// the AVX-512 kernels of quant_linear_q8.cpp are compute bound (~80-100 GMAC/s per thread).
+// AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (16) rows: batched decode and
+// prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute bound (~80-100 GMAC/s per
+// thread).
 //
 // Per 16 output features (a group) the codes are unpacked once per call with their sub-block
 // scale folded in, v = sc q (see Group), and serve every 16-row tile of activations (Q8Act::kt,
@@ -15,10 +16,13 @@
 // depend on the rows batched with it. Rows past M in the last tile are zeros, their results
 // dropped.
 //
-// Measured (1B Q4_K_M shapes, 2 threads): 1,000-token prefill 6.6 -> 3.7 s; matmuls of 256+
-// rows ~1.4-1.7x the AVX-512 kernels. At 16 rows (batched decode) it was no faster: the unpack
-// and the per-tile-product overheads, not the tile multiplies (~3.3 TMAC/s per core alone),
-// bound it, so decode keeps the AVX-512 kernels.
+// The weights are unpacked a slab of 2 super-blocks at a time (16 KB, in L1 with the activation
+// tiles), each slab against every row tile; the next row tile's activations are prefetched during
+// a tile's float work (a tile load that misses L1 had tripled the cost of the products). Measured
+// (one thread, 4096 x 2048 Q4_K / 2048 x 4096 Q6_K, against the AVX-512 kernels): 16 rows 1.47 /
+// 1.38 ms vs 1.39 / 1.70, 32 rows 1.76 / 2.01 vs 3.26 / 3.76, 512 rows 23 / 25 vs 47 / 60 ms. The
+// tile products alone run ~3.3 TMAC/s per core; what bounds the kernel is the unpack (at 16 rows,
+// once per call and row tile) and the per-super-block float work (16 x ~20 instructions per tile).
 #include "block_codes.h"
 #include "quant_linear.h"
 
@@ -107,6 +111,7 @@ struct Group {
   std::vector<int8_t> lo, hi;
   std::vector<int32_t> mins;
   std::vector<float> d, dmin;
+  std::vector<float> acc, corr;  // [tile][feature][row]: the running sums across slabs
   void resize(int64_t nb) {
     lo.resize(nb * 4 * kTile * 64), hi.resize(lo.size()), mins.resize(nb * kTile * 4), d.resize(nb * kTile);
     dmin.resize(nb * kTile);
@@ -133,18 +138,21 @@ inline __m128i q4_k_scales(const uint8_t* b) {
 
 // Q4_K / Q5_K (kQ5): w = d sc_j q - dmin m_j, sub-blocks j of 32, q 4 (5) bits.
 template <bool kQ5>
-void unpack_q4_k(const uint8_t* w, int64_t n, int64_t nb, Group& g) {
+void unpack_q4_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t sb1, Group& g) {
   constexpr int64_t kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes, kCodes = kQ5 ? 48 : 16;
-  g.resize(nb);
+  g.resize(sb1 - sb0);
+  int8_t *const glo = g.lo.data(), *const ghi = g.hi.data();  // locals: int8 stores would make the compiler reload them
+  int32_t* const gmins = g.mins.data();
+  float *const gd = g.d.data(), *const gdmin = g.dmin.data();
   const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
   for (int f = 0; f < kTile; ++f) {
     const uint8_t* row = w + (n + f) * nb * kBytes;
-    for (int64_t sb = 0; sb < nb; ++sb) {
-      const uint8_t* b = row + sb * kBytes;
+    for (int64_t sb = 0; sb < sb1 - sb0; ++sb) {
+      const uint8_t* b = row + (sb0 + sb) * kBytes;
       const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(kvserve::u32_at(b))));  // [d, dmin]
-      g.d[sb * kTile + f] = _mm_cvtss_f32(dd), g.dmin[sb * kTile + f] = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+      gd[sb * kTile + f] = _mm_cvtss_f32(dd), gdmin[sb * kTile + f] = _mm_cvtss_f32(_mm_movehdup_ps(dd));
       const __m128i sm = q4_k_scales(b);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(g.mins.data() + (sb * kTile + f) * 4), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(gmins + (sb * kTile + f) * 4), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
       const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));  // int16 lanes 0-7
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
       for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles sub-block 2c, high 2c + 1
@@ -159,22 +167,24 @@ void unpack_q4_k(const uint8_t* w, int64_t n, int64_t nb, Group& g) {
         const int64_t at = ((sb * 4 + c) * kTile + f) * 64;
         const __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16(static_cast<short>(2 * c)), sc);
         const __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16(static_cast<short>(2 * c + 1)), sc);
-        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q0), s0), g.lo.data() + at, g.hi.data() + at);
-        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q1), s1), g.lo.data() + at + 32, g.hi.data() + at + 32);
+        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q0), s0), glo + at, ghi + at);
+        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q1), s1), glo + at + 32, ghi + at + 32);
       }
     }
   }
 }
 
 // Q6_K: w = d sc_i (q - 32), sub-blocks i of 16, q 6 bits.
-void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, Group& g) {
-  g.resize(nb);
+void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t sb1, Group& g) {
+  g.resize(sb1 - sb0);
+  int8_t *const glo = g.lo.data(), *const ghi = g.hi.data();
+  float* const gd = g.d.data();
   const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
   for (int f = 0; f < kTile; ++f) {
     const uint8_t* row = w + (n + f) * nb * kQ6_KBytes;
-    for (int64_t sb = 0; sb < nb; ++sb) {
-      const uint8_t* b = row + sb * kQ6_KBytes;
-      g.d[sb * kTile + f] = half_at(b + 208);
+    for (int64_t sb = 0; sb < sb1 - sb0; ++sb) {
+      const uint8_t* b = row + (sb0 + sb) * kQ6_KBytes;
+      gd[sb * kTile + f] = half_at(b + 208);
       const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
       for (int h = 0; h < 2; ++h) {  // q[c]: the codes of weights 128 h + 32 c .. + 31 (gguf's order)
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
@@ -193,64 +203,105 @@ void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, Group& g) {
               _mm512_inserti64x4(_mm512_set1_epi16(i), _mm256_set1_epi16(static_cast<short>(i + 1)), 1), sc);
           const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_sub_epi8(q[c], off)), s);
           const int64_t at = ((sb * 4 + 2 * h + c / 2) * kTile + f) * 64 + 32 * (c % 2);
-          store_split(v, g.lo.data() + at, g.hi.data() + at);
+          store_split(v, glo + at, ghi + at);
         }
       }
     }
   }
 }
 
-// Features [n, n + 16) of rows [0, M): out[r * ldo + n + f].
+// One super-block of a row tile: C tiles CL += lo x B and CH += hi x B over its 4 chunks of 64
+// (A tiles 2, 3, B tile 4), stored to c (I_lo, then I_hi). DPH: the hi codes' product (Q6_K's are
+// signed). The tile numbers are instruction operands, so each C pair is its own function.
+#define KVSERVE_SUPER_PRODUCTS(NAME, CL, CH, DPH)                                      \
+  inline void NAME(const int8_t* bt, const int8_t* lo, const int8_t* hi, int32_t* c) { \
+    _tile_zero(CL);                                                                    \
+    _tile_zero(CH);                                                                    \
+    for (int ch = 0; ch < 4; ++ch) {                                                   \
+      _tile_loadd(4, bt + ch * 1024, 64);                                              \
+      _tile_loadd(2, lo + ch * 1024, 64);                                              \
+      _tile_dpbusd(CL, 2, 4);                                                          \
+      _tile_loadd(3, hi + ch * 1024, 64);                                              \
+      DPH(CH, 3, 4);                                                                   \
+    }                                                                                  \
+    _tile_stored(CL, c, 64);                                                           \
+    _tile_stored(CH, c + kTile * kTile, 64);                                           \
+  }
+KVSERVE_SUPER_PRODUCTS(super_products_01, 0, 1, _tile_dpbusd)
+KVSERVE_SUPER_PRODUCTS(super_products_56, 5, 6, _tile_dpbusd)
+KVSERVE_SUPER_PRODUCTS(super_products_q6_01, 0, 1, _tile_dpbssd)
+KVSERVE_SUPER_PRODUCTS(super_products_q6_56, 5, 6, _tile_dpbssd)
+#undef KVSERVE_SUPER_PRODUCTS
+
+// Features [n, n + 16) of rows [0, M): out[r * ldo + n + f]. The weights go in slabs of kSlab
+// super-blocks (16 KB unpacked, in L1 with the activations' tiles: tile loads from L2 had bound
+// the kernel), each slab against every row tile.
 template <int64_t kFmt>
 void group_tiles(const kvserve::Q8Act& x, const uint8_t* w, int64_t n, Group& g, float* out, int64_t ldo) {
   constexpr bool kQ6 = kFmt == kQ6_K;
+  constexpr int64_t kSlab = 2;
   const int64_t nb = x.K / 256, tiles = (x.M + kTile - 1) / kTile;
-  if (kQ6) unpack_q6_k(w, n, nb, g); else unpack_q4_k<kFmt == kQ5_K>(w, n, nb, g);
-  asm volatile("" ::: "memory");  // tileloadd's asm does not name the memory it reads
-  alignas(64) int32_t c[2 * kTile * kTile];  // a super-block's I_lo, I_hi [feature][row]
-  alignas(64) float acc[kTile * kTile], corr[kTile * kTile];
-  for (int64_t t = 0; t < tiles; ++t) {
-    std::fill(acc, acc + kTile * kTile, 0.f), std::fill(corr, corr + kTile * kTile, 0.f);
-    for (int64_t sb = 0; sb < nb; ++sb) {
-      const int8_t* bt = x.kt.data() + (t * x.K / 4 + sb * 64) * 64;
-      const int8_t *lo = g.lo.data() + sb * 4 * kTile * 64, *hi = g.hi.data() + sb * 4 * kTile * 64;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int ch = 0; ch < 4; ++ch) {  // tiles 0 += lo x B, 1 += hi x B
-        _tile_loadd(4, bt + ch * 1024, 64);
-        _tile_loadd(2, lo + ch * 1024, 64);
-        _tile_dpbusd(0, 2, 4);
-        _tile_loadd(3, hi + ch * 1024, 64);
-        if (kQ6) {
-          _tile_dpbssd(1, 3, 4);
-        } else {
-          _tile_dpbusd(1, 3, 4);
-        }
+  constexpr int64_t kBytes = kFmt == kQ4_K ? kQ4_KBytes : kFmt == kQ5_K ? kQ5_KBytes : kQ6_KBytes;
+  const uint8_t* next = w + (n + kTile) * nb * kBytes;
+  g.acc.assign(tiles * kTile * kTile, 0.f), g.corr.assign(kQ6 ? 0 : tiles * kTile * kTile, 0.f);
+  alignas(64) int32_t c[kSlab][2 * kTile * kTile];  // per super-block of the slab: I_lo, I_hi [feature][row]
+  for (int64_t sb0 = 0; sb0 < nb; sb0 += kSlab) {
+    const int64_t sb1 = std::min(nb, sb0 + kSlab);
+    if (kQ6) unpack_q6_k(w, n, nb, sb0, sb1, g); else unpack_q4_k<kFmt == kQ5_K>(w, n, nb, sb0, sb1, g);
+    for (int64_t o = sb0 * kTile * kBytes; o < sb1 * kTile * kBytes; o += 64)  // the next group's weights, a slice per slab
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    asm volatile("" ::: "memory");  // tileloadd's asm does not name the memory it reads
+    for (int64_t t = 0; t < tiles; ++t) {
+      float* const acc = g.acc.data() + t * kTile * kTile;
+      float* const corr = kQ6 ? nullptr : g.corr.data() + t * kTile * kTile;
+      const auto bt = [&](int64_t sb) { return x.kt.data() + (t * x.K / 4 + sb * 64) * 64; };
+      const auto lo = [&](int64_t s) { return g.lo.data() + s * 4 * kTile * 64; };
+      const auto hi = [&](int64_t s) { return g.hi.data() + s * 4 * kTile * 64; };
+      // the slab's super-blocks: the first into C tiles 0, 1 and c[0], the second into 5, 6 and c[1]
+      if (kQ6) super_products_q6_01(bt(sb0), lo(0), hi(0), c[0]); else super_products_01(bt(sb0), lo(0), hi(0), c[0]);
+      if (sb1 - sb0 > 1) {
+        if (kQ6) super_products_q6_56(bt(sb0 + 1), lo(1), hi(1), c[1]); else super_products_56(bt(sb0 + 1), lo(1), hi(1), c[1]);
       }
-      _tile_stored(0, c, 64);
-      _tile_stored(1, c + kTile * kTile, 64);
-      const __m512 dx = _mm512_loadu_ps(x.ktd.data() + (t * nb + sb) * kTile);
-      for (int f = 0; f < kTile; ++f) {
-        const __m512i A = _mm512_add_epi32(_mm512_load_si512(c + f * kTile),
-                                           _mm512_slli_epi32(_mm512_load_si512(c + (kTile + f) * kTile), 8));
-        float* af = acc + f * kTile;
-        _mm512_store_ps(af, _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(_mm512_set1_ps(g.d[sb * kTile + f]), dx),
-                                            _mm512_load_ps(af)));
-        if (!kQ6) {
-          const int32_t* sums = x.ktsum.data() + (t * nb + sb) * 4 * kTile;
-          const int32_t* mins = g.mins.data() + (sb * kTile + f) * 4;
-          __m512i B = _mm512_setzero_si512();
-          for (int p = 0; p < 4; ++p) B = _mm512_dpwssd_epi32(B, _mm512_loadu_si512(sums + p * kTile), _mm512_set1_epi32(mins[p]));
-          float* cf = corr + f * kTile;
-          _mm512_store_ps(cf, _mm512_fmadd_ps(_mm512_cvtepi32_ps(B),
-                                              _mm512_mul_ps(_mm512_set1_ps(g.dmin[sb * kTile + f]), dx), _mm512_load_ps(cf)));
+      for (int64_t sb = sb0; sb < sb1; ++sb) {
+        const int64_t s = sb - sb0;  // in the slab
+        const int32_t* cs = c[s];
+        const __m512 dx = _mm512_loadu_ps(x.ktd.data() + (t * nb + sb) * kTile);
+        __m512i sums[4];
+        if (!kQ6)
+          for (int p = 0; p < 4; ++p) sums[p] = _mm512_loadu_si512(x.ktsum.data() + ((t * nb + sb) * 4 + p) * kTile);
+        // the next tile's activations for this super-block (4 KB: 4 lines per feature step)
+        const int8_t* ahead = t + 1 < tiles ? bt(sb) + x.K / 4 * 64 : nullptr;
+        for (int f = 0; f < kTile; ++f) {
+          if (ahead)
+            for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + (4 * f + l) * 64), _MM_HINT_T0);
+          const __m512i A = _mm512_add_epi32(_mm512_load_si512(cs + f * kTile),
+                                             _mm512_slli_epi32(_mm512_load_si512(cs + (kTile + f) * kTile), 8));
+          float* af = acc + f * kTile;
+          _mm512_storeu_ps(af, _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(_mm512_set1_ps(g.d[s * kTile + f]), dx),
+                                               _mm512_loadu_ps(af)));
+          if (!kQ6) {
+            const int32_t* mins = g.mins.data() + (s * kTile + f) * 4;
+            __m512i B = _mm512_dpwssd_epi32(_mm512_setzero_si512(), sums[0], _mm512_set1_epi32(mins[0]));
+            for (int p = 1; p < 4; ++p) B = _mm512_dpwssd_epi32(B, sums[p], _mm512_set1_epi32(mins[p]));
+            float* cf = corr + f * kTile;
+            _mm512_storeu_ps(cf, _mm512_fmadd_ps(_mm512_cvtepi32_ps(B), _mm512_mul_ps(_mm512_set1_ps(g.dmin[s * kTile + f]), dx),
+                                                 _mm512_loadu_ps(cf)));
+          }
         }
       }
     }
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* acc = g.acc.data() + t * kTile * kTile;
+    const float* corr = kQ6 ? nullptr : g.corr.data() + t * kTile * kTile;
     const int64_t rows = std::min<int64_t>(kTile, x.M - t * kTile);
-    for (int f = 0; f < kTile; ++f)
-      for (int64_t r = 0; r < rows; ++r)
-        out[(t * kTile + r) * ldo + n + f] = kQ6 ? acc[f * kTile + r] : acc[f * kTile + r] - corr[f * kTile + r];
+    const __m512i by_feature = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(kTile));
+    for (int64_t r = 0; r < rows; ++r) {  // row r's 16 features: one 64-byte store
+      __m512 v = _mm512_i32gather_ps(by_feature, acc + r, 4);
+      if (!kQ6) v = _mm512_sub_ps(v, _mm512_i32gather_ps(by_feature, corr + r, 4));
+      _mm512_storeu_ps(out + (t * kTile + r) * ldo + n, v);
+    }
   }
 }
 

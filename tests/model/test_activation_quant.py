@@ -91,15 +91,16 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
 
 
 def test_amx_tiles_equal_the_avx512_kernels_bit_for_bit(tmp_path):
-    """On AMX CPUs the K-quants' matmuls of kAmxMinRows (32) rows and more take tile products
+    """On AMX CPUs the K-quants' matmuls of kAmxMinRows (16) rows and more take tile products
     with the sub-block scales folded into the codes (quant_linear_amx.cpp); they sum the same
     integers and run the same float operations as the AVX-512 kernels, so every output is the same
     float. The reference runs in a subprocess with KVSERVE_NO_AMX (read once per process). 45
-    features: whole groups of 16 and a remainder on the other kernel; 32-70 rows: one, two and
-    a partial tile, and the 31 rows below the threshold."""
+    features: whole groups of 16 and a remainder on the other kernel; 16-70 rows: one, two and
+    partial tiles, and 15 rows, below the threshold. K = 768: three super-blocks, a slab of two
+    and a slab of one."""
     if not torch.ops.kvserve.gguf_q8_amx():
         pytest.skip("this CPU (or OS) has no AMX-INT8: the tile kernels do not run here")
-    row_counts = (31, 32, 33, 47, 70)
+    row_counts = (15, 16, 17, 33, 70)
     cases = {}
     for fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K):
         packed, dense = random_matrix(fmt, 45, 768, seed=int(fmt) + 7)
