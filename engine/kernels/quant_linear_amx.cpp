@@ -47,7 +47,7 @@ constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;  // GGUF
 constexpr int kTile = 16;  // activation rows per tile, output features per group
 
 #ifdef KVSERVE_AMX
-// AMX-TILE, AMX-INT8 and AVX512 F/BW/VL/VNNI (the post-processing), the kernel's permission to
+// AMX-TILE, AMX-INT8 and AVX512 F/BW/VL/VBMI/VNNI (the unpack and the float work), the kernel's permission to
 // use tile data (Linux grants it per process on request), and neither KVSERVE_NO_AMX nor
 // KVSERVE_NO_VNNI set. Once, at load.
 bool detect_amx() {
@@ -55,7 +55,7 @@ bool detect_amx() {
     return false;
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool avx512 = (b >> 16 & 1) && (b >> 30 & 1) && (b >> 31 & 1) && (c >> 11 & 1);
+  const bool avx512 = (b >> 16 & 1) && (b >> 30 & 1) && (b >> 31 & 1) && (c >> 1 & 1) && (c >> 11 & 1);  // F BW VL VBMI VNNI
   const bool amx = (d >> 24 & 1) && (d >> 25 & 1);
   if (!avx512 || !amx) return false;
   constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // <asm/prctl.h>, XFEATURE_XTILEDATA
@@ -72,7 +72,7 @@ bool kvserve::cpu_has_amx() { return kHasAmx; }
 
 #ifdef KVSERVE_AMX
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,amx-tile,amx-int8")
 
 namespace {
 
@@ -118,11 +118,17 @@ struct Group {
   }
 };
 
-// 32 int16 products (one or two sub-blocks) -> their low bytes and high bytes (arithmetic shift:
-// Q6_K's are signed) at lo / hi.
-inline void store_split(__m512i v, int8_t* lo, int8_t* hi) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi16_epi8(v));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+// Two vectors of 32 int16 products (64 weights along K, in order) -> the 64 low bytes at lo and
+// the 64 high bytes at hi (the odd bytes: v >> 8, arithmetic, so Q6_K's negative v split right),
+// one byte permute each.
+inline void store_split(__m512i v0, __m512i v1, int8_t* lo, int8_t* hi) {
+  static const struct alignas(64) Even {
+    int8_t b[64];
+    Even() { for (int i = 0; i < 64; ++i) b[i] = static_cast<int8_t>(2 * i); }
+  } kEven;
+  const __m512i even = _mm512_load_si512(kEven.b);
+  _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(v0, even, v1));
+  _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(v0, _mm512_add_epi8(even, _mm512_set1_epi8(1)), v1));
 }
 
 // Q4_K's 8 6-bit sub-block scales (bytes 0-7) and mins (8-15), as gguf's get_scale_min_k4 reads
@@ -144,7 +150,7 @@ void unpack_q4_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t s
   int8_t *const glo = g.lo.data(), *const ghi = g.hi.data();  // locals: int8 stores would make the compiler reload them
   int32_t* const gmins = g.mins.data();
   float *const gd = g.d.data(), *const gdmin = g.dmin.data();
-  const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  const __m512i mask = _mm512_set1_epi16(15), one = _mm512_set1_epi16(1);
   for (int f = 0; f < kTile; ++f) {
     const uint8_t* row = w + (n + f) * nb * kBytes;
     for (int64_t sb = 0; sb < sb1 - sb0; ++sb) {
@@ -154,21 +160,20 @@ void unpack_q4_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t s
       const __m128i sm = q4_k_scales(b);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(gmins + (sb * kTile + f) * 4), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
       const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));  // int16 lanes 0-7
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-      for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles sub-block 2c, high 2c + 1
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kCodes + 32 * c));
-        __m256i q0 = _mm256_and_si256(v, mask), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+      for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles sub-block 2c, high 2c + 1 (int16 lanes)
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kCodes + 32 * c)));
+        __m512i q0 = _mm512_and_si512(v, mask), q1 = _mm512_srli_epi16(v, 4);
         if (kQ5) {  // bit j of qh[i] is the fifth bit of sub-block j's code i
           const auto bit = [&](int j) {
-            return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4);
+            return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4);
           };
-          q0 = _mm256_or_si256(q0, bit(2 * c)), q1 = _mm256_or_si256(q1, bit(2 * c + 1));
+          q0 = _mm512_or_si512(q0, bit(2 * c)), q1 = _mm512_or_si512(q1, bit(2 * c + 1));
         }
         const int64_t at = ((sb * 4 + c) * kTile + f) * 64;
         const __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16(static_cast<short>(2 * c)), sc);
         const __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16(static_cast<short>(2 * c + 1)), sc);
-        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q0), s0), glo + at, ghi + at);
-        store_split(_mm512_mullo_epi16(_mm512_cvtepu8_epi16(q1), s1), glo + at + 32, ghi + at + 32);
+        store_split(_mm512_mullo_epi16(q0, s0), _mm512_mullo_epi16(q1, s1), glo + at, ghi + at);
       }
     }
   }
@@ -197,13 +202,16 @@ void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t s
                               _mm256_or_si256(_mm256_and_si256(l1, m4), high(2)),
                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4)),
                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6))};
+        __m512i v[4];
         for (int c = 0; c < 4; ++c) {  // sub-blocks i = 8h + 2c (weights 0-15) and i + 1 (16-31)
           const short i = static_cast<short>(8 * h + 2 * c);
           const __m512i s = _mm512_permutexvar_epi16(
               _mm512_inserti64x4(_mm512_set1_epi16(i), _mm256_set1_epi16(static_cast<short>(i + 1)), 1), sc);
-          const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_sub_epi8(q[c], off)), s);
-          const int64_t at = ((sb * 4 + 2 * h + c / 2) * kTile + f) * 64 + 32 * (c % 2);
-          store_split(v, glo + at, ghi + at);
+          v[c] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_sub_epi8(q[c], off)), s);
+        }
+        for (int c = 0; c < 4; c += 2) {  // weights 128 h + 32 c .. + 63: chunk 2h + c / 2
+          const int64_t at = ((sb * 4 + 2 * h + c / 2) * kTile + f) * 64;
+          store_split(v[c], v[c + 1], glo + at, ghi + at);
         }
       }
     }
