@@ -32,7 +32,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+// The AMX intrinsics need GCC 11 or clang 12; with an older compiler the kernel is left out.
+#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define KVSERVE_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
