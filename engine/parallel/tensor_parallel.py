@@ -434,8 +434,12 @@ class TensorParallelModel:
             return
         self._closed = True
         # With a rank dead the group is broken: a broadcast to it may block (gloo has no short
-        # timeout, since idle ranks wait in one), so the live ranks are killed below instead.
-        stopping = all(p.is_alive() for p in self.procs)
+        # timeout, since idle ranks wait in one), so the live ranks are killed below instead. A
+        # rank counts as dead once its sentinel is ready: a killed process closes it while it is
+        # still exiting, when is_alive() can still say True (that window had hung this broadcast).
+        from multiprocessing.connection import wait
+
+        stopping = all(p.is_alive() for p in self.procs) and not wait([p.sentinel for p in self.procs], timeout=0)
         if stopping:
             try:
                 self._broadcast(("stop",))
