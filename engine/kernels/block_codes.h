@@ -33,6 +33,19 @@ __attribute__((target("avx2"))) inline __m256i q5_codes(const uint8_t* qh_bytes,
   return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
+// Q4_K's (and Q5_K's) 8 6-bit sub-block scales and 8 mins as gguf's dequantize (get_scale_min_k4)
+// reads them from the 12 bytes s0 s1 s2 at b + 4, one byte each: bytes 0-7 the scales, 8-15 the mins
+// (dwords [s0 & k6, (s2 & k4) | ((s0 >> 6) & k2) << 4, s1 & k6, ((s2 >> 4) & k4) | ((s1 >> 6) & k2) << 4];
+// in registers: scalar stores and a vector load would stall).
+__attribute__((target("avx2"))) inline __m128i q4_k_scales(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // s0 s1 s2 and 4 code bytes
+  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6),
+                                    _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
+  return _mm_or_si128(_mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_slli_epi32(top, 4));
+}
+
 // The 32 four-bit codes of a Q4_0 block's 16 bytes qs, weight order (low nibbles, then high).
 __attribute__((target("avx2"))) inline __m256i q4_codes(const uint8_t* qs) {
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);

@@ -66,6 +66,11 @@ bool cpu_has_amx();
 int64_t kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t n0, int64_t n1, float* out,
                         int64_t ldo);
 
+// Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
+// 512-bit one-row kernels read blocks [4c | 4c + 2] and [4c + 1 | 4c + 3] as one 64-byte load each.
+// Position of block j (its own inverse).
+constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
+
 // The Q8Act layouts the int8 kernel of `format` reads on this CPU (0 where it has none).
 unsigned q8_layouts(int64_t format);
 

@@ -77,8 +77,7 @@ bool kvserve::cpu_has_amx() { return kHasAmx; }
 
 namespace {
 
-// Position of 32-block j of a super-block in Q8Act::k8 (quant_linear_q8.cpp's k8_order).
-constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
+using kvserve::k8_order;  // quant_linear.h
 
 inline float half_at(const uint8_t* p) {
   uint16_t v;
@@ -132,16 +131,7 @@ inline void store_split(__m512i v0, __m512i v1, int8_t* lo, int8_t* hi) {
   _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(v0, _mm512_add_epi8(even, _mm512_set1_epi8(1)), v1));
 }
 
-// Q4_K's 8 6-bit sub-block scales (bytes 0-7) and mins (8-15), as gguf's get_scale_min_k4 reads
-// the 12 bytes s0 s1 s2 at b + 4 (quant_linear_q8.cpp's q4_k_scales).
-inline __m128i q4_k_scales(const uint8_t* b) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
-  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6),
-                                    _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
-  return _mm_or_si128(_mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
-                      _mm_slli_epi32(top, 4));
-}
+using kvserve::q4_k_scales;  // block_codes.h
 
 // Q4_K / Q5_K (kQ5): w = d sc_j q - dmin m_j, sub-blocks j of 32, q 4 (5) bits.
 template <bool kQ5>

@@ -74,10 +74,7 @@ constexpr int64_t block_bytes(int64_t format) {
        : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes;
 }
 
-// Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
-// 512-bit one-row kernels read blocks [4c | 4c + 2] and [4c + 1 | 4c + 3] as one 64-byte load each.
-// Position of block j (its own inverse).
-constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
+using kvserve::k8_order;  // quant_linear.h
 
 inline uint16_t u16_at(const uint8_t* p) {
   uint16_t v;
@@ -404,17 +401,7 @@ inline void per_transposed_lane(__m128i v8, __m256i* words, __m256i* dwords) {
   }
 }
 
-// Q4_K's 8 6-bit sub-block scales and 8 mins (as gguf's dequantize reads them), one byte each:
-// dwords [s0 & k6, (s2 & k4) | ((s0 >> 6) & k2) << 4, s1 & k6, ((s2 >> 4) & k4) | ((s1 >> 6) & k2) << 4]
-// of the 12 bytes s0 s1 s2 at b + 4 (in registers: scalar stores and a vector load would stall).
-inline __m128i q4_k_scales(const uint8_t* b) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // s0 s1 s2 and 4 code bytes
-  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
-  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6),
-                                    _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
-  return _mm_or_si128(_mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
-                      _mm_slli_epi32(top, 4));
-}
+using kvserve::q4_k_scales;  // block_codes.h
 
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
