@@ -27,6 +27,7 @@
 #include "quant_linear.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -43,8 +44,7 @@
 
 namespace {
 
-constexpr int64_t kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;            // BlockFormat codes
-constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;  // GGUF super-blocks of 256
+using namespace kvserve::blocks;  // the BlockFormat codes and K-quant super-block bytes (block_codes.h)
 constexpr int kTile = 16;  // activation rows per tile, output features per group
 
 #ifdef KVSERVE_AMX
@@ -122,11 +122,12 @@ struct Group {
 // the 64 high bytes at hi (the odd bytes: v >> 8, arithmetic, so Q6_K's negative v split right),
 // one byte permute each.
 inline void store_split(__m512i v0, __m512i v1, int8_t* lo, int8_t* hi) {
-  static const struct alignas(64) Even {
-    int8_t b[64];
-    Even() { for (int i = 0; i < 64; ++i) b[i] = static_cast<int8_t>(2 * i); }
-  } kEven;
-  const __m512i even = _mm512_load_si512(kEven.b);
+  static constexpr auto kEven = [] {  // constant: no guarded static initialization in the unpack loop
+    std::array<int8_t, 64> b{};
+    for (int i = 0; i < 64; ++i) b[i] = static_cast<int8_t>(2 * i);
+    return b;
+  }();
+  const __m512i even = _mm512_loadu_si512(kEven.data());
   _mm512_storeu_si512(lo, _mm512_permutex2var_epi8(v0, even, v1));
   _mm512_storeu_si512(hi, _mm512_permutex2var_epi8(v0, _mm512_add_epi8(even, _mm512_set1_epi8(1)), v1));
 }
@@ -175,7 +176,7 @@ void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t s
   g.resize(sb1 - sb0);
   int8_t *const glo = g.lo.data(), *const ghi = g.hi.data();
   float* const gd = g.d.data();
-  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+  const __m256i off = _mm256_set1_epi8(32);
   for (int f = 0; f < kTile; ++f) {
     const uint8_t* row = w + (n + f) * nb * kQ6_KBytes;
     for (int64_t sb = 0; sb < sb1 - sb0; ++sb) {
@@ -183,16 +184,8 @@ void unpack_q6_k(const uint8_t* w, int64_t n, int64_t nb, int64_t sb0, int64_t s
       gd[sb * kTile + f] = half_at(b + 208);
       const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
       for (int h = 0; h < 2; ++h) {  // q[c]: the codes of weights 128 h + 32 c .. + 31 (gguf's order)
-        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-        const auto high = [&](int shift) {
-          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
-        };
-        const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(l0, m4), high(0)),
-                              _mm256_or_si256(_mm256_and_si256(l1, m4), high(2)),
-                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4)),
-                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6))};
+        __m256i q[4];
+        kvserve::q6_k_codes(b, h, q);
         __m512i v[4];
         for (int c = 0; c < 4; ++c) {  // sub-blocks i = 8h + 2c (weights 0-15) and i + 1 (16-31)
           const short i = static_cast<short>(8 * h + 2 * c);

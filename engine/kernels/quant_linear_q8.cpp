@@ -62,8 +62,7 @@ constexpr int64_t kStrip = 8;
 #endif
 constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weights being read
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;  // BlockFormat codes
-constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;  // GGUF super-blocks of 256 weights
+using namespace kvserve::blocks;  // the BlockFormat codes and K-quant super-block bytes (block_codes.h)
 constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
 
 // The weights along K and the bytes of one block of `format` as the int8 kernels read it.
@@ -560,20 +559,8 @@ struct Q6_KRows {
       return finish(0, _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1)));
     }
 #endif
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     __m256i q[8];  // block j's 6-bit codes
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      const auto high = [&](int shift) {
-        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
-      };
-      q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
-      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
-      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
-      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
-    }
+    kvserve::q6_k_codes(b, 0, q), kvserve::q6_k_codes(b, 1, q + 4);
     if (R == 1) {
       const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
       // the 32 weights of block j: first 16 scale sc[2j], last 16 sc[2j + 1] (int16 lanes, by one shuffle)
