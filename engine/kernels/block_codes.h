@@ -1,5 +1,6 @@
-// Unpacking of GGUF block codes shared by the fp32 (quant_linear.cpp) and the int8-activation
-// (quant_linear_q8.cpp) block matmuls, so both read the same bits the same way.
+// Unpacking of GGUF block codes shared by the fp32 (quant_linear.cpp), the int8-activation
+// (quant_linear_q8.cpp) and the AMX (quant_linear_amx.cpp) block matmuls, so all read the same bits
+// the same way.
 #pragma once
 
 #include <cstdint>
@@ -75,6 +76,54 @@ __attribute__((target("avx2"))) inline __m256i q4_codes(const uint8_t* qs) {
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
+
+// ---- Two adjacent full strips (quant_linear.cpp's strips of 8 output columns; strip-blocks of
+// 32 k: Q4_1 160 bytes, Q8_0 272) at a and b as 8 k-quads of 16 columns: dword c of w[j] =
+// column c's 4 codes at k = 4j .. 4j + 3, strip a's columns 0-7, b's 8-15. That is the operand
+// of vpdpbusd against a broadcast activation quad (quant_linear_q8.cpp's pair kernels), and the
+// rows of an AMX B tile (quant_linear_amx.cpp).
+#define KVSERVE_ZMM_TARGET __attribute__((target("avx2,avx512f,avx512vl,avx512bw")))
+
+// Q4_1 (unsigned codes 0..15): group g (16 bytes) of a strip-block holds column i % 8 at
+// k = 4g + i / 8 (low nibble of byte i) and k = 4g + 2 + i / 8 (high nibble).
+KVSERVE_ZMM_TARGET inline void relay_q4_1_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
+  const __m512i mask = _mm512_set1_epi8(15);
+  const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int o = 0; o < 4; ++o) {
+    const __m512i q = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 + 32 * o))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * o)), 1);
+    const __m512i k01 = _mm512_shuffle_epi8(_mm512_and_si512(q, mask), idx);
+    const __m512i k23 = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), mask), idx);
+    const __m512i c03 = _mm512_unpacklo_epi16(k01, k23), c47 = _mm512_unpackhi_epi16(k01, k23);
+    w[2 * o] = _mm512_permutex2var_epi64(c03, lo, c47);
+    w[2 * o + 1] = _mm512_permutex2var_epi64(c03, hi, c47);
+  }
+}
+
+// Q8_0 (signed codes): byte 16 + 8k + c of a strip-block is column c at k. A 32-byte load at quad
+// j is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
+// words, then dword c of each 256-bit half <- (word c of its low lane, word c of its high lane).
+KVSERVE_ZMM_TARGET inline void relay_q8_0_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
+  const __m512i words = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
+                                         15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+  for (int j = 0; j < 8; ++j) {
+    const __m512i q = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 + 32 * j))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j)), 1);
+    w[j] = _mm512_permutexvar_epi16(words, _mm512_shuffle_epi8(q, pairs));
+  }
+}
+
+// 16 fp16 scales: 8 at a, 8 at b.
+KVSERVE_ZMM_TARGET inline __m512 halves16(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+#undef KVSERVE_ZMM_TARGET
 #endif
 
 }  // namespace kvserve

@@ -53,6 +53,13 @@ struct Q8Act {
   void fill_tiles();
 };
 
+// How far ahead of the weights being read the int8 kernels prefetch them, in bytes (see
+// quant_linear_q8.cpp's prefetch_ahead).
+#ifndef KVSERVE_Q8_PREFETCH
+#define KVSERVE_Q8_PREFETCH 8192
+#endif
+constexpr int64_t kWeightPrefetch = KVSERVE_Q8_PREFETCH;
+
 // The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the
 // same for 1 row as for 16; at 16 rows the tiles and the AVX-512 kernels measured about even).
 constexpr int64_t kAmxMinRows = 16;
@@ -65,6 +72,15 @@ bool cpu_has_amx();
 // the caller's own kernel goes on (n0 itself where x has no tile layout or the CPU no AMX).
 int64_t kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t n0, int64_t n1, float* out,
                         int64_t ldo);
+
+// Q4_1 or Q8_0 (`format`): the strip pairs of strips [s0, s1) (those quant_linear_q8.cpp's
+// strips_q8 pairs: two adjacent strips, both full, N the features) for rows [0, 16 t) of x on AMX
+// tiles, t the whole 16-row tiles of x; strip s's columns at out + s * 8 (row stride ldo). Returns
+// 16 t: the rows done (0 where the CPU has no AMX or x fewer than kAmxMinRows rows); the caller
+// runs the rest, and the strips that are not in a pair, on its own kernels, which give the same
+// floats.
+int64_t strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t strip_bytes, int64_t s0, int64_t s1,
+                        int64_t N, float* out, int64_t ldo);
 
 // Q8Act::k8 holds each 256 codes as its 32-blocks in the order [0, 2, 1, 3, 4, 6, 5, 7]: the
 // 512-bit one-row kernels read blocks [4c | 4c + 2] and [4c + 1 | 4c + 3] as one 64-byte load each.

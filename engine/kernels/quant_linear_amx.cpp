@@ -1,7 +1,9 @@
-// The K-quants' many-row int8 matmul (Q4_K, Q5_K, Q6_K against Q8Act's per-256 activations) on
-// AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (16) rows: batched decode and
-// prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute bound (~80-100 GMAC/s per
-// thread).
+// The many-row int8 matmuls on AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (16)
+// rows: batched decode and prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute
+// bound (~80-150 GMAC/s per thread). Two kernels: the K-quants (Q4_K, Q5_K, Q6_K against Q8Act's
+// per-256 activations), described here, and the Q4_1 / Q8_0 strip pairs (see strip_pairs_amx
+// below: per-32 scales, so one tile product per 32-block; one thread, 512 rows of 1536 x 576 Q4_1
+// ~120 -> ~185 GMAC/s; Q8_0 ~1.1x; 16 rows of a decode step measured no faster in situ).
 //
 // Per 16 output features (a group) the codes are unpacked once per call with their sub-block
 // scale folded in, v = sc q (see Group), and serve every 16-row tile of activations (Q8Act::kt,
@@ -297,7 +299,148 @@ void group_tiles(const kvserve::Q8Act& x, const uint8_t* w, int64_t n, Group& g,
   }
 }
 
+
+// ---- Q4_1 / Q8_0 strip pairs: per 32-block one tile product C[row][column] = sum_k x[row][k]
+// w[k][column] of 16 activation rows (A: Q8Act::q8 as it is, 32 bytes a row, row stride K) by
+// the pair's 16 columns (B: the k-quads of relay_q4_1_pair / relay_q8_0_pair, 8 rows of 64
+// bytes), signed by unsigned (Q4_1's codes) or signed (Q8_0's). C is the exact int32 dot
+// product quant_linear_q8.cpp's pair_q4_1 / pair_q8_0 reach with vpdpbusd, and the float work
+// after it is theirs, per row in the same order, so the outputs are theirs bit for bit. A block's
+// scales (per column and per row) change every 32 k, so each product is one block (K = 32).
+// Tiles: C 0, 1; A 2, 3; B 4, 5 (two blocks in flight).
+void configure_strip_tiles() {
+  TileConfig c;
+  for (int i = 0; i < 2; ++i) c.rows[i] = kTile, c.colsb[i] = 64;  // C: 16 rows x 16 int32
+  for (int i = 2; i < 4; ++i) c.rows[i] = kTile, c.colsb[i] = 32;  // A: 16 rows x 32 codes
+  for (int i = 4; i < 6; ++i) c.rows[i] = 8, c.colsb[i] = 64;      // B: 8 k-quads x 16 columns
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&c);
+}
+
+// 64 bytes, 64-aligned: a B-tile row. (std::vector<__m512i> would not do: GCC drops a vector
+// type's alignment in a template argument, and an unaligned buffer faults the aligned stores.)
+struct alignas(64) Line {
+  int8_t b[64];
+};
+
+#define KVSERVE_BLOCK_PRODUCT(NAME, C, A, B, DP)                                \
+  inline void NAME(const int8_t* a, int64_t lda, const Line* b, int32_t* c) {    \
+    _tile_loadd(B, b, 64);                                                      \
+    _tile_loadd(A, a, lda);                                                     \
+    _tile_zero(C);                                                              \
+    DP(C, A, B);                                                                \
+    _tile_stored(C, c, 64);                                                     \
+  }
+KVSERVE_BLOCK_PRODUCT(block_product_q4_1_0, 0, 2, 4, _tile_dpbsud)
+KVSERVE_BLOCK_PRODUCT(block_product_q4_1_1, 1, 3, 5, _tile_dpbsud)
+KVSERVE_BLOCK_PRODUCT(block_product_q8_0_0, 0, 2, 4, _tile_dpbssd)
+KVSERVE_BLOCK_PRODUCT(block_product_q8_0_1, 1, 3, 5, _tile_dpbssd)
+#undef KVSERVE_BLOCK_PRODUCT
+
+// The per-32 scales and block sums of one tile of 16 activation rows, block-major ([block][row]),
+// for the float work (one base pointer, constant offsets).
+struct RowTileScales {
+  std::vector<float> d, s;
+  void fill(const kvserve::Q8Act& x, int64_t r0) {
+    const int64_t nb = x.K / 32;
+    d.resize(nb * kTile), s.resize(nb * kTile);
+    for (int r = 0; r < kTile; ++r)
+      for (int64_t b = 0; b < nb; ++b) d[b * kTile + r] = x.d[(r0 + r) * nb + b], s[b * kTile + r] = x.s[(r0 + r) * nb + b];
+  }
+};
+
+// Rows [r0, r0 + 16) against the strip pair whose re-laid weights are bw (8 B-tile rows per
+// block) and whose strip-blocks are at a and a + strip_bytes (Q8_0 with kQ8, else Q4_1); out:
+// their 16 columns. The products of a chunk of kChunk blocks are issued (and stored) before the
+// float work of the chunk before it, which they do not wait for: a block's tile product, stored,
+// then loaded into vectors, had serialized tile and vector work (~165 GMAC/s, one thread, 16 rows
+// of Q4_1).
+template <bool kQ8>
+void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& sc, const Line* bw,
+                     const uint8_t* a, int64_t strip_bytes, float* out, int64_t ldo) {
+  constexpr int64_t kBytes = kQ8 ? 272 : 160, kChunk = 8;  // strip-block bytes (quant_linear.cpp)
+  const int64_t nb = x.K / 32;
+  const int8_t* xa = x.q8.data() + r0 * x.K;
+  alignas(64) int32_t c[2][kChunk][kTile * kTile];  // two chunks' products [block][row][column]
+  const auto products = [&](int64_t c0, int32_t (*cc)[kTile * kTile]) {
+    const int64_t n = std::min(kChunk, nb - c0);
+    asm volatile("" ::: "memory");  // the tile asm names neither the memory it reads nor what it writes
+    for (int64_t i = 0; i < n; i += 2) {
+      const int64_t b = c0 + i;
+      if (kQ8) block_product_q8_0_0(xa + b * 32, x.K, bw + b * 8, cc[i]);
+      else block_product_q4_1_0(xa + b * 32, x.K, bw + b * 8, cc[i]);
+      if (i + 1 < n) {
+        if (kQ8) block_product_q8_0_1(xa + b * 32 + 32, x.K, bw + b * 8 + 8, cc[i + 1]);
+        else block_product_q4_1_1(xa + b * 32 + 32, x.K, bw + b * 8 + 8, cc[i + 1]);
+      }
+    }
+    asm volatile("" ::: "memory");
+  };
+  __m512 acc[kTile];
+#pragma GCC unroll 16
+  for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+  products(0, c[0]);
+  for (int64_t c0 = 0, k = 0; c0 < nb; c0 += kChunk, k ^= 1) {
+    if (c0 + kChunk < nb) products(c0 + kChunk, c[k ^ 1]);
+    for (int64_t i = 0; i < std::min(kChunk, nb - c0); ++i) {
+      const uint8_t *sa = a + (c0 + i) * kBytes, *sb = sa + strip_bytes;
+      const __m512 d = kvserve::halves16(sa, sb);
+      const __m512 m = kQ8 ? d : kvserve::halves16(sa + 16, sb + 16);
+      const float *dx = sc.d.data() + (c0 + i) * kTile, *sx = sc.s.data() + (c0 + i) * kTile;
+      const int32_t* cb = c[k][i];
+#pragma GCC unroll 16
+      for (int r = 0; r < kTile; ++r) {  // pair_q4_1 / pair_q8_0's float operations
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + r * kTile)),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(dx[r])), acc[r]);
+        if (!kQ8) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r]), acc[r]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kTile; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// A strip pair's weights (strip-blocks at a and a + strip_bytes) re-laid for the B tiles, once
+// for every row tile: 8 k-quads of 16 columns per block into bw.
+template <bool kQ8>
+void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<Line>& bw) {
+  constexpr int64_t kBytes = kQ8 ? 272 : 160;
+  bw.resize(nb * 8);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *sa = a + b * kBytes, *sb = sa + strip_bytes;
+    for (int64_t o = 0; o < kBytes; o += 64) {  // into L2: L1 holds bw, the products and the activations
+      _mm_prefetch(reinterpret_cast<const char*>(sa + kvserve::kWeightPrefetch + o), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(sb + kvserve::kWeightPrefetch + o), _MM_HINT_T1);
+    }
+    __m512i* w = reinterpret_cast<__m512i*>(bw.data() + b * 8);
+    if (kQ8) kvserve::relay_q8_0_pair(sa, sb, w); else kvserve::relay_q4_1_pair(sa, sb, w);
+  }
+}
+
 }  // namespace
+
+int64_t kvserve::strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t strip_bytes, int64_t s0,
+                                 int64_t s1, int64_t N, float* out, int64_t ldo) {
+  const int64_t rows = x.M / kTile * kTile;
+  if (!kHasAmx || x.M < kAmxMinRows || (format != kQ4_1 && format != kQ8_0)) return 0;
+  thread_local std::vector<Line> bw;
+  thread_local std::vector<RowTileScales> scales;
+  scales.resize(rows / kTile);
+  for (int64_t t = 0; t < rows / kTile; ++t) scales[t].fill(x, t * kTile);
+  configure_strip_tiles();
+  const bool q8 = format == kQ8_0;
+  for (int64_t s = s0; s + 1 < s1 && (s + 2) * 8 <= N; s += 2) {
+    const uint8_t* a = w + s * strip_bytes;
+    if (q8) relay_pair<true>(a, strip_bytes, x.K / 32, bw); else relay_pair<false>(a, strip_bytes, x.K / 32, bw);
+    for (int64_t t = 0; t < rows / kTile; ++t) {
+      float* o = out + t * kTile * ldo + s * 8;
+      if (q8) strip_pair_tile<true>(x, t * kTile, scales[t], bw.data(), a, strip_bytes, o, ldo);
+      else strip_pair_tile<false>(x, t * kTile, scales[t], bw.data(), a, strip_bytes, o, ldo);
+    }
+  }
+  _tile_release();
+  return rows;
+}
 
 int64_t kvserve::kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t n0, int64_t n1, float* out,
                                  int64_t ldo) {
@@ -347,5 +490,7 @@ void kvserve::Q8Act::fill_tiles() {
 #pragma GCC pop_options
 #else
 int64_t kvserve::kquant_rows_amx(const Q8Act&, const uint8_t*, int64_t, int64_t n0, int64_t, float*, int64_t) { return n0; }
+int64_t kvserve::strip_pairs_amx(const Q8Act&, const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
+                                 int64_t) { return 0; }
 void kvserve::Q8Act::fill_tiles() {}
 #endif

@@ -31,6 +31,8 @@
 //     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
 //     column sums.
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1) or 8 (Q8_0) rows.
+// On AMX CPUs the whole 16-row tiles of the strip pairs take tile products instead
+// (quant_linear_amx.cpp strip_pairs_amx), with the same results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -57,10 +59,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kStrip = 8;
-#ifndef KVSERVE_Q8_PREFETCH
-#define KVSERVE_Q8_PREFETCH 1024
-#endif
-constexpr int64_t kPrefetch = KVSERVE_Q8_PREFETCH;  // bytes ahead of the weights being read
+constexpr int64_t kPrefetch = kvserve::kWeightPrefetch;  // bytes ahead of the weights being read (quant_linear.h)
 constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
 using namespace kvserve::blocks;  // the BlockFormat codes and K-quant super-block bytes (block_codes.h)
 constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
@@ -91,8 +90,11 @@ using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both source
 #pragma GCC target("avx2,fma,f16c")
 
 // Software prefetch of the cache lines kPrefetch bytes past a block about to be read: the weights
-// stream from DRAM once per step, and with integer dot products the kernel outruns the hardware
-// prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s, `sum` ~7).
+// stream from DRAM (or a far L3) once per step, and with integer dot products the kernel outruns
+// the hardware prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s, `sum` ~7).
+// The distance: 8 KB ahead, not 1 KB, took SmolLM2's 30 native layers from ~3.7 to ~2.7 ms a
+// decode step on a Sapphire Rapids VM, whose L3 holds the model but answers slowly (the 1B, from
+// DRAM: ~40 -> ~39 ms); at 16 KB it was slower again.
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
 }
@@ -232,30 +234,9 @@ inline bool cpu_has_vnni() { return kHasVnni; }
 // rows of 1536 x 576 Q4_1: ~90 (AVX2 maddubs) -> ~145 GMAC/s; 512 rows ~190 (dense fp32 oneDNN
 // ~100). Rows go in groups of 8: each k-quad's vpdpbusd then feeds 8 independent accumulators.
 
-// The two strips' strip-blocks as k-quads, relay_q4_1 in both halves at once: dword c % 4 of
-// lane c / 4 of w[j] = column c's codes at k = 4j .. 4j + 3, strip a in the low 8 columns.
-inline void relay_q4_1_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
-  const __m512i mask = _mm512_set1_epi8(15);
-  const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
-  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int o = 0; o < 4; ++o) {
-    const __m512i q = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 + 32 * o))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * o)), 1);
-    const __m512i k01 = _mm512_shuffle_epi8(_mm512_and_si512(q, mask), idx);
-    const __m512i k23 = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), mask), idx);
-    const __m512i c03 = _mm512_unpacklo_epi16(k01, k23), c47 = _mm512_unpackhi_epi16(k01, k23);
-    w[2 * o] = _mm512_permutex2var_epi64(c03, lo, c47);
-    w[2 * o + 1] = _mm512_permutex2var_epi64(c03, hi, c47);
-  }
-}
-
-// 16 fp16 scales: 8 at a, 8 at b.
-inline __m512 halves16(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
+using kvserve::relay_q4_1_pair;  // block_codes.h
+using kvserve::relay_q8_0_pair;
+using kvserve::halves16;
 
 inline __m512i quad_at16(const int8_t* xq, int j) {
   int32_t v;
@@ -299,11 +280,6 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
                int64_t ldo) {
   static_assert(R <= 8, "one group of accumulators");
   const int64_t nb = x.K / kBlock;
-  // dword c of each 256-bit half <- (word c of its low lane, word c of its high lane): the
-  // (k, k + 1) and (k + 2, k + 3) pairs of column c after interleave_halves
-  const __m512i words = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
-                                         15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -311,13 +287,8 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
     const uint8_t *sa = strip + b * kQ8_0Bytes, *sb = sa + strip_bytes;
     prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
     __m512i w[8], sum128 = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
-      const __m512i q = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sa + 16 + 32 * j))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)), 1);
-      w[j] = _mm512_permutexvar_epi16(words, _mm512_shuffle_epi8(q, pairs));
-      sum128 = _mm512_dpbusd_epi32(sum128, bias, w[j]);
-    }
+    relay_q8_0_pair(sa, sb, w);
+    for (int j = 0; j < 8; ++j) sum128 = _mm512_dpbusd_epi32(sum128, bias, w[j]);
     const __m512 d = halves16(sa, sb);
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
@@ -859,6 +830,7 @@ void legacy_rows_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int6
 
 template <int R>
 struct Q4_1Kernel {
+  static constexpr int64_t kFormat = kQ4_1;
   static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q4_1<R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
@@ -869,6 +841,7 @@ struct Q4_1Kernel {
 };
 template <int R>
 struct Q8_0Kernel {
+  static constexpr int64_t kFormat = kQ8_0;
   static constexpr int kMaxRows = 8;
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
@@ -931,10 +904,12 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   constexpr int kMax = Kernel<1>::kMaxRows;
   static_assert(kMax == 8 || kMax == 16, "passes of 16 or 8 rows, then halving");
   const bool pairs = cpu_has_vnni();
+  // AMX CPUs: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
+  const int64_t tiled = pairs ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, s1, N, out, ldo) : 0;
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
     if (pairs && s + 1 < s1 && (s + 2) * kStrip <= N) {
-      for (int64_t r = 0; r < x.M;) {
+      for (int64_t r = tiled; r < x.M;) {
         float* o = out + r * ldo + s * kStrip;
         const int64_t left = x.M - r;
         if (left >= 8) Kernel<8>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 8;

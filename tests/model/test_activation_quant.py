@@ -91,25 +91,27 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
 
 
 def test_amx_tiles_equal_the_avx512_kernels_bit_for_bit(tmp_path):
-    """On AMX CPUs the K-quants' matmuls of kAmxMinRows (16) rows and more take tile products
-    with the sub-block scales folded into the codes (quant_linear_amx.cpp); they sum the same
-    integers and run the same float operations as the AVX-512 kernels, so every output is the same
-    float. The reference runs in a subprocess with KVSERVE_NO_AMX (read once per process). 45
-    features: whole groups of 16 and a remainder on the other kernel; 16-70 rows: one, two and
-    partial tiles, and 15 rows, below the threshold. K = 768: three super-blocks, a slab of two
-    and a slab of one."""
+    """On AMX CPUs the int8 matmuls of kAmxMinRows (16) rows and more take tile products
+    (quant_linear_amx.cpp): the K-quants with the sub-block scales folded into the codes, Q4_1 and
+    Q8_0 one product per 32-block of a strip pair. They sum the same integers and run the same
+    float operations as the AVX-512 kernels, so every output is the same float. The reference runs
+    in a subprocess with KVSERVE_NO_AMX (read once per process). 45 features: whole groups of 16
+    (strip pairs) and a remainder on the other kernel; 16-70 rows: one, two and partial tiles, and
+    15 rows, below the threshold. K = 768: three super-blocks, a slab of two and a slab of one;
+    K = 800: 25 blocks of 32, two in flight and a last one alone."""
     if not torch.ops.kvserve.gguf_q8_amx():
         pytest.skip("this CPU (or OS) has no AMX-INT8: the tile kernels do not run here")
     row_counts = (15, 16, 17, 33, 70)
     cases = {}
-    for fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K):
-        packed, dense = random_matrix(fmt, 45, 768, seed=int(fmt) + 7)
-        x = torch.randn(70, 768, generator=torch.Generator().manual_seed(int(fmt))) * 2
+    for fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.Q8_0):
+        K, block = (768, 256) if activation_block(fmt) == 256 else (800, 32)
+        packed, dense = random_matrix(fmt, 45, K, seed=int(fmt) + 7)
+        x = torch.randn(70, K, generator=torch.Generator().manual_seed(int(fmt))) * 2
         got = [torch.ops.kvserve.gguf_linear_q8(x[:m], packed, 45, int(fmt)) for m in row_counts]
         cases[int(fmt)] = (packed, x, got)
         # and against the oracle: F.linear on the quantized activations and gguf's dequantization
-        q, d = quantize_reference(x, 256)
-        oracle = F.linear((q.reshape(70, -1, 256) * d[..., None]).reshape(70, 768).double(), dense.double())
+        q, d = quantize_reference(x, block)
+        oracle = F.linear((q.reshape(70, -1, block) * d[..., None]).reshape(70, K).double(), dense.double())
         torch.testing.assert_close(got[-1].double(), oracle, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
     torch.save(cases, tmp_path / "cases.pt")
     script = f"""
