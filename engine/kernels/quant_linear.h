@@ -59,6 +59,9 @@ struct Q8Act {
 #define KVSERVE_Q8_PREFETCH 8192
 #endif
 constexpr int64_t kWeightPrefetch = KVSERVE_Q8_PREFETCH;
+#ifndef KVSERVE_Q8_PREFETCH_HINT  // the level it prefetches them into (_MM_HINT_T1: L2)
+#define KVSERVE_Q8_PREFETCH_HINT _MM_HINT_T1
+#endif
 
 // The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the
 // same for 1 row as for 16; at 16 rows the tiles and the AVX-512 kernels measured about even).

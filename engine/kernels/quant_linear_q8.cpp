@@ -92,11 +92,12 @@ using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both source
 // Software prefetch of the cache lines kPrefetch bytes past a block about to be read: the weights
 // stream from DRAM (or a far L3) once per step, and with integer dot products the kernel outruns
 // the hardware prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s, `sum` ~7).
-// The distance: 8 KB ahead, not 1 KB, took SmolLM2's 30 native layers from ~3.7 to ~2.7 ms a
-// decode step on a Sapphire Rapids VM, whose L3 holds the model but answers slowly (the 1B, from
-// DRAM: ~40 -> ~39 ms); at 16 KB it was slower again.
+// Measured on a Sapphire Rapids VM (2 threads, native layers of a decode step): 8 KB ahead, not
+// 1 KB, took SmolLM2's (its L3 holds the model but answers slowly) from ~3.7 to ~2.7 ms; and into
+// L2 (T1), not L1, took the 1B's (from DRAM) from ~38 to ~32 ms, SmolLM2's about even: a core has
+// more L2 misses in flight than L1 fill buffers, and L2 has room for 8 KB ahead of two threads.
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), KVSERVE_Q8_PREFETCH_HINT);
 }
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
