@@ -86,7 +86,7 @@ class Sampler:
         if not rows:
             return SamplerOutput([], None, None)
         if all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return SamplerOutput(_argmax(logits).tolist(), None, None)
 
         work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
         apply_penalties(work, rows)
@@ -186,6 +186,13 @@ def apply_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.
         logits[index] = masked
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's arg-max, the first index on ties (a NaN counts as the maximum), as
+    ``argmax(dim=-1)``: ``max(dim=-1).indices`` gives the same ids and on CPU ran ~3x faster
+    (16 x 49152 fp32 logits on 2 threads: 0.55 -> 0.18 ms, a greedy decode step's sampling)."""
+    return logits.max(dim=-1).indices
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.is_greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(row)
@@ -236,7 +243,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if greedy:
-        tokens[greedy] = _take(logits, greedy).argmax(dim=-1)
+        tokens[greedy] = _argmax(_take(logits, greedy))
     if rand:
         tokens[rand] = _sample_random(_take(logits, rand), [rows[i] for i in rand])
     return tokens

@@ -55,6 +55,21 @@ def test_greedy_equals_argmax(sampler: Sampler) -> None:
     assert out.logprobs is None and out.top_logprobs is None
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan(sampler: Sampler) -> None:
+    """argmax's contract on ties and NaN, in the plain-greedy and the mixed-batch paths: rows of
+    few distinct values tie often, and the first maximal index must win (a kernel that returned
+    another tied index would change greedy output)."""
+    logits = torch.randint(0, 3, (16, VOCAB), generator=torch.Generator().manual_seed(1)).float()
+    logits[3] = 2.0
+    logits[4, 17] = float("nan")
+    want = logits.argmax(dim=-1).tolist()
+    assert want[3] == 0 and want[4] == 17
+    assert sampler(logits, [row(temperature=0.0) for _ in range(16)]).token_ids == want
+    mixed = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0, seed=i) for i in range(16)]
+    got = sampler(logits, mixed).token_ids
+    assert [got[i] for i in range(0, 16, 2)] == want[::2]
+
+
 def test_greedy_rows_in_mixed_batch_equal_argmax(sampler: Sampler) -> None:
     logits = random_logits(6)
     rows = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0, top_p=0.9) for i in range(6)]
