@@ -19,6 +19,8 @@ namespace kvserve {
 namespace blocks {
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;
 constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
+// quant_linear.cpp's strips: 8 output columns, strip-blocks of 32 k (Q4_1 160 bytes, Q8_0 272)
+constexpr int64_t kStripColumns = 8, kQ4_1StripBytes = 160, kQ8_0StripBytes = 272;
 }  // namespace blocks
 
 // A little-endian uint32 at p (Q5_0 / Q5_1 keep their 32 fifth bits so).

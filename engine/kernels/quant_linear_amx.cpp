@@ -358,7 +358,7 @@ struct RowTileScales {
 template <bool kQ8>
 void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& sc, const Line* bw,
                      const uint8_t* a, int64_t strip_bytes, float* out, int64_t ldo) {
-  constexpr int64_t kBytes = kQ8 ? 272 : 160, kChunk = 8;  // strip-block bytes (quant_linear.cpp)
+  constexpr int64_t kBytes = kQ8 ? kQ8_0StripBytes : kQ4_1StripBytes, kChunk = 8;
   const int64_t nb = x.K / 32;
   const int8_t* xa = x.q8.data() + r0 * x.K;
   alignas(64) int32_t c[2][kChunk][kTile * kTile];  // two chunks' products [block][row][column]
@@ -404,14 +404,11 @@ void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& s
 // for every row tile: 8 k-quads of 16 columns per block into bw.
 template <bool kQ8>
 void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<Line>& bw) {
-  constexpr int64_t kBytes = kQ8 ? 272 : 160;
+  constexpr int64_t kBytes = kQ8 ? kQ8_0StripBytes : kQ4_1StripBytes;
   bw.resize(nb * 8);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *sa = a + b * kBytes, *sb = sa + strip_bytes;
-    for (int64_t o = 0; o < kBytes; o += 64) {  // into L2: L1 holds bw, the products and the activations
-      _mm_prefetch(reinterpret_cast<const char*>(sa + kvserve::kWeightPrefetch + o), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(sb + kvserve::kWeightPrefetch + o), _MM_HINT_T1);
-    }
+    kvserve::prefetch_ahead(sa, kBytes), kvserve::prefetch_ahead(sb, kBytes);
     __m512i* w = reinterpret_cast<__m512i*>(bw.data() + b * 8);
     if (kQ8) kvserve::relay_q8_0_pair(sa, sb, w); else kvserve::relay_q4_1_pair(sa, sb, w);
   }
@@ -420,7 +417,7 @@ void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<L
 }  // namespace
 
 int64_t kvserve::strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t strip_bytes, int64_t s0,
-                                 int64_t s1, int64_t N, float* out, int64_t ldo) {
+                                 int64_t s1, float* out, int64_t ldo) {
   const int64_t rows = x.M / kTile * kTile;
   if (!kHasAmx || x.M < kAmxMinRows || (format != kQ4_1 && format != kQ8_0)) return 0;
   thread_local std::vector<Line> bw;
@@ -429,11 +426,11 @@ int64_t kvserve::strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t forma
   for (int64_t t = 0; t < rows / kTile; ++t) scales[t].fill(x, t * kTile);
   configure_strip_tiles();
   const bool q8 = format == kQ8_0;
-  for (int64_t s = s0; s + 1 < s1 && (s + 2) * 8 <= N; s += 2) {
+  for (int64_t s = s0; s + 1 < s1; s += 2) {
     const uint8_t* a = w + s * strip_bytes;
     if (q8) relay_pair<true>(a, strip_bytes, x.K / 32, bw); else relay_pair<false>(a, strip_bytes, x.K / 32, bw);
     for (int64_t t = 0; t < rows / kTile; ++t) {
-      float* o = out + t * kTile * ldo + s * 8;
+      float* o = out + t * kTile * ldo + s * kStripColumns;
       if (q8) strip_pair_tile<true>(x, t * kTile, scales[t], bw.data(), a, strip_bytes, o, ldo);
       else strip_pair_tile<false>(x, t * kTile, scales[t], bw.data(), a, strip_bytes, o, ldo);
     }
@@ -490,7 +487,8 @@ void kvserve::Q8Act::fill_tiles() {
 #pragma GCC pop_options
 #else
 int64_t kvserve::kquant_rows_amx(const Q8Act&, const uint8_t*, int64_t, int64_t n0, int64_t, float*, int64_t) { return n0; }
-int64_t kvserve::strip_pairs_amx(const Q8Act&, const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
-                                 int64_t) { return 0; }
+int64_t kvserve::strip_pairs_amx(const Q8Act&, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*, int64_t) {
+  return 0;
+}
 void kvserve::Q8Act::fill_tiles() {}
 #endif

@@ -58,10 +58,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kStrip = 8;
-constexpr int64_t kPrefetch = kvserve::kWeightPrefetch;  // bytes ahead of the weights being read (quant_linear.h)
-constexpr int64_t kQ4_1Bytes = 160, kQ8_0Bytes = 272;  // strip-block bytes (quant_linear.cpp)
-using namespace kvserve::blocks;  // the BlockFormat codes and K-quant super-block bytes (block_codes.h)
+using namespace kvserve::blocks;  // the BlockFormat codes, strip and K-quant super-block sizes (block_codes.h)
+constexpr int64_t kStrip = kStripColumns;
+constexpr int64_t kQ4_1Bytes = kQ4_1StripBytes, kQ8_0Bytes = kQ8_0StripBytes;  // strip-block bytes
 constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
 
 // The weights along K and the bytes of one block of `format` as the int8 kernels read it.
@@ -89,16 +88,7 @@ using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both source
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// Software prefetch of the cache lines kPrefetch bytes past a block about to be read: the weights
-// stream from DRAM (or a far L3) once per step, and with integer dot products the kernel outruns
-// the hardware prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s, `sum` ~7).
-// Measured on a Sapphire Rapids VM (2 threads, native layers of a decode step): 8 KB ahead, not
-// 1 KB, took SmolLM2's (its L3 holds the model but answers slowly) from ~3.7 to ~2.7 ms; and into
-// L2 (T1), not L1, took the 1B's (from DRAM) from ~38 to ~32 ms, SmolLM2's about even: a core has
-// more L2 misses in flight than L1 fill buffers, and L2 has room for 8 KB ahead of two threads.
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), KVSERVE_Q8_PREFETCH_HINT);
-}
+using kvserve::prefetch_ahead;  // quant_linear.h
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -905,11 +895,14 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   constexpr int kMax = Kernel<1>::kMaxRows;
   static_assert(kMax == 8 || kMax == 16, "passes of 16 or 8 rows, then halving");
   const bool pairs = cpu_has_vnni();
+  // the paired strips [s0, pair_end): the full ones (only the matrix's last strip can be
+  // partial), an even count
+  const int64_t pair_end = pairs ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
   // AMX CPUs: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
-  const int64_t tiled = pairs ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, s1, N, out, ldo) : 0;
+  const int64_t tiled = pair_end > s0 ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, pair_end, out, ldo) : 0;
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
-    if (pairs && s + 1 < s1 && (s + 2) * kStrip <= N) {
+    if (s < pair_end) {
       for (int64_t r = tiled; r < x.M;) {
         float* o = out + r * ldo + s * kStrip;
         const int64_t left = x.M - r;
