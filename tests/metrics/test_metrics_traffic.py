@@ -150,10 +150,15 @@ def test_aborts_count_as_errors_and_rejections_do_not(live_server):
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break
+    # The frontend counts the abort as the client leaves; the gauges follow with the core's next
+    # snapshot, sent once it has handled the abort. Wait for both (a deadline, not a fixed sleep).
     deadline = time.monotonic() + 30
     while True:
         after = s.scrape()
-        if delta(before, after, "kvserve_request_errors_total", reason="abort") or time.monotonic() > deadline:
+        settled = (after.get("kvserve_num_requests_running") == 0
+                   and after.get("kvserve_kv_cache_usage_perc") == 0)
+        if (delta(before, after, "kvserve_request_errors_total", reason="abort") and settled
+                or time.monotonic() > deadline):
             break
         time.sleep(0.1)
     state = {k: after.get(f"kvserve_{k}") for k in ("num_requests_running", "num_requests_waiting",
