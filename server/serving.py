@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import time
@@ -243,7 +244,21 @@ class OpenAIServing:
 
     # ---- running choices --------------------------------------------------------------------
     async def _merged(self, jobs: list[Job], cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-        """Outputs of all jobs as they come; raises EngineRequestError on an engine failure."""
+        """Outputs of all jobs as they come; raises EngineRequestError on an engine failure.
+
+        One job (the common case) is read directly, with no task or queue between the engine's
+        stream and the response (one task switch less a token); several are pumped into one queue
+        by a task each. Either way, leaving early closes the engine streams (their requests abort)."""
+        if len(jobs) == 1:
+            job = jobs[0]
+            try:
+                async with contextlib.aclosing(self.engine.generate(job.prompt_token_ids, job.params, job.request_id,
+                                                                    cache_salt)) as outputs:
+                    async for out in outputs:
+                        yield job.choice, _checked(job.choice, out)
+            except (EngineDeadError, ValueError) as exc:
+                raise EngineRequestError(str(exc)) from None
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(job: Job) -> None:
@@ -265,15 +280,7 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise EngineRequestError(str(item))
                 else:
-                    if item.finish_reason == "error":
-                        raise EngineRequestError(item.error or "engine error")
-                    if item.finish_reason == "abort":
-                        # Only the engine stopping aborts a request someone still listens to
-                        # (a client that left is not listening); "abort" is no OpenAI finish_reason.
-                        raise EngineRequestError(item.error or "the request was aborted: the server is shutting down",
-                                                 503, "server_shutting_down")
-                    _apply(choice, item)
-                    yield choice, item
+                    yield choice, _checked(choice, item)
         finally:
             for task in tasks:
                 task.cancel()
@@ -436,6 +443,19 @@ def _concat_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str,
             "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
             "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
             "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
+
+
+def _checked(choice: Choice, out: RequestOutput) -> RequestOutput:
+    """``out`` applied to its choice; an engine error or abort raises EngineRequestError."""
+    if out.finish_reason == "error":
+        raise EngineRequestError(out.error or "engine error")
+    if out.finish_reason == "abort":
+        # Only the engine stopping aborts a request someone still listens to (a client that
+        # left is not listening); "abort" is no OpenAI finish_reason.
+        raise EngineRequestError(out.error or "the request was aborted: the server is shutting down",
+                                 503, "server_shutting_down")
+    _apply(choice, out)
+    return out
 
 
 def _apply(choice: Choice, out: RequestOutput) -> None:
