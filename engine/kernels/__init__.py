@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-Four kernels, one library:
+Five kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
@@ -13,6 +13,8 @@ Four kernels, one library:
 * ``decode_layer.cpp``: every decoder layer of an all-decode step in one call (``DecodeStack``)
   and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
+* ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
+  maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampler.py).
 
 The library is built once per (sources, flags, torch version) into
 ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve/kernels``) with plain ``g++``
