@@ -143,7 +143,7 @@ class LiveServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    def wait_idle(self, timeout: float = 2.0) -> bool:
+    def wait_idle(self, timeout: float = 10.0) -> bool:
         """True once the core's latest snapshot shows no request and no KV block held (polled)."""
         deadline = time.monotonic() + timeout
         while True:
