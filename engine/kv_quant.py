@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import has_op
+
 
 @dataclass
 class Int8KV:
@@ -50,22 +52,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return ((codes.to(torch.float32) + 128.0) * scale[..., :1] + scale[..., 1:]).to(dtype)
 
 
-def _native_writer() -> bool:
-    global _NATIVE
-    if _NATIVE is None:
-        from engine.kernels import load_kernels
-
-        _NATIVE = load_kernels() and hasattr(torch.ops.kvserve, "write_int8_kv")
-    return _NATIVE
-
-
-_NATIVE: bool | None = None
-
-
 def write_int8(cache: Int8KV, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new ``[T, kv_heads, head_dim]`` rows into their slots, quantized (on the CPU in fp32
     by the native ``write_int8_kv``, the same arithmetic in one call instead of ~10 torch ops)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] and _native_writer():
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] and has_op("write_int8_kv"):
         torch.ops.kvserve.write_int8_kv(x, cache.data, cache.scale, slot_mapping)
         return
     q, s = quantize(x)

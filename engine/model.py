@@ -334,11 +334,11 @@ class LlamaForCausalLM(nn.Module):
 
     def native_decode_unavailable(self) -> str | None:
         """Why the native decode path cannot run this model, or None (see select_decode_path)."""
-        from engine.kernels import load_kernels
+        from engine.kernels import has_op
 
         if self.embed.device.type != "cpu" or self.norm.dtype != torch.float32:
             return "it runs on the CPU in float32 only"
-        if not load_kernels() or not hasattr(torch.ops.kvserve, "decode_layer"):
+        if not has_op("decode_layer"):
             return "the native kernels could not be built"
         if self.arch.intermediate_size % 8:
             return "the intermediate size is not a multiple of 8"

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtypes.sampling_params import SamplingParams
+from engine.kernels import has_op
 from engine.structured_output import apply_bitmask, bitmask_words
 
 if TYPE_CHECKING:
@@ -191,22 +192,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     ``argmax(dim=-1)``. fp32 CPU logits go to the native ``argmax_rows`` where the kernels are
     loaded (16 x 49152 logits on 2 threads: 34 us against 155 for ``max(dim=-1).indices``, itself
     ~3x faster than ``argmax``), the rest to ``max(dim=-1).indices``: the same ids."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and _native_argmax():
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and has_op("argmax_rows"):
         return torch.ops.kvserve.argmax_rows(logits)
     return logits.max(dim=-1).indices
-
-
-def _native_argmax() -> bool:
-    """Whether ``torch.ops.kvserve.argmax_rows`` runs here (decided once, at the first greedy step)."""
-    global _NATIVE_ARGMAX
-    if _NATIVE_ARGMAX is None:
-        from engine.kernels import load_kernels
-
-        _NATIVE_ARGMAX = load_kernels() and hasattr(torch.ops.kvserve, "argmax_rows")
-    return _NATIVE_ARGMAX
-
-
-_NATIVE_ARGMAX: bool | None = None
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

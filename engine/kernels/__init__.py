@@ -27,6 +27,7 @@ warning and returns False, and callers use the torch paths.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -114,6 +115,13 @@ def load_kernels() -> bool:
         if _loaded is None:
             _loaded = _load()
         return _loaded
+
+
+@functools.lru_cache(maxsize=None)
+def has_op(name: str) -> bool:
+    """Whether ``torch.ops.kvserve.<name>`` runs here: the library loaded (built first if need
+    be) and the op registered. Decided once per name, as ``load_kernels`` is once per process."""
+    return load_kernels() and hasattr(torch.ops.kvserve, name)
 
 
 def _registered() -> bool:
