@@ -30,7 +30,7 @@ import time
 from typing import Callable, Sequence
 
 from engine.core_protocol import (AbortRequests, AddRequest, CoreReady, EngineCoreOutput, EngineCoreOutputs,
-                                  Shutdown, Unpin)
+                                  Shutdown, Unpin, pipe_poller)
 from engine.llm_engine import EngineConfig, LLMEngine
 from scheduler.request import RequestStatus
 
@@ -156,12 +156,14 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
     gc.freeze()
     outputs.send(CoreReady(engine.info, engine.tokenizer, os.getpid()))
 
+    readable = pipe_poller(commands)
+
     def receive(timeout: float) -> list[Command]:
         try:
-            if not commands.poll(timeout):
+            if not readable(timeout):
                 return []
             received = [commands.recv()]
-            while commands.poll(0):
+            while readable(0):
                 received.append(commands.recv())
             return received
         except (EOFError, OSError) as exc:

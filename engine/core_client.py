@@ -30,7 +30,6 @@ import collections
 import logging
 import multiprocessing
 import queue
-import select
 import threading
 import time
 import uuid
@@ -39,7 +38,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from engine.config import EngineCoreConfig
 from engine.core_protocol import (GENERIC_ENGINE_ERROR, AbortRequests, AddRequest, CoreReady, EngineCoreOutputs,
-                                  EngineInfo, Shutdown, StepStats, Unpin)
+                                  EngineInfo, Shutdown, StepStats, Unpin, pipe_poller)
 from engine.output_processor import OutputProcessor
 from kvtypes.outputs import RequestOutput
 from kvtypes.sampling_params import SamplingParams
@@ -465,13 +464,9 @@ class MPEngineClient(_ClientBase):
                 return
 
     def _attach_reader(self, loop: asyncio.AbstractEventLoop, conn: Any, ended: threading.Event) -> None:
-        # One poll object for the reader's life: ``conn.poll(0)`` builds a selector per call, a
-        # tenth of the frontend's CPU per streamed token.
-        poller = select.poll()
-
         def on_readable() -> None:
             try:
-                while poller.poll(0):  # readable, or at EOF (POLLHUP): recv raises then
+                while readable(0):  # True at EOF as well: recv raises then
                     self._on_outputs(conn.recv())
             except (EOFError, OSError):
                 loop.remove_reader(fd)
@@ -483,7 +478,7 @@ class MPEngineClient(_ClientBase):
         except OSError:  # closed already (shutdown)
             ended.set()
             return
-        poller.register(fd, select.POLLIN)
+        readable = pipe_poller(conn)
         loop.add_reader(fd, on_readable)
         self.outputs_read_on_loop = True
         on_readable()  # what arrived during the hand-over

@@ -11,15 +11,26 @@ them never lags by more than the idle poll.
 from __future__ import annotations
 
 import math
+import select
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvtypes.outputs import TokenLogprob
 from kvtypes.sampling_params import SamplingParams
 
 # What clients see when the engine fails; the detail goes to the server log only.
 GENERIC_ENGINE_ERROR = "the engine failed while processing this request; retry it later"
+
+
+def pipe_poller(conn: Any) -> Callable[[float], bool]:
+    """``conn.poll(timeout)`` for a multiprocessing Connection (seconds; True when a message, or
+    the end of the pipe, is there to ``recv``) on one ``select.poll`` object made here:
+    ``Connection.poll`` builds and registers a selector on every call, which each engine step
+    (the core) and each streamed token (the frontend) paid."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return lambda timeout: bool(poller.poll(timeout * 1000.0))
 
 
 class PromptTooLongError(ValueError):

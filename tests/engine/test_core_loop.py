@@ -188,3 +188,26 @@ def test_disk_tier_is_in_engine_info_and_shutdown_flushes_the_pool(hf_model, tmp
     finally:
         client.shutdown()
     assert len(list(tmp_path.glob("*.kvb"))) >= 33 // 4  # close() wrote the cached blocks to the tier
+
+
+def test_pipe_poller_answers_as_connection_poll_does():
+    """Empty, a timeout that expires, a message waiting, drained, and the writer gone (True, so
+    that recv raises EOFError), each as ``Connection.poll`` answers."""
+    import multiprocessing
+
+    from engine.core_protocol import pipe_poller
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    readable = pipe_poller(reader)
+    assert readable(0) is False and reader.poll(0) is False
+    t = time.monotonic()
+    assert readable(0.05) is False
+    assert time.monotonic() - t >= 0.04
+    writer.send({"step": 1})
+    assert readable(0) is True and reader.poll(0) is True
+    assert reader.recv() == {"step": 1}
+    assert readable(0) is False
+    writer.close()
+    assert readable(0) is True and reader.poll(0) is True
+    with pytest.raises(EOFError):
+        reader.recv()
