@@ -174,7 +174,10 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(sigterm_servers):
         try:
             httpx.get(f"{server.base_url}/health", timeout=1)
             time.sleep(0.05)
-        except (httpx.ConnectError, httpx.ReadError):  # refused, or reset as the listener closes
+        # refused; reset as the listener closes; or accepted into the closing listener's backlog
+        # and closed unanswered ("Server disconnected without sending a response", seen on a
+        # loaded CI machine)
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
             refused = True
     assert refused, "new connections are still accepted after SIGTERM"
     assert reader.is_alive(), "the stream ended before the listener closed: drain not tested"
