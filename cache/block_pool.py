@@ -16,7 +16,9 @@ class BlockPool:
     block is evicted lazily: only when popped for reuse is its hash dropped from the cache map.
 
     Invariants: ``blocks[i].block_id == i``; ref_cnt == 0 <=> in the free queue; a block has a
-    hash <=> the cache map sends that hash to it (the map is a bijection on hashed blocks).
+    hash <=> the cache map sends that hash to it (the map is a bijection on hashed blocks); the
+    count of hashed free blocks is kept as blocks enter and leave the queue (every step's stats
+    read it, and counting would walk every hashed block of the pool).
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
@@ -27,6 +29,7 @@ class BlockPool:
         self.blocks: list[KVBlock] = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self._num_cached_free = 0  # hashed blocks with ref_cnt == 0
         # When not None, every hashed block evicted for reuse is recorded here as (block_id, hash),
         # so its contents can be copied to a lower tier before they are overwritten.
         self.evicted: list[tuple[int, BlockHash]] | None = None
@@ -39,7 +42,7 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         """Hashed blocks with ref_cnt == 0: evictable, kept for reuse."""
-        return sum(1 for block in self.cached_blocks.values() if block.ref_cnt == 0)
+        return self._num_cached_free
 
     @property
     def usage(self) -> float:
@@ -65,6 +68,7 @@ class BlockPool:
                     self.evicted.append((block.block_id, block.block_hash))
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
+                self._num_cached_free -= 1
             block.ref_cnt = 1
         return new_blocks
 
@@ -73,6 +77,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self._num_cached_free -= 1
             block.ref_cnt += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
@@ -109,6 +115,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.free_queue.append(block)
+                    self._num_cached_free += 1
                 else:
                     self.free_queue.appendleft(block)
 
@@ -119,6 +126,7 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self._num_cached_free = 0
         return True
 
     def check_invariants(self) -> None:
@@ -147,6 +155,9 @@ class BlockPool:
             _check(block.block_hash == block_hash, f"cache map entry for block {block.block_id} is stale")
             _check(self.blocks[block.block_id] is block, "cache map holds a foreign block")
         _check(self.enable_prefix_caching or not self.cached_blocks, "hashes cached with caching disabled")
+        counted = sum(1 for block in self.cached_blocks.values() if block.ref_cnt == 0)
+        _check(self._num_cached_free == counted,
+               f"{self._num_cached_free} hashed free blocks counted, {counted} in the pool")
 
 
 def _check(condition: bool, message: str) -> None:

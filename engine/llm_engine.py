@@ -461,7 +461,7 @@ class LLMEngine:
         self._reported_pins = pins
         return StepStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                          kv_used_blocks=self.capacity.num_blocks - self.kv_cache.num_free_blocks,
-                         kv_cached_blocks=sum(1 for b in pool.cached_blocks.values() if b.ref_cnt == 0),
+                         kv_cached_blocks=pool.num_cached_blocks,
                          kv_num_blocks=self.capacity.num_blocks, kv_block_size=self.capacity.block_size,
                          prefix_cache_queries=delta[0], prefix_cache_hits=delta[1], num_preemptions=delta[2],
                          num_batched_tokens=num_batched_tokens, step_time_s=step_time_s,

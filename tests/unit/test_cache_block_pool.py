@@ -140,3 +140,41 @@ def test_check_invariants_detects_corruption():
     b.ref_cnt = 0  # held-looking block (not queued) with ref 0
     with pytest.raises(AssertionError):
         pool.check_invariants()
+
+
+def test_cached_block_count_follows_every_path_in_and_out_of_the_queue():
+    """The count of hashed free blocks is kept, not recounted: freed hashed blocks add one, a
+    prefix hit (touch) and an eviction (get_new_blocks) take one, unhashed blocks never count,
+    a reset clears it; check_invariants recounts it after every operation."""
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(4)
+    for i, block in enumerate(a[:3]):
+        assert pool.cache_block(block, h(i))
+    pool.check_invariants()
+    assert pool.num_cached_blocks == 0  # hashed but held
+    pool.free_blocks(a)  # three hashed to the tail, one unhashed to the head
+    assert pool.num_cached_blocks == 3 and pool.num_free_blocks == 6
+    pool.check_invariants()
+    pool.touch([a[1]])  # a prefix hit takes a cached block out of the queue
+    assert pool.num_cached_blocks == 2
+    pool.touch([a[1]])  # a second reference: still held, still not counted
+    assert pool.num_cached_blocks == 2
+    pool.check_invariants()
+    new = pool.get_new_blocks(4)  # 3 unhashed first (ids 3, 4, 5), then the LRU hashed block 0
+    assert ids(new) == [3, 4, 5, 0] and pool.num_cached_blocks == 1 and a[0].block_hash is None
+    pool.check_invariants()
+    pool.free_blocks(new + [a[1], a[1]])
+    assert pool.num_cached_blocks == 2  # a[1] and a[2]; the evicted block 0 came back unhashed
+    pool.check_invariants()
+    assert pool.reset_prefix_cache() and pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_check_invariants_catches_a_wrong_cached_count():
+    pool = BlockPool(2)
+    blocks = pool.get_new_blocks(1)
+    pool.cache_block(blocks[0], h(0))
+    pool.free_blocks(blocks)
+    pool._num_cached_free = 0
+    with pytest.raises(AssertionError, match="hashed free blocks"):
+        pool.check_invariants()
