@@ -1,6 +1,7 @@
 """The messages between the engine core and its client, and what the client knows of the core.
 
-Plain picklable dataclasses, no torch: the frontend process imports this without the model.
+Plain picklable dataclasses, no torch: the frontend process imports this without the model;
+and ``pipe_poller``, how both ends ask their pipe whether a message is waiting.
 Direction and order: the client sends ``AddRequest`` / ``AbortRequests`` / ``Unpin`` /
 ``Shutdown``; the core answers once with ``CoreReady`` and then, per step, with one
 ``EngineCoreOutputs`` (every request's new token ids and finish state, plus ONE ``StepStats``

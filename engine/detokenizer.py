@@ -18,10 +18,8 @@ _CONTEXT_TOKENS = 6
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self._decode_ids = _raw_decoder(tokenizer, skip_special_tokens)
+        self._decode = _raw_decoder(tokenizer, skip_special_tokens)  # ids -> text
         self.stop = [s for s in stop if s]
-        self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -29,9 +27,6 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stopped_on: str | None = None
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._decode_ids(ids)
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; return the stop string it completed, if any (then text ends before it)."""

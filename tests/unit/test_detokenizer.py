@@ -57,7 +57,7 @@ def test_backend_decode_equals_transformers_decode_at_every_step(tokenizer, skip
               + list(tokenizer.all_special_ids))
     fast = IncrementalDetokenizer(tokenizer, output[:5], skip_special_tokens=skip_special_tokens)
     wrapped = IncrementalDetokenizer(tokenizer, output[:5], skip_special_tokens=skip_special_tokens)
-    wrapped._decode_ids = lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+    wrapped._decode = lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
     monkeypatch.setattr(tokenizer, "decode", None)  # the fast one must not call it
     for token in output[5:]:
         fast.add_token(token), wrapped.add_token(token)
