@@ -49,7 +49,9 @@ _COMMON = [
     _supported("frequency_penalty"), _supported("presence_penalty"),
     _supported("logit_bias", "token ids in the vocabulary, values in [-100, 100]"),
     _supported("n"), _supported("seed"), _supported("stop", "up to `max_stop` strings"),
-    _supported("stream"), _supported("stream_options", "`include_usage`; `include_obfuscation` is ignored"),
+    _supported("stream"),
+    _supported("stream_options",
+               "with `stream` only (400 otherwise); `include_usage`; `include_obfuscation` is ignored"),
     _supported("temperature"), _supported("top_p"),
     _ignored("user", "an end-user id for OpenAI's abuse monitoring; kvserve keeps no per-user records"),
 ]

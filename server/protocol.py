@@ -197,6 +197,9 @@ class SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, max_stop: int,
                         structured_output: StructuredOutputSpec | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            # as OpenAI answers it: the options of a stream that was not asked for are a mistake
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         stops = self.stop or []
         if len(stops) > max_stop:
             raise bad_request(f"at most {max_stop} stop sequences are allowed, got {len(stops)}", "stop")

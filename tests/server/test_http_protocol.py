@@ -72,6 +72,10 @@ def test_wrong_types_name_the_param(http, live_server, openai_schemas):
         ("/v1/chat/completions", chat_body(live_server, temperature="hot"), "temperature"),
         ("/v1/chat/completions", chat_body(live_server, n=0), "n"),
         ("/v1/chat/completions", chat_body(live_server, top_logprobs=3), "top_logprobs"),
+        # OpenAI refuses stream_options without stream (and so does vLLM)
+        ("/v1/chat/completions", chat_body(live_server, stream_options={"include_usage": True}), "stream_options"),
+        ("/v1/completions", {"model": live_server.model, "prompt": "hi", "stream": False,
+                             "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"model": live_server.model, "messages": []}, "messages"),
         ("/v1/completions", {"model": live_server.model, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"model": live_server.model, "prompt": []}, "prompt"),
