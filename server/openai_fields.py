@@ -63,7 +63,7 @@ CHAT_FIELDS: list[FieldRule] = [
     _supported("logprobs"), _supported("top_logprobs", "0-20"),
     _supported("max_tokens"), _supported("max_completion_tokens", "wins over `max_tokens`"),
     _supported("response_format", "`text`, `json_object`, `json_schema` (constrained decoding)"),
-    _supported("tools", "function tools"),
+    _supported("tools", "function tools; each `parameters` schema must compile (400 otherwise)"),
     _supported("tool_choice", "`none`, `auto`, `required`, or a named function"),
     _supported("parallel_tool_calls"),
     _ignored("metadata", "tags for stored completions; kvserve stores none"),

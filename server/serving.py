@@ -143,6 +143,16 @@ class OpenAIServing:
             raise bad_request(message, "logit_bias" if message.startswith("logit_bias") else param) from None
 
     @staticmethod
+    def _check_tool_schemas(plan: ToolPlan) -> None:
+        """400 naming ``tools`` for a function whose ``parameters`` cannot compile, as OpenAI
+        refuses an invalid function schema under any ``tool_choice``."""
+        for name, spec in plan.parameter_specs():
+            try:
+                _validate_spec_cached(spec)
+            except GrammarError as exc:
+                raise bad_request(f"invalid tools: function {name!r}: {exc}", "tools") from None
+
+    @staticmethod
     def _check_grammar(params: SamplingParams, param: str) -> None:
         """400 for a schema / regex / grammar that cannot compile (checked without a tokenizer)."""
         if params.structured_output is None:
@@ -161,6 +171,8 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_unsupported()
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if plan is not None:
+            self._check_tool_schemas(plan)
         forced = plan.spec() if plan is not None else None
         params = body.to_sampling_params(self.config.max_stop, forced)
         self._check_grammar(params, "tools" if forced is not None else "response_format")

@@ -84,6 +84,12 @@ class ToolPlan:
             return StructuredOutputSpec("grammar", lark)
         return None
 
+    def parameter_specs(self) -> list[tuple[str, StructuredOutputSpec]]:
+        """Each function's name and the grammar of its arguments (what a forced call compiles),
+        so that a schema that cannot compile is refused whatever ``tool_choice`` says."""
+        return [(t["function"]["name"], StructuredOutputSpec.json_schema(_parameters(t["function"])))
+                for t in self.tools]
+
     def _function(self, name: str | None) -> dict[str, Any]:
         for tool in self.tools:
             if tool["function"]["name"] == name:

@@ -153,3 +153,18 @@ def test_bad_tool_choice_is_a_400(live_server):
     r = httpx.post(f"{live_server.v1}/chat/completions", headers=live_server.headers, json={
         "model": live_server.model, "messages": ASK, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+@pytestmark_slow
+@pytest.mark.parametrize("choice", [None, "none", "auto", "required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_schema_that_cannot_compile_is_a_400_under_any_tool_choice(live_server, choice):
+    import httpx
+
+    bogus = [TOOLS[1], {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}]
+    body = {"model": live_server.model, "messages": ASK, "tools": bogus, "max_tokens": 2}
+    r = httpx.post(f"{live_server.v1}/chat/completions", headers=live_server.headers,
+                   json=body if choice is None else {**body, "tool_choice": choice})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "'f'" in error["message"] and "bogus" in error["message"]
