@@ -246,10 +246,25 @@ void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
               "the caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one shape and one dtype");
 }
 
-// A new K or V row into the pool: copied (fp32) or rounded to nearest even (fp16).
+// A new K or V row into the pool: copied (fp32) or rounded to nearest even (fp16; F16C eight at a
+// time where the CPU has it, the same rounding as c10::Half's scalar one, which had cost ~2% of a
+// 16-row decode step).
 inline void store_row(const float* src, int64_t D, float* dst) { std::copy(src, src + D, dst); }
+#ifdef KVSERVE_ATTN_X86
+__attribute__((target("avx2,f16c"))) inline int64_t store_halves_f16c(const float* src, int64_t D, c10::Half* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  return i;
+}
+#endif
 inline void store_row(const float* src, int64_t D, c10::Half* dst) {
-  for (int64_t i = 0; i < D; ++i) dst[i] = c10::Half(src[i]);
+  int64_t i = 0;
+#ifdef KVSERVE_ATTN_X86
+  if (kvserve::cpu_has_avx2()) i = store_halves_f16c(src, D, dst);
+#endif
+  for (; i < D; ++i) dst[i] = c10::Half(src[i]);
 }
 
 // The step's buffers between phases, shared by the threads: sized for the largest layer.

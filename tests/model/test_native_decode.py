@@ -131,7 +131,8 @@ def test_int8_blocks_only_native_decode_takes_more_than_16_rows(cache_dir, tmp_p
 @pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
 def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
     """float16: the pools hold fp16 rows, which the python path rounds with ``.to()`` and the
-    native one with c10::Half as it writes, and widens as it reads (F16C)."""
+    native one with F16C (c10::Half's rounding, to nearest even) as it writes, and widens as it
+    reads."""
     engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_key_value_heads=heads)), block_size=4,
                          kv_cache_dtype=kv_cache_dtype)
     assert engine.runner.kv_caches[0][0].dtype == (torch.float16 if kv_cache_dtype == "float16" else torch.float32)
