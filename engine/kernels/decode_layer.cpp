@@ -396,6 +396,8 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<LayerWeights> layers;
   std::vector<at::Tensor> keep;  // the tensors the layers point into
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  at::Tensor norm;  // the model's final RMSNorm weight (set_final_norm), or undefined
+  float norm_eps = 0.f;
 
   DecodeStack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_)
       : hidden(hidden_size), heads(num_heads), kv_heads(num_kv_heads), head_dim(head_dim_) {}
@@ -417,10 +419,19 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-  // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools.
+  // The model's final RMSNorm, which run() applies after the last layer when asked to.
+  void set_final_norm(at::Tensor weight, double eps) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == hidden,
+                "the final norm must be a contiguous float32 [hidden]");
+    norm = weight, norm_eps = static_cast<float>(eps);
+  }
+
+  // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools. With
+  // final_norm, then through the model's final RMSNorm (set_final_norm), in the same region.
   void run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
            std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens,
-           double scale, bool int8_activations) {
+           double scale, bool int8_activations, bool final_norm) {
+    TORCH_CHECK(!final_norm || norm.defined(), "run(final_norm=True) needs set_final_norm first");
     TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "one K and one V cache per layer (", layers.size(), " layers)");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "x must be [B, ", hidden, "]");
@@ -434,21 +445,26 @@ struct DecodeStack : torch::CustomClassHolder {
     shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
       return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
     }), in);
+    const float* w = final_norm ? norm.data_ptr<float>() : nullptr;
     if (k_caches[0].scalar_type() == at::kHalf)
-      run_layers<c10::Half>(in, k_caches, v_caches, *shared);
+      run_layers<c10::Half>(in, k_caches, v_caches, *shared, w);
     else
-      run_layers<float>(in, k_caches, v_caches, *shared);
+      run_layers<float>(in, k_caches, v_caches, *shared, w);
   }
 
   template <typename T>
   void run_layers(const StepInputs& in, const std::vector<at::Tensor>& k_caches,
-                  const std::vector<at::Tensor>& v_caches, const SharedScratch& shared) const {
+                  const std::vector<at::Tensor>& v_caches, const SharedScratch& shared, const float* final_norm) const {
     std::vector<T*> kp(layers.size()), vp(layers.size());
     for (size_t i = 0; i < layers.size(); ++i) kp[i] = k_caches[i].data_ptr<T>(), vp[i] = v_caches[i].data_ptr<T>();
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       static thread_local ThreadScratch ts;
       for (size_t i = 0; i < layers.size(); ++i) run_layer(layers[i], in, kp[i], vp[i], shared, ts);
+      if (final_norm) {
+#pragma omp for
+        for (int64_t r = 0; r < in.B; ++r) rms_norm(in.x + r * hidden, final_norm, 1, hidden, norm_eps, in.x + r * hidden);
+      }
     }
   }
 };
@@ -460,6 +476,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_final_norm", &DecodeStack::set_final_norm)
       .def("run", &DecodeStack::run);
   m.def("decode_layer(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor[] qkv, int[] qkv_rows, int[] qkv_formats, Tensor? qkv_bias, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
 from engine.quant import BlockFormat
@@ -237,7 +238,8 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
     decode_layer call per layer does (same kernels, same per-chunk order: bit for bit), K/V
     writes included, with two threads sharing the work (the engine tests run one thread, so this
     is where threads share the step's buffers), with int8 activations on and off, over fp32 and
-    fp16 pools."""
+    fp16 pools. With final_norm it also applies the model's final RMSNorm (F.rms_norm's up to
+    the summation order)."""
     shape, formats = GGUF_CASES[case]
     model = gguf_engine(write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=3), "blocks").runner.model
     assert model.decode_path == "native" and model._native_stack.num_layers() == len(model.layers)
@@ -252,12 +254,17 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             for args, k, v in zip(model._native_layers, want_k, want_v):
                 torch.ops.kvserve.decode_layer(want_x, *args, cos, sin, k, v, slots, table, lens,
                                                model.arch.num_heads, scale, int8)
-            model._native_stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8)
+            model._native_stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False)
             assert torch.equal(x, want_x), (rows, int8)
             assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
             assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
             fresh_k = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)[3]
             assert not all(torch.equal(a, b) for a, b in zip(ks, fresh_k))  # and wrote their new keys
+            normed, _, _, ks2, vs2, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
+            model._native_stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True)
+            want_normed = F.rms_norm(want_x, (want_x.shape[-1],), model.norm, model.arch.rms_norm_eps)
+            torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-6)
+            assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
     finally:
         torch.set_num_threads(threads)
 
@@ -267,14 +274,20 @@ def test_decode_stack_rejects_mismatched_caches():
     model = engine.runner.model
     x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, 2, 5, 4, seed=0)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        model._native_stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False)
+        model._native_stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False)
     bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model._native_stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False)
+        model._native_stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False)
     mixed = ks[:1] + [ks[1].half()] + ks[2:]  # one layer's pool fp16, the others fp32
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model._native_stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False)
+        model._native_stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False)
     with pytest.raises(RuntimeError, match="contiguous float32 or float16"):
-        model._native_stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False)
+        model._native_stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        model._native_stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False)
+        model._native_stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False)
+    a = model.arch
+    bare = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
+    for args in model._native_layers:
+        bare.add_layer(*args)
+    with pytest.raises(RuntimeError, match="needs set_final_norm"):
+        bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True)
