@@ -4,6 +4,9 @@ Fields outside OpenAI's API are accepted (vLLM's extras from load generators); O
 kvserve does not implement are classified in ``server.openai_fields`` and, when they ask for
 the feature, answered with a 400 naming them (``check_fields``), never silently dropped.
 
+Types are checked as OpenAI checks them: ``"5"`` or ``true`` is no integer, ``"0.5"`` no number,
+``1`` no boolean (pydantic's lax mode would coerce all three), so every model here is strict;
+an integral float such as ``5.0`` still counts as an integer, as in OpenAI's JSON schema.
 Range checks live here (so a bad value is a 400 that names its parameter); cross-field
 rules live in ``to_sampling_params``.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtypes.sampling_params import SamplingParams
 from kvtypes.structured_spec import StructuredOutputSpec
@@ -21,41 +24,61 @@ from server.errors import bad_request
 from server.openai_fields import check_fields
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _whole_number(value: Any) -> Any:
+    """5.0 -> 5 (JSON has one number type); anything else is left for the strict int check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_whole_number)]
+
+
+class OpenAIModel(BaseModel):
+    """A part of a request: strict types (see the module doc), unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None  # a prompt-cache breakpoint (server/cache_routes.py)
 
 
-class FunctionCallIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCallIn(OpenAIModel):
     name: str
     arguments: str
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(OpenAIModel):
     """A call an earlier assistant turn made (input)."""
 
-    model_config = ConfigDict(extra="ignore")
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+Content = Union[str, list[TextPart], None]
+
+
+class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Content = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     cache_control: CacheControl | None = None  # a prompt-cache breakpoint (server/cache_routes.py)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, value: Content, info: ValidationInfo) -> Content:
+        # as OpenAI's schema has it: only an assistant turn (which may carry tool_calls) may omit content
+        if value is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -68,41 +91,36 @@ class ChatMessage(BaseModel):
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionDefinition(OpenAIModel):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Tool(OpenAIModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolChoiceFunction(OpenAIModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedToolChoice(OpenAIModel):
     type: Literal["function"]
     function: ToolChoiceFunction
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(populate_by_name=True)
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -118,7 +136,7 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIModel):
     """Fields shared by chat and text completions.
 
     ``extra="allow"``: unknown fields are kept (in ``model_extra``) so that ``check_fields``
@@ -128,19 +146,19 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     _kind = "chat"
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[Integer, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[Integer, Field(ge=1, le=128)] = 1
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Integer] | None = None
+    seed: Integer | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[Integer, Field(ge=0)] = 0
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -231,9 +249,9 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
@@ -262,12 +280,12 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     _kind = "completions"
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: Union[str, list[str], list[Integer], list[list[Integer]]]
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = 16
+    logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[Integer, Field(ge=1)] | None = None
     response_format: ResponseFormat | None = None  # a vLLM extra on completions
 
     def to_sampling_params(self, max_stop: int) -> SamplingParams:

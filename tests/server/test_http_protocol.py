@@ -91,6 +91,54 @@ def test_wrong_types_name_the_param(http, live_server, openai_schemas):
         assert param in err["message"] or param == "prompt", err
 
 
+def test_values_of_the_wrong_json_type_are_refused_as_openai_schema_refuses_them(http, live_server,
+                                                                                 openai_schemas):
+    """A string, a boolean or null where OpenAI's schema wants a number, a boolean or content is a
+    400 naming the field, not coerced (pydantic's lax mode had served ``max_tokens: true`` as 1)."""
+    def chat(**extra):
+        return "/v1/chat/completions", "CreateChatCompletionRequest", chat_body(live_server, **extra)
+
+    def completion(**extra):
+        return "/v1/completions", "CreateCompletionRequest", {"model": live_server.model, "prompt": "hi",
+                                                              "max_tokens": 2, **extra}
+    refused = [
+        (chat(max_tokens="5"), "max_tokens"),
+        (chat(max_tokens=True), "max_tokens"),
+        (chat(temperature="0.5"), "temperature"),
+        (chat(n="2"), "n"),
+        (chat(seed="1"), "seed"),
+        (chat(stream="true"), "stream"),
+        (chat(logprobs=1), "logprobs"),
+        (chat(logprobs=True, top_logprobs="2"), "top_logprobs"),
+        (chat(logit_bias={"5": "1"}), "logit_bias.5"),
+        (chat(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+        (chat(parallel_tool_calls="no"), "parallel_tool_calls"),
+        (chat(messages=[{"role": "user", "content": None}]), "messages.0.content"),
+        (chat(messages=[{"role": "user"}]), "messages.0.content"),
+        (chat(messages=[{"role": "system", "content": None}, *MSGS]), "messages.0.content"),
+        (chat(messages=[*MSGS, {"role": "tool", "content": None, "tool_call_id": "c"}]), "messages.1.content"),
+        (chat(messages=[{"role": "user", "content": "a", "name": 5}]), "messages.0.name"),
+        (completion(max_tokens="5"), "max_tokens"),
+        (completion(echo="true"), "echo"),
+        (completion(logprobs=True), "logprobs"),
+    ]
+    for (url, schema, body), param in refused:
+        assert openai_schemas.errors(schema, body), f"OpenAI's schema accepts {body}"
+        err = assert_error(http.post(url, json=body), 400, openai_schemas, param=param)
+        assert param in err["message"], err
+    # what the schema accepts still serves: an integral float is an integer, an int a number,
+    # and an assistant turn may leave its content out
+    accepted = [chat(max_tokens=2.0, temperature=0, top_p=1),
+                chat(messages=[*MSGS, {"role": "assistant", "content": None}, *MSGS]),
+                completion(prompt=[1.0, 2.0], max_tokens=2.0)]
+    for url, schema, body in accepted:
+        openai_schemas.validate(schema, body)
+        r = http.post(url, json=body)
+        assert r.status_code == 200, r.text
+        assert 1 <= r.json()["usage"]["completion_tokens"] <= body["max_tokens"], r.json()
+    assert http.get("/health").status_code == 200
+
+
 def test_missing_model_is_400(http, openai_schemas):
     err = assert_error(http.post("/v1/chat/completions", json={"messages": MSGS}), 400, openai_schemas,
                        param="model")
