@@ -143,24 +143,24 @@ class OpenAIServing:
             raise bad_request(message, "logit_bias" if message.startswith("logit_bias") else param) from None
 
     @staticmethod
-    def _check_tool_schemas(plan: ToolPlan) -> None:
-        """400 naming ``tools`` for a function whose ``parameters`` cannot compile, as OpenAI
-        refuses an invalid function schema under any ``tool_choice``."""
-        for name, spec in plan.parameter_specs():
-            try:
-                _validate_spec_cached(spec)
-            except GrammarError as exc:
-                raise bad_request(f"invalid tools: function {name!r}: {exc}", "tools") from None
-
-    @staticmethod
-    def _check_grammar(params: SamplingParams, param: str) -> None:
-        """400 for a schema / regex / grammar that cannot compile (checked without a tokenizer)."""
-        if params.structured_output is None:
-            return
+    def _check_spec(spec: Any, what: str, param: str) -> None:
+        """400 naming ``param`` for a schema / regex / grammar that cannot compile (checked
+        without a tokenizer, once per distinct spec)."""
         try:
-            _validate_spec_cached(params.structured_output)
+            _validate_spec_cached(spec)
         except GrammarError as exc:
-            raise bad_request(f"invalid {param}: {exc}", param) from None
+            raise bad_request(f"invalid {what}: {exc}", param) from None
+
+    def _check_tool_schemas(self, plan: ToolPlan) -> None:
+        """Every function's ``parameters`` must compile, as OpenAI refuses an invalid function
+        schema under any ``tool_choice``."""
+        for name, spec in plan.parameter_specs():
+            self._check_spec(spec, f"tools: function {name!r}", "tools")
+
+    def _check_grammar(self, params: SamplingParams, param: str) -> None:
+        """The request's own grammar (a response_format, a guided_* field or a forced tool call)."""
+        if params.structured_output is not None:
+            self._check_spec(params.structured_output, param, param)
 
     @property
     def _template_has_tools(self) -> bool:
