@@ -63,6 +63,20 @@ def test_kernel_equals_f_linear_for_every_row_count(fmt):
         close(torch.ops.kvserve.gguf_linear_panels(x, packed.data, 37, int(fmt), tile), F.linear(x, dense))
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.strips])
+def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(fmt):
+    """Above 4 rows the row formats' kernel keeps one accumulator per (row, feature) over all of
+    K: a row's outputs are the same bits in any batch of 5-16 rows, wherever it sits."""
+    blocks, _ = blocks_and_reference(fmt, 37, 512, seed=7)
+    packed = blocks.pack()
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(7))
+    full = torch.ops.kvserve.gguf_linear(x, packed.data, 37, int(fmt))
+    for rows in range(5, 16):
+        for start in (0, 16 - rows):
+            part = torch.ops.kvserve.gguf_linear(x[start:start + rows].contiguous(), packed.data, 37, int(fmt))
+            assert torch.equal(part, full[start:start + rows]), (rows, start)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_block_linear_without_a_dense_copy(fmt):
     blocks, dense = blocks_and_reference(fmt, 24, 256, seed=3)
@@ -87,8 +101,9 @@ def test_rows_lookup_equals_the_dequantized_rows(fmt):
 
 def test_bad_format_and_shape_are_clear_errors():
     blocks, _ = blocks_and_reference(BlockFormat.Q4_K, 4, 256)
-    with pytest.raises(RuntimeError, match="format must be 0-7"):
-        torch.ops.kvserve.gguf_linear(torch.randn(1, 256), blocks.data, 4, 9)
+    unknown = len(BlockFormat)
+    with pytest.raises(RuntimeError, match=f"format must be 0-{unknown - 1} "):
+        torch.ops.kvserve.gguf_linear(torch.randn(1, 256), blocks.data, 4, unknown)
     with pytest.raises(RuntimeError, match="do not hold 4 x 512"):
         torch.ops.kvserve.gguf_linear(torch.randn(1, 512), blocks.data, 4, int(BlockFormat.Q4_K))
     with pytest.raises(RuntimeError, match="multiple of 8"):
