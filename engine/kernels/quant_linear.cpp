@@ -174,6 +174,7 @@ void strip_rows(const float* x, int64_t K, const uint8_t* strip, float* out, int
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
+    kvserve::prefetch_ahead(strip + b * Format::kStripBytes, Format::kStripBytes);
     Avx2<Format>::for_each_k(strip + b * Format::kStripBytes, [&](int k, __m256 w) {
       for (int r = 0; r < R; ++r) acc[r][k % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * K + k), w, acc[r][k % A]);
     });
@@ -516,6 +517,7 @@ void rows_fused(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t
         const int a = (o / 8) % A;
         for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + r * K + o), acc[r][a]);
       };
+      kvserve::prefetch_ahead(row + b * Format::kBytes, Format::kBytes);
       Avx2Rows<Format>::run(row + b * Format::kBytes, sink);
     }
     for (int r = 0; r < R; ++r) {
@@ -528,7 +530,10 @@ void rows_fused(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t
 
 template <typename Format>
 void decode_row_avx2(const uint8_t* row, int64_t nb, float* y) {
-  for (int64_t b = 0; b < nb; ++b) decode_avx2<Format>(row + b * Format::kBytes, y + b * Format::kWeights);
+  for (int64_t b = 0; b < nb; ++b) {
+    kvserve::prefetch_ahead(row + b * Format::kBytes, Format::kBytes);
+    decode_avx2<Format>(row + b * Format::kBytes, y + b * Format::kWeights);
+  }
 }
 
 // Rows [0, R) of x against F decoded weight rows y (row stride K): out[r * ldo + f]. One
