@@ -557,7 +557,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                               "alternating which server goes first; ratio = median of the rounds' "
                                               "(default 1)")
     p.add_argument("--llama-gguf", help="the GGUF llama-server runs: default the shipped Q4_1 file; 'f32', "
-                                        "'Q8_0' or 'Q4_K_M' (made with llama-quantize, cached) or a path")
+                                        "'Q8_0', 'Q4_K_M', 'F16' or 'BF16' (made with llama-quantize, cached) or a path")
     p.add_argument("--no-agreement", action="store_true",
                    help="skip the teacher-forced agreement (and loading the engine and transformers in process)")
 

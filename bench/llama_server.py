@@ -36,6 +36,7 @@ SERVER_BIN = "usr/bin/llama-server"
 READY_MARK = ".kvserve-peer-ready"  # written by the script's build step: the package version
 MODEL_ALIAS = "llama-server-model"
 KQUANT_TYPES = ("Q4_K_M", "Q8_0")
+HALF_TYPES = ("F16", "BF16")  # unquantized files, made the same way on request
 
 
 def rootfs_dir() -> Path:
@@ -219,8 +220,8 @@ def kquant_ggufs(types: Sequence[str] = KQUANT_TYPES, source: str | os.PathLike 
 
 
 def resolve_gguf(spec: str | None) -> Path:
-    """A ``--gguf`` value: None (the shipped Q4_1 file), ``f32``, a K-quant type such as
-    ``Q8_0`` / ``Q4_K_M`` (made and cached on first use) or a path."""
+    """A ``--gguf`` value: None (the shipped Q4_1 file), ``f32``, a type llama-quantize makes
+    (``Q8_0`` / ``Q4_K_M`` / ``F16`` / ``BF16``, made and cached on first use) or a path."""
     from bench.llamacpp import f32_gguf
     from engine.loader import default_gguf_path
 
@@ -228,6 +229,6 @@ def resolve_gguf(spec: str | None) -> Path:
         return Path(default_gguf_path())
     if spec.lower() == "f32":
         return f32_gguf()
-    if spec.upper() in KQUANT_TYPES:
+    if spec.upper() in KQUANT_TYPES + HALF_TYPES:
         return kquant_ggufs([spec.upper()])[spec.upper()]
     return Path(spec)

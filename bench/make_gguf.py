@@ -38,7 +38,12 @@ _D_SCALE = {BlockFormat.Q4_0: 4e-3, BlockFormat.Q4_1: 4e-3, BlockFormat.Q8_0: 3e
 
 def random_blocks(fmt: BlockFormat, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 ``[rows, cols / block_weights * block_bytes]``: random codes and sub-scales, finite
-    random fp16 scales (the min term of Q4_1/Q4_K/Q5_K sized to centre the weights near zero)."""
+    random fp16 scales (the min term of Q4_1/Q4_K/Q5_K sized to centre the weights near zero);
+    for F16 / BF16 random normal halves."""
+    if fmt in (BlockFormat.F16, BlockFormat.BF16):  # plain halves, standard deviation ~0.02
+        values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        halves = values.astype(np.float16).view(np.uint16) if fmt == BlockFormat.F16 else values.view(np.uint32) >> 16
+        return np.ascontiguousarray(halves.astype(np.uint16)).view(np.uint8).reshape(rows, cols * 2)
     nb = cols // fmt.block_weights
     raw = rng.integers(0, 256, size=(rows, nb, fmt.block_bytes), dtype=np.uint8)
     d = np.abs(rng.standard_normal((rows, nb, 1))).astype(np.float32) * _D_SCALE[fmt] + _D_SCALE[fmt] / 4

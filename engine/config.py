@@ -23,7 +23,7 @@ class ModelConfig:
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     attention_backend: str = "auto"  # a name of engine.attention.ATTENTION_BACKENDS
     # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's blocks
-    # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, engine/quant.py); auto picks it for such a GGUF
+    # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and F16/BF16 halves; engine/quant.py); auto picks it for such a GGUF
     linear_backend: str = "auto"
     # "auto" | "dense" | "blocks": whether a GGUF's matrices also get a dense fp32 copy
     # (converted once; prefill through oneDNN, faster) or stay blocks only (read straight from

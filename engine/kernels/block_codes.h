@@ -18,6 +18,8 @@ namespace kvserve {
 // int8 scales, d).
 namespace blocks {
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;
+// Unquantized halves (F16, BF16 files): GGUF rows of K values, read 32 at a time as if in blocks.
+constexpr int64_t kF16 = 8, kBF16 = 9, kNumFormats = 10;
 constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
 // quant_linear.cpp's strips: 8 output columns, strip-blocks of 32 k (Q4_1 160 bytes, Q8_0 272)
 constexpr int64_t kStripColumns = 8, kQ4_1StripBytes = 160, kQ8_0StripBytes = 272;

@@ -26,6 +26,7 @@
 #include <optional>
 #include <vector>
 
+#include "block_codes.h"
 #include "paged_attention.h"
 #include "silu_mul.h"
 #include "quant_linear.h"
@@ -70,7 +71,8 @@ Matrix make_matrix(at::TensorList data, at::IntArrayRef rows, at::IntArrayRef fo
     } else {
       TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.dim() == 2, name,
                   ": a block part must be a packed uint8 matrix (gguf_pack)");
-      TORCH_CHECK(formats[i] >= 0 && formats[i] <= 7, name, ": format must be -1 (dense) or 0-7");
+      TORCH_CHECK(formats[i] >= 0 && formats[i] < kvserve::blocks::kNumFormats, name, ": format must be -1 (dense) or 0-",
+                  kvserve::blocks::kNumFormats - 1);
       // strip formats (0, 1) are cut into ranges on strip boundaries
       TORCH_CHECK(formats[i] > 1 || m.N % 8 == 0, name, ": a strip-format part must start at a multiple of 8 rows");
     }

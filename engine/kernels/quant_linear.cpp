@@ -330,6 +330,27 @@ struct Q6_K {
   }
 };
 
+// F16 / BF16: not quantized; a row is K halves, read 32 (64 bytes) at a time so they ride the
+// row-format code as blocks of 32. Both widen to fp32 exactly (BF16 is fp32's top 16 bits).
+struct F16 {
+  static constexpr int64_t kWeights = 32, kBytes = 64;
+  static void decode(const uint8_t* b, float* y) {
+    for (int j = 0; j < 32; ++j) y[j] = half_at(b + 2 * j);
+  }
+};
+
+struct BF16 {
+  static constexpr int64_t kWeights = 32, kBytes = 64;
+  static void decode(const uint8_t* b, float* y) {
+    for (int j = 0; j < 32; ++j) {
+      uint16_t h;
+      std::memcpy(&h, b + 2 * j, sizeof(h));
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(y + j, &bits, sizeof(bits));
+    }
+  }
+};
+
 // Blocks the portable path decodes per chunk: the 32-weight formats up to 8 at a time so the
 // accumulators are reloaded once per 256 weights, like the K formats.
 template <typename Format>
@@ -489,6 +510,25 @@ struct Avx2Rows<Q6_K> {
   }
 };
 
+template <>
+struct Avx2Rows<F16> {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
+    for (int o = 0; o < 32; o += 8) y(o, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * o))));
+  }
+};
+
+template <>
+struct Avx2Rows<BF16> {
+  template <typename Sink>
+  static void run(const uint8_t* b, Sink& y) {
+    for (int o = 0; o < 32; o += 8) {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * o)));
+      y(o, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    }
+  }
+};
+
 template <typename Format>
 inline void decode_avx2(const uint8_t* b, float* y) {
   Store sink{y};
@@ -611,7 +651,7 @@ void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N, ldo);
 }
 
-// Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-7.
+// Format codes (engine/quant.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-9.
 template <typename Fn>
 auto with_format(int64_t format, Fn&& fn) {
   switch (format) {
@@ -623,7 +663,10 @@ auto with_format(int64_t format, Fn&& fn) {
     case 5: return fn(Q6_K{});
     case 6: return fn(Q5_0{});
     case 7: return fn(Q5_1{});
-    default: TORCH_CHECK(false, "format must be 0-7 (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), got ", format);
+    case 8: return fn(F16{});
+    case 9: return fn(BF16{});
+    default:
+      TORCH_CHECK(false, "format must be 0-9 (Q4_1, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, F16, BF16), got ", format);
   }
 }
 

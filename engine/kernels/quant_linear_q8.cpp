@@ -1117,7 +1117,7 @@ unsigned kvserve::q8_layouts(int64_t format) {
 }
 
 bool kvserve::q8_supported(int64_t format) {
-  return format >= kQ4_1 && format <= kQ5_1 && cpu_has_avx2();  // every BlockFormat
+  return format >= kQ4_1 && format <= kQ5_1 && cpu_has_avx2();  // every quantized BlockFormat (not F16, BF16)
 }
 
 void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0,

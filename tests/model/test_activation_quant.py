@@ -232,10 +232,12 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
 
 
 def test_cpus_without_an_int8_kernel_keep_fp32_activations(tmp_path):
-    """Every block format has an int8 kernel on AVX2; where the CPU has none (forced here by
-    KVSERVE_PORTABLE_KERNELS, read once per process) the flag leaves fp32 activations and the op
-    refuses with a clear error. The scalar quantizer there gives the AVX2 one's codes and scales."""
-    assert all(torch.ops.kvserve.gguf_q8_supported(int(f)) for f in BlockFormat)
+    """Every quantized block format has an int8 kernel on AVX2 (F16 and BF16 keep fp32
+    activations, as llama.cpp multiplies them in floats too); where the CPU has none (forced here
+    by KVSERVE_PORTABLE_KERNELS, read once per process) the flag leaves fp32 activations and the
+    op refuses with a clear error. The scalar quantizer there gives the AVX2 one's codes and scales."""
+    halves = {BlockFormat.F16, BlockFormat.BF16}
+    assert all(torch.ops.kvserve.gguf_q8_supported(int(f)) != (f in halves) for f in BlockFormat)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11)) * 3
     torch.save({"x": x, **{b: torch.ops.kvserve.quantize_q8(x, b) for b in (32, 256)}}, tmp_path / "q.pt")
     script = f"""
@@ -329,6 +331,32 @@ def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypa
           f"{max((a - b).abs().max().item() for a, b in zip(ref[:compared], got[:compared])):.4f} of "
           f"{max(a.abs().max().item() for a in ref):.2f}")
     assert max((a - b).abs().max().item() for a, b in zip(ref[:compared], got[:compared])) > 0
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.F16, BlockFormat.BF16])
+def test_unquantized_halves_keep_fp32_activations_under_the_int8_flag(fmt, tmp_path, monkeypatch):
+    """F16 / BF16 matrices have no int8 kernel (llama.cpp multiplies them in floats as well):
+    with the flag on, every one keeps the fp32 kernel and the logits are the flag-off logits
+    bit for bit, decode on the native path."""
+    from bench.make_gguf import GGUFShape, write_gguf
+    from engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    shape = GGUFShape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=512, context=256)
+    path = write_gguf(tmp_path / "tiny.gguf", shape, lambda name, layer, layers: fmt, seed=3)
+    logits = {}
+    for mode in ("none", "int8"):
+        engine = _engine(path, mode)
+        model = engine.runner.model
+        assert model.decode_path == "native" and model.activation_quant == mode
+        assert all(op is torch.ops.kvserve.gguf_linear for mm in model.block_linears() for op in mm.kernels)
+        seen = []
+        compute = model.compute_logits
+        model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]
+        engine.generate([[5, 6, 7], [9, 3, 4, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        logits[mode] = seen
+    assert len(logits["none"]) == len(logits["int8"]) >= 5
+    assert all(torch.equal(a, b) for a, b in zip(logits["none"], logits["int8"]))
 
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)

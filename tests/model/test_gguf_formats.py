@@ -205,6 +205,22 @@ def test_gguf_file_logits_equal_transformers(case, cache_dir, tmp_path):
     assert check_against_hf(hf_from_gguf(path), rec) == 12
 
 
+def test_f16_matrices_the_kernel_cannot_cut_in_32s_stay_dense(cache_dir, tmp_path):
+    """An F16 file of width 80: its matrices of 80 columns are loaded dense, ffn_down's (160)
+    as blocks, and the mixed model still gives transformers' logits."""
+    from tests.model.test_model_vs_transformers import GREEDY, LogitRecorder, check_against_hf
+
+    shape = GGUFShape(hidden=80, layers=2, heads=4, kv_heads=2, ffn=160, vocab=512, context=256)
+    path = write_gguf(tmp_path / "f16-width-80.gguf", shape, uniform(BlockFormat.F16))
+    engine = gguf_engine(path)
+    model = engine.runner.model
+    assert model.holds_blocks_only() and model.lm_head_blocks is None
+    assert all(set(layer.blocks) == {"down"} for layer in model.layers)
+    rec = LogitRecorder(engine)
+    engine.generate([list(range(3, 23)), [7, 3, 60]], GREEDY)
+    assert check_against_hf(hf_from_gguf(path), rec) == 12
+
+
 def test_mixed_q4_k_m_file_dense_and_blocks_agree(cache_dir, tmp_path):
     """A Q4_K_M-style file (Q4_K, Q6_K LM head and some attn_v/ffn_down): the dense-resident
     engine attaches blocks to every matrix, and both residencies give transformers' logits."""

@@ -74,7 +74,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="do not hold 9 x 64 weights"):
         torch.ops.kvserve.gguf_linear(torch.randn(2, 64), packed.data, 9, 1)
     with pytest.raises(RuntimeError, match="format must be"):
-        torch.ops.kvserve.gguf_linear(torch.randn(2, 64), packed.data, 4, 9)  # 7 is Q5_1 now
+        torch.ops.kvserve.gguf_linear(torch.randn(2, 64), packed.data, 4, len(BlockFormat))  # one past the last
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.kvserve.gguf_linear(torch.randn(2, 64, dtype=torch.float64), packed.data, 4, 1)
     with pytest.raises(RuntimeError, match="K / 32 blocks"):
