@@ -217,6 +217,10 @@ class BlockLinear:
     # no dense copy for the formats whose int8 kernel beats the fp32 panels (8192 x 2048 Q4_K at 64
     # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
     # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
+    # Without a dense copy the alternative is the panels, which every format's kernel beats up to
+    # 24 rows (bench.quant_linear on SmolLM2 Q4_K_M: Q5_0 / Q6_K / Q8_0 at 16 rows 1.2-1.7x;
+    # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16)
+    BLOCKS_ONLY_MAX_ROWS = 16
     INT8_MAX_ROWS = 16
     INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0})
     INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K,
@@ -246,7 +250,8 @@ class BlockLinear:
 
         def rows(q: bool, fmt: BlockFormat) -> int:
             if not q:
-                return self.MAX_ROWS[fmt]
+                return self.MAX_ROWS[fmt] if self.dense is not None else max(self.MAX_ROWS[fmt],
+                                                                             self.BLOCKS_ONLY_MAX_ROWS)
             unbounded = ((self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS)
                          or (vnni and fmt in self.INT8_VNNI_FORMATS))
             return sys.maxsize if unbounded else self.INT8_MAX_ROWS

@@ -227,7 +227,8 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
         assert linear.max_rows == BlockLinear.INT8_MAX_ROWS
         assert torch.equal(got, torch.ops.kvserve.gguf_linear_panels(x, packed.data, 40, int(fmt), linear.tile_rows))
     linear.use_int8_activations(False)  # fp32 activations: prefill back on the dense copy or the panels
-    assert linear.max_rows == BlockLinear.MAX_ROWS[fmt]
+    assert linear.max_rows == (BlockLinear.MAX_ROWS[fmt] if has_dense
+                               else max(BlockLinear.MAX_ROWS[fmt], BlockLinear.BLOCKS_ONLY_MAX_ROWS))
     torch.testing.assert_close(linear(x), F.linear(x, dense), rtol=1e-4, atol=1e-4)
 
 
