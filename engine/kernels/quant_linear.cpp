@@ -636,7 +636,6 @@ void linear_rows_avx2(const float* x, int64_t M, int64_t K, const uint8_t* w, in
   }
 }
 
-
 #pragma GCC pop_options
 #endif
 
