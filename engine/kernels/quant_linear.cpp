@@ -22,6 +22,7 @@
 // Columns past N in the last strip are zero.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -345,8 +346,7 @@ struct BF16 {
     for (int j = 0; j < 32; ++j) {
       uint16_t h;
       std::memcpy(&h, b + 2 * j, sizeof(h));
-      const uint32_t bits = static_cast<uint32_t>(h) << 16;
-      std::memcpy(y + j, &bits, sizeof(bits));
+      y[j] = c10::detail::f32_from_bits(h);
     }
   }
 };
