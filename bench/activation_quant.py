@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.kv_int8 import compare, teacher_forced
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 MODES = ("none", "int8")
 

@@ -70,7 +70,7 @@ def hf_top1(model: Any, ids: Sequence[int], start: int = 1) -> list[int]:
 def engine_top1(engine: Any, ids: Sequence[int], start: int = 1) -> list[int]:
     """kvserve's engine in process: one greedy token after every prefix, all prefixes submitted
     at once (the scheduler batches them; the prefix cache shares their common blocks)."""
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     order = [engine.add_request(p, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
              for p in prefixes(ids, start)]
@@ -84,7 +84,7 @@ def engine_top1(engine: Any, ids: Sequence[int], start: int = 1) -> list[int]:
 
 def engine_next_token(engine: Any) -> Callable[[list[int]], int]:
     """kvserve's engine in process: one greedy token (EOS allowed) per call."""
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     def next_token(prefix: list[int]) -> int:
         engine.add_request(prefix, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))

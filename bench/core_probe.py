@@ -26,7 +26,7 @@ PROMPT = ("You are a careful assistant. Summarise in two sentences why a paged k
 
 
 def build_client(mode: str, config: Any) -> Any:
-    from engine.core_client import InprocEngineClient, MPEngineClient
+    from engine.core.client import InprocEngineClient, MPEngineClient
 
     if mode == "process":
         import torch

@@ -44,7 +44,7 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
     from cache import CacheConfig
     from engine.config import ModelConfig
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
     from scheduler.config import SchedulerConfig
 
     start = time.perf_counter()
@@ -61,7 +61,7 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
                                                * engine.capacity.bytes_per_token / 1e6),
                            "linear_backend": engine.runner.model.linear_backend, "runs": []}
     lm = engine.runner.model
-    vocab = engine.arch.vocab_size
+    vocab = engine.model.arch.vocab_size
     rng = random.Random(0)
     for ctx in contexts:
         prompt = [rng.randrange(100, vocab - 100) for _ in range(ctx)]

@@ -115,7 +115,7 @@ def build_engine(args: argparse.Namespace, config: dict[str, Any]) -> Any:
     from transformers import LlamaConfig
 
     from cache import CacheConfig
-    from engine.arch import ModelArch
+    from engine.model.arch import ModelArch
     from engine.config import ModelConfig
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.loader import LoadedModel

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -71,7 +71,7 @@ def kivi_hook(keys: str):
     shipped scheme, a cross-check of the simulation) or per channel over the block's tokens
     (``keys="channel"``, KIVI's key layout with the block as its token group). Each write
     re-quantizes the touched blocks from an exact shadow copy, so a block is never quantized twice."""
-    from engine.kv_quant import dequantize, quantize
+    from engine.kv.int8 import dequantize, quantize
 
     shadows: dict[int, torch.Tensor] = {}
 
@@ -118,7 +118,7 @@ def quality(args) -> None:
         runs += [("sim per-token keys", "auto", "token"), ("sim per-channel keys (KIVI)", "auto", "channel")]
     for label, kv, keys in runs:
         engine = _engine(kv, "torch", args.num_threads, num_blocks=(args.tokens + 64) // 16 + 1)
-        arch = engine.arch
+        arch = engine.model.arch
         tokens = engine.tokenizer(text)["input_ids"][:args.tokens]
         original = torch_sdpa.write_kv
         if keys is not None:
@@ -162,7 +162,7 @@ def decode_rates(engines: dict, streams: int, prompt_len: int, output_len: int, 
     on a shared machine falls on all of them alike."""
     import random
 
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(streams)]
@@ -213,7 +213,7 @@ def concurrency(args) -> None:
     import statistics
 
     from bench.kv_memory import median_running_while_queued
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     rng = random.Random(0)
     workload = [([rng.randrange(100, 10000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],

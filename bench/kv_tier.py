@@ -23,7 +23,7 @@ from typing import Any, Callable
 from bench.common import machine_info
 from bench.report import check, info, median, table
 from bench.serving import Progress
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 
 TARGET = 5.0
 

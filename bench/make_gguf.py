@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.quant import BlockFormat
+from engine.loader.gguf.blocks import BlockFormat
 
 # byte offsets of each format's fp16 scales inside a block (d, then dmin/m where present)
 SCALE_OFFSETS = {BlockFormat.Q4_0: (0,), BlockFormat.Q4_1: (0, 2), BlockFormat.Q8_0: (0,),

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine_info, print_table, ratio, set_threads, write_results
-from engine.quant import GGUFMatrix, PackedMatrix
+from engine.loader.gguf.blocks import GGUFMatrix, PackedMatrix
 
 
 def time_call(fn: Callable[[], Any], min_s: float = 0.3) -> float:
@@ -42,10 +42,10 @@ def time_call(fn: Callable[[], Any], min_s: float = 0.3) -> float:
 
 def default_model_matrices() -> dict[str, list[PackedMatrix]]:
     """Each matrix kind of the default model, one packed copy per layer (the LM head once)."""
-    from engine.arch import ModelArch
+    from engine.model.arch import ModelArch
     from engine.loader import default_gguf_path, resolve_model_dir
-    from engine.model import DecoderLayer
-    from engine.quant import read_gguf_blocks
+    from engine.model.llama import DecoderLayer
+    from engine.loader.gguf.tensors import read_gguf_blocks
     from transformers import AutoConfig
 
     arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(None)[0], local_files_only=True))
@@ -67,8 +67,9 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
     import gguf
     import numpy as np
 
-    from engine.model import DecoderLayer
-    from engine.quant import BlockFormat, hf_name
+    from engine.model.llama import DecoderLayer
+    from engine.loader.gguf.blocks import BlockFormat
+    from engine.loader.gguf.names import hf_name
 
     reader = gguf.GGUFReader(path)
     blocks = {}
@@ -91,8 +92,8 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
 
 def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int],
                      min_s: float = 0.3) -> dict[str, Any]:
-    from engine.model import PackedLinear
-    from engine.quant import BlockLinear
+    from engine.model.llama import PackedLinear
+    from engine.model.block_linear import BlockLinear
 
     results = []
     for kind, copies in matrices.items():

@@ -23,7 +23,7 @@ Runs (each step prints one PASS/FAIL line; scripts/scale-smoke.sh is the entry p
    each run prints every replica's (and the router's, and the client's) CPU time, so a reader
    can tell a starved replica from a slow one.
 
-The replicas are ``python -m server.cli serve`` subprocesses, the router is
+The replicas are ``python -m kvserve.cli serve`` subprocesses, the router is
 ``python -m sglang_router.launch_router`` (PyPI ``sglang-router``); everything binds to
 127.0.0.1 on free ports and is killed on exit.
 """
@@ -147,7 +147,7 @@ class ReplicaSpec:
     extra: list[str] = field(default_factory=list)
 
     def command(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--num-threads", str(self.num_threads), "--max-model-len", str(self.max_model_len),
                "--metrics-compat", "vllm", *self.extra]
         if self.model:

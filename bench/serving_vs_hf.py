@@ -67,7 +67,7 @@ def make_requests(num_requests: int = 64, prompt_len: tuple[int, int] = (50, 100
 # ---- kvserve ---------------------------------------------------------------------------------
 def run_kvserve(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     """All requests through the in-process engine client at once; returns elapsed time, tokens and TTFTs."""
-    from engine.core_client import InprocEngineClient
+    from engine.core.client import InprocEngineClient
 
     async_engine = InprocEngineClient(engine)
     async_engine.start()
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     engine, hf = load_default_pair(args.num_threads, kv_cache_gib=args.kv_cache_gib,
                                    max_num_seqs=max(64, args.requests))
     requests = make_requests(args.requests, tuple(args.prompt_len), tuple(args.output_len),
-                             engine.arch.vocab_size, args.seed)
+                             engine.model.arch.vocab_size, args.seed)
     result = run_serving_vs_hf(engine, hf, requests, args.hf_batch_size, not args.no_continuous, args.quiet_wait,
                                cb_timeout_s=args.cb_timeout)
     print_report(result)

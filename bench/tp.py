@@ -17,11 +17,11 @@ import time
 import torch
 
 from cache import CacheConfig
-from engine.arch import ModelArch
+from engine.model.arch import ModelArch
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 
 

@@ -23,7 +23,7 @@ class ModelConfig:
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     attention_backend: str = "auto"  # a name of engine.attention.ATTENTION_BACKENDS
     # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's blocks
-    # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and F16/BF16 halves; engine/quant.py); auto picks it for such a GGUF
+    # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and F16/BF16 halves; engine/loader/gguf/blocks.py); auto picks it for such a GGUF
     linear_backend: str = "auto"
     # "auto" | "dense" | "blocks": whether a GGUF's matrices also get a dense fp32 copy
     # (converted once; prefill through oneDNN, faster) or stay blocks only (read straight from
@@ -32,12 +32,12 @@ class ModelConfig:
     # 1 GiB), so small models such as the default keep the faster dense prefill.
     weights_resident: str = "auto"
     # "auto" | "native" | "python": how decode rows run (LlamaForCausalLM.select_decode_path).
-    # native: every layer in one C++ call (engine/kernels/decode_layer.cpp DecodeStack); auto: native where it can
+    # native: every layer in one C++ call (engine/kernels/cpu/decode_layer.cpp DecodeStack); auto: native where it can
     # run (CPU, float32, native attention, float KV pool), else python (DecoderLayer.forward)
     decode_path: str = "auto"
     # "none" | "int8": int8 quantizes the activations (per 32-block, fp32 scale, as llama.cpp's
     # Q8 activations) of the decode matmuls that run from GGUF blocks with an int8 kernel (Q4_1,
-    # Q8_0, Q4_K, Q6_K on AVX2; engine/kernels/quant_linear_q8.cpp): ~1.4-1.5x faster decode
+    # Q8_0, Q4_K, Q6_K on AVX2; engine/kernels/cpu/quant_linear_q8.cpp): ~1.4-1.5x faster decode
     # steps, NOT the same numerics (docs/architecture.md has the measured agreement). Opt-in;
     # needs the gguf linear backend. Prefill, dense matrices and the other formats stay fp32.
     activation_quant: str = "none"
@@ -82,7 +82,7 @@ ENGINE_MODES = ("process", "thread")
 
 @dataclass
 class EngineCoreConfig:
-    """Where the engine core runs and how its client supervises it (``engine/core_client.py``).
+    """Where the engine core runs and how its client supervises it (``engine/core/client.py``).
 
     ``mode``: ``process`` (the served default) runs the core in its own process, restarted when
     it dies; ``thread`` runs it in a thread of the server (tests, benches; no restart).

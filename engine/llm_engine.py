@@ -1,6 +1,6 @@
 """The synchronous engine: requests in, one scheduled forward pass per ``step()``, outputs out.
 
-It is driven by one thread only: the engine core's loop (``engine/core.py``, in its own
+It is driven by one thread only: the engine core's loop (``engine/core/loop.py``, in its own
 process or, in-process mode, in a thread), or the CLI's offline ``generate``. ``step()``
 returns token ids only; text (detokenization, stop strings) is the output processor's job.
 
@@ -23,17 +23,17 @@ from cache import CacheConfig, KVCacheManager, KVCapacity, kv_bytes_per_token, n
 from cache.tiers import DiskTier, HostTier, KVTier, TierChain, tier_members
 from engine.attention import resolve_backend, select_attention
 from engine.config import EngineCoreConfig, ModelConfig
-from engine.core_protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
-from engine.gpu_memory import profile_kv_budget
-from engine.host_malloc import limit_malloc_arenas
+from engine.core.protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
+from engine.kv.budget import profile_kv_budget
+from engine.platform.host_malloc import limit_malloc_arenas
 from engine.kernels import load_kernels
-from engine.kv_transfer import BlockCopier, KVOffloader, model_fingerprint
+from engine.kv.transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
-from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner, SampledToken, kv_pool_dtype
-from engine.output_processor import OutputProcessor
-from engine.quant import read_gguf_blocks
-from engine.structured_output import GrammarCompiler, RequestGrammar
+from engine.model.llama import LlamaForCausalLM
+from engine.model.runner import ModelRunner, SampledToken, kv_pool_dtype
+from engine.core.output_processor import OutputProcessor
+from engine.loader.gguf.tensors import read_gguf_blocks
+from engine.sampling.structured_output import GrammarCompiler, RequestGrammar
 from engine.tokenizer import encode_prompt
 from kvtypes.outputs import TokenLogprob
 from kvtypes.sampling_params import SamplingParams
@@ -103,7 +103,7 @@ def available_cores() -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        limit_malloc_arenas()  # before the load and the first OpenMP region (engine/host_malloc.py)
+        limit_malloc_arenas()  # before the load and the first OpenMP region (engine/platform/host_malloc.py)
         torch.set_num_threads(config.model.num_threads or available_cores())
         if config.cache.kv_cache_dtype == config.model.dtype:  # float16 under a float16 model: its own dtype
             config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"))

@@ -2,9 +2,9 @@
 
 The frontend turns ``response_format`` / ``tools`` / vLLM's ``guided_*`` extras into one
 :class:`StructuredOutputSpec`; it travels inside ``SamplingParams`` to the engine, which
-compiles it (see ``engine.structured_output``). No dependency beyond the standard library,
+compiles it (see ``engine.sampling.structured_output``). No dependency beyond the standard library,
 so the spec can cross a process boundary and be imported anywhere (it lives in kvtypes;
-``engine.structured_spec`` re-exports it).
+``kvtypes.structured_spec`` re-exports it).
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     first_scheduled_time: float | None = None
-    # Structured output: the engine's per-request grammar (engine.structured_output.RequestGrammar).
+    # Structured output: the engine's per-request grammar (engine.sampling.structured_output.RequestGrammar).
     # While its compilation is pending (``ready()`` False) the scheduler leaves the request waiting.
     grammar: Any = None
     # Prompt logprobs collected so far (entry i: prompt token i+1 given the tokens before it),

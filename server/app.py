@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.core_client import EngineClient
+from engine.core.client import EngineClient
 from server import __version__
 from server.cache_routes import add_cache_routes
 from server.config import ServerConfig

@@ -24,7 +24,7 @@ import threading
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from cache.tiers import LATENCY_BUCKETS
-from engine.core_protocol import EngineInfo, StepStats
+from engine.core.protocol import EngineInfo, StepStats
 
 NAMESPACE = "kvserve"
 TIERS = ("device", "host", "disk")

@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.core_protocol import EngineInfo, StepStats
+from engine.core.protocol import EngineInfo, StepStats
 from server.cache_metrics import KVTierCollector
 from kvtypes.outputs import RequestOutput
 

@@ -24,15 +24,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.core_client import EngineClient, EngineDeadError
-from engine.core_protocol import PromptTooLongError
+from engine.core.client import EngineClient, EngineDeadError
+from engine.core.protocol import PromptTooLongError
 from kvtypes.outputs import RequestOutput, TokenLogprob
 from kvtypes.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
-from engine.structured_output import GrammarError, validate_spec
+from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
 

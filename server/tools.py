@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.structured_spec import JSON_LAYOUT, StructuredOutputSpec
+from kvtypes.structured_spec import JSON_LAYOUT, StructuredOutputSpec
 from server.errors import bad_request
 
 TOOL_CALL_OPEN = "<tool_call>"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET when a kernel is defined (at import): without a GPU the
-# kernels run in its interpreter on CPU tensors (tests/model/test_triton_attention.py).
+# kernels run in its interpreter on CPU tensors (tests/engine/attention/test_triton_attention.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests share two cores with the rest of the machine; one intra-op thread keeps them predictable.

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cache import CacheConfig
-from engine.arch import ModelArch
+from engine.model.arch import ModelArch
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel

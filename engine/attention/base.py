@@ -32,7 +32,7 @@ class AttentionBackend(ABC):
     # decode step, so it may be captured in a CUDA graph.
     graph_safe_decode: ClassVar[bool] = False
     # The ``--kv-cache-dtype`` pools the backend reads: ``auto`` (the model's dtype), ``int8``
-    # (``engine.kv_quant.Int8KV``), ``float16`` (fp16 values under a model of another dtype).
+    # (``engine.kv.int8.Int8KV``), ``float16`` (fp16 values under a model of another dtype).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @classmethod

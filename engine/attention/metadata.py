@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kv_quant import Int8KV, gather_int8, write_int8
+from engine.kv.int8 import Int8KV, gather_int8, write_int8
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 from engine.attention.base import register
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_sdpa import TorchAttention
-from engine.kv_quant import Int8KV
+from engine.kv.int8 import Int8KV
 
 
 @register
@@ -14,7 +14,7 @@ class NativeAttention(TorchAttention):
     """Decode rows go to ``torch.ops.kvserve.paged_decode_attention``, which reads the pool
     in place instead of gathering a contiguous copy (fp32 pools, or fp16 ones widened as they are
     read); prefill chunks use SDPA. int8 pools
-    (``Int8KV``, engine/kv_quant.py) go to ``paged_decode_attention_int8``, which folds the
+    (``Int8KV``, engine/kv/int8.py) go to ``paged_decode_attention_int8``, which folds the
     per-token-per-head (step, minimum) into the dot products instead of dequantizing rows."""
 
     name = "native"

@@ -1,4 +1,4 @@
-"""``triton``: the paged kernels of ``engine/triton_kernels`` for decode and prefill alike."""
+"""``triton``: the paged kernels of ``engine/kernels/triton`` for decode and prefill alike."""
 from __future__ import annotations
 
 import torch
@@ -23,12 +23,12 @@ class TritonAttention(AttentionBackend):
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
-        from engine.triton_kernels import triton_unavailable
+        from engine.kernels.triton import triton_unavailable
 
         return triton_unavailable(device.type)
 
     def __init__(self) -> None:
-        from engine.triton_kernels import paged_attention
+        from engine.kernels.triton import paged_attention
 
         self.kernels = paged_attention
 

@@ -6,7 +6,7 @@ Five kernels, one library:
   in place from the block pool instead of gathering them into a contiguous copy first,
   which triples the memory traffic of batched decode in the torch backend.
 * ``quant_linear.cpp``: linear layers computed straight from GGUF blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and F16/BF16 halves), for the
-  few-row matmuls of decode, which stream every weight once per step (see engine/quant.py).
+  few-row matmuls of decode, which stream every weight once per step (see engine/loader/gguf/blocks.py).
 * ``quant_linear_q8.cpp``: the same matmuls on int8-quantized activations (Q4_1, Q8_0, Q4_K,
   Q6_K; AVX2 integer dot products, AVX512-VNNI ``vpdpbusd`` for Q4_1 / Q8_0 where the CPU has
   it), only with ``activation_quant: int8``.
@@ -14,7 +14,7 @@ Five kernels, one library:
   and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
 * ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
-  maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampler.py).
+  maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampling/sampler.py).
 
 The library is built once per (sources, flags, torch version) into
 ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve/kernels``) with plain ``g++``
@@ -41,10 +41,13 @@ from pathlib import Path
 
 import torch
 
+from engine.paths import conversion_cache_dir
+
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
+CPU_DIR = Path(__file__).parent / "cpu"
+SOURCES = sorted(CPU_DIR.glob("*.cpp"))
+HEADERS = sorted(CPU_DIR.glob("*.h"))  # included by the sources: part of the cache key
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -70,8 +73,6 @@ def _build_flags() -> list[str]:
 
 
 def kernel_dir() -> Path:
-    from engine.loader import conversion_cache_dir
-
     return conversion_cache_dir() / "kernels"
 
 

@@ -2,7 +2,7 @@
 
 Each rank's pool holds its own KV heads (``[num_blocks, block_size, KV/N, last]`` per tensor:
 K and V of every layer, and an int8 pool's scales). A tier payload must hold every head, and it
-has exactly the single-rank layout of ``engine.kv_transfer.BlockCopier`` (each tensor's block
+has exactly the single-rank layout of ``engine.kv.transfer.BlockCopier`` (each tensor's block
 ``[block_size, KV, last]`` in layer order, K then V, codes then scales), so the files of a TP=1
 and a TP=N engine of the same model are interchangeable (the fingerprint names the full head
 count, not the split).

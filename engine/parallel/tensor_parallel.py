@@ -32,7 +32,7 @@ starts with a host-side broadcast that a graph replay would skip).
 Processes: in the served (process) mode the engine core process is rank 0 and spawns the
 other ranks. They die with it (``_die_with_parent``: the kernel's parent-death signal, and a
 ``getppid`` poll), so a killed core leaves no orphan; a rank that dies makes the core exit
-(``watch_ranks``, installed by ``engine.core.run_core_process``), and the core's client then
+(``watch_ranks``, installed by ``engine.core.loop.run_core_process``), and the core's client then
 starts a new core, which spawns a new group.
 """
 from __future__ import annotations
@@ -53,10 +53,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from engine.arch import ModelArch
+from engine.model.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
-from engine.kv_quant import Int8KV
-from engine.model import LlamaForCausalLM, apply_rope_signed
+from engine.kv.int8 import Int8KV
+from engine.model.llama import LlamaForCausalLM, apply_rope_signed
 from engine.parallel.block_copy import (RankBlockCopier, assemble, local_bytes, pool_tensors, read_local,
                                        split_payloads, write_local)
 from engine.parallel.comm import Group, backend_for

@@ -55,7 +55,7 @@ def test_serving_vs_hf_smoke(pair):
 
 def test_spec_decode_prototype_matches_plain_greedy():
     from bench.spec_decode import PromptLookupDecoder, propose
-    from engine.sampling_params import SamplingParams
+    from kvtypes.sampling_params import SamplingParams
 
     assert propose([5, 6, 7, 1, 5, 6], k=2) == [7, 1]  # the n-gram "5 6" seen before continues "7 1"
     hf = tiny_hf_model()
@@ -73,7 +73,7 @@ def test_quant_linear_bench_smoke():
     import numpy as np
 
     from bench.quant_linear import run_quant_linear
-    from engine.quant import BlockFormat, GGUFMatrix
+    from engine.loader.gguf.blocks import BlockFormat, GGUFMatrix
     from tests.helpers import require_native_kernel
 
     require_native_kernel()

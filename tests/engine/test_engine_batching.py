@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from tests.helpers import tiny_engine, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from cache import CacheConfig
-from engine.arch import ModelArch
+from engine.model.arch import ModelArch
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
 
 CUDA = torch.device("cuda")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 # float32 on both sides (TF32 off for matmuls, IEEE dots in the Triton kernels): only the
-# summation order differs. bf16: a few ulps at |logit| ~ 2 (see tests/model/test_bf16_vs_transformers.py).
+# summation order differs. bf16: a few ulps at |logit| ~ 2 (see tests/engine/model/test_bf16_vs_transformers.py).
 TOLERANCE = {"float32": (2e-3, 1e-3), "bfloat16": (0.06, 0.02)}
 
 BACKENDS = ["torch", "triton", "flash_attn"]

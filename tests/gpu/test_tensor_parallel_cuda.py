@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from cache import CacheConfig
-from engine.arch import ModelArch
+from engine.model.arch import ModelArch
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from tests.helpers import tiny_hf_model, tiny_llama_config
 
@@ -78,7 +78,7 @@ def test_tp2_nccl_equals_tp1(hf):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")
 def test_tp2_int8_kv_on_triton_equals_tp1(hf):
     """Each rank holds int8 pools of its own heads and reads them in the Triton kernels."""
-    from engine.kv_quant import Int8KV
+    from engine.kv.int8 import Int8KV
 
     ps = workload()
     expected = engine(hf, 1, "triton", "int8").generate(ps, PARAMS)

@@ -11,9 +11,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from engine.kv_quant import Int8KV, dequantize, quantize  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.triton_kernels.paged_attention import paged_decode, paged_extend  # noqa: E402
+from engine.kv.int8 import Int8KV, dequantize, quantize  # noqa: E402
+from kvtypes.sampling_params import SamplingParams  # noqa: E402
+from engine.kernels.triton.paged_attention import paged_decode, paged_extend  # noqa: E402
 from tests.helpers import tiny_engine, tiny_hf_model  # noqa: E402
 
 CUDA = torch.device("cuda")

@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from engine.triton_kernels.paged_attention import paged_decode, paged_extend  # noqa: E402
+from engine.kernels.triton.paged_attention import paged_decode, paged_extend  # noqa: E402
 
 CUDA = torch.device("cuda")
 

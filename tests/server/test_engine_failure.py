@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from engine.core_protocol import GENERIC_ENGINE_ERROR
+from engine.core.protocol import GENERIC_ENGINE_ERROR
 from tests.helpers import tiny_engine, tiny_hf_model
 from tests.server.conftest import SERVER_START_TIMEOUT_S, free_port, is_idle, parse_sse, wait_healthy
 

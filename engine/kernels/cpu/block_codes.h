@@ -1,0 +1,133 @@
+// Unpacking of GGUF block codes shared by the fp32 (quant_linear.cpp), the int8-activation
+// (quant_linear_q8.cpp) and the AMX (quant_linear_amx.cpp) block matmuls, so all read the same bits
+// the same way.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+
+// engine/loader/gguf/blocks.py's BlockFormat codes, as the kernels take them, and the bytes of a GGUF K-quant
+// super-block of 256 weights (Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles;
+// Q5_K: the same and 32 bytes of fifth bits; Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16
+// int8 scales, d).
+namespace blocks {
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7;
+// Unquantized halves (F16, BF16 files): GGUF rows of K values, read 32 at a time as if in blocks.
+constexpr int64_t kF16 = 8, kBF16 = 9, kNumFormats = 10;
+constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
+// quant_linear.cpp's strips: 8 output columns, strip-blocks of 32 k (Q4_1 160 bytes, Q8_0 272)
+constexpr int64_t kStripColumns = 8, kQ4_1StripBytes = 160, kQ8_0StripBytes = 272;
+}  // namespace blocks
+
+// A little-endian uint32 at p (Q5_0 / Q5_1 keep their 32 fifth bits so).
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The 32 five-bit codes of a Q5_0 / Q5_1 block, weight order: the nibbles of qs (low nibbles
+// weights 0-15, high 16-31) | bit j of qh << 4.
+__attribute__((target("avx2"))) inline __m256i q5_codes(const uint8_t* qh_bytes, const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
+  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+  // byte j of `spread` = byte j / 8 of qh; then test bit j % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(u32_at(qh_bytes))),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+// Q4_K's (and Q5_K's) 8 6-bit sub-block scales and 8 mins as gguf's dequantize (get_scale_min_k4)
+// reads them from the 12 bytes s0 s1 s2 at b + 4, one byte each: bytes 0-7 the scales, 8-15 the mins
+// (dwords [s0 & k6, (s2 & k4) | ((s0 >> 6) & k2) << 4, s1 & k6, ((s2 >> 4) & k4) | ((s1 >> 6) & k2) << 4];
+// in registers: scalar stores and a vector load would stall).
+__attribute__((target("avx2"))) inline __m128i q4_k_scales(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // s0 s1 s2 and 4 code bytes
+  const __m128i p = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 6),
+                                    _mm_setr_epi32(0, 0x03030303, 0, 0x03030303));
+  return _mm_or_si128(_mm_and_si128(p, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_slli_epi32(top, 4));
+}
+
+// The 6-bit codes of half h of a Q6_K super-block at b (weights 128 h .. 128 h + 127), as gguf's
+// dequantize orders them: q[c] = the codes of weights 128 h + 32 c .. + 31 (unsigned, 0..63).
+__attribute__((target("avx2"))) inline void q6_k_codes(const uint8_t* b, int h, __m256i* q) {
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  const __m256i l[2] = {l0, l1};
+  for (int c = 0; c < 4; ++c) {  // low nibbles of l0, l1, then high; the high pair at bits 2c of qh
+    const __m256i lo4 = c < 2 ? l[c] : _mm256_srli_epi16(l[c - 2], 4);
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), m2);
+    q[c] = _mm256_or_si256(_mm256_and_si256(lo4, m4), _mm256_slli_epi16(high, 4));
+  }
+}
+
+// The 32 four-bit codes of a Q4_0 block's 16 bytes qs, weight order (low nibbles, then high).
+__attribute__((target("avx2"))) inline __m256i q4_codes(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+// ---- Two adjacent full strips (quant_linear.cpp's strips of 8 output columns; strip-blocks of
+// 32 k: Q4_1 160 bytes, Q8_0 272) at a and b as 8 k-quads of 16 columns: dword c of w[j] =
+// column c's 4 codes at k = 4j .. 4j + 3, strip a's columns 0-7, b's 8-15. That is the operand
+// of vpdpbusd against a broadcast activation quad (quant_linear_q8.cpp's pair kernels), and the
+// rows of an AMX B tile (quant_linear_amx.cpp).
+#define KVSERVE_ZMM_TARGET __attribute__((target("avx2,avx512f,avx512vl,avx512bw")))
+
+// Q4_1 (unsigned codes 0..15): group g (16 bytes) of a strip-block holds column i % 8 at
+// k = 4g + i / 8 (low nibble of byte i) and k = 4g + 2 + i / 8 (high nibble).
+KVSERVE_ZMM_TARGET inline void relay_q4_1_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
+  const __m512i mask = _mm512_set1_epi8(15);
+  const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int o = 0; o < 4; ++o) {
+    const __m512i q = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 + 32 * o))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * o)), 1);
+    const __m512i k01 = _mm512_shuffle_epi8(_mm512_and_si512(q, mask), idx);
+    const __m512i k23 = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), mask), idx);
+    const __m512i c03 = _mm512_unpacklo_epi16(k01, k23), c47 = _mm512_unpackhi_epi16(k01, k23);
+    w[2 * o] = _mm512_permutex2var_epi64(c03, lo, c47);
+    w[2 * o + 1] = _mm512_permutex2var_epi64(c03, hi, c47);
+  }
+}
+
+// Q8_0 (signed codes): byte 16 + 8k + c of a strip-block is column c at k. A 32-byte load at quad
+// j is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
+// words, then dword c of each 256-bit half <- (word c of its low lane, word c of its high lane).
+KVSERVE_ZMM_TARGET inline void relay_q8_0_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
+  const __m512i words = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
+                                         15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+  for (int j = 0; j < 8; ++j) {
+    const __m512i q = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 + 32 * j))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j)), 1);
+    w[j] = _mm512_permutexvar_epi16(words, _mm512_shuffle_epi8(q, pairs));
+  }
+}
+
+// 16 fp16 scales: 8 at a, 8 at b.
+KVSERVE_ZMM_TARGET inline __m512 halves16(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+#undef KVSERVE_ZMM_TARGET
+#endif
+
+}  // namespace kvserve

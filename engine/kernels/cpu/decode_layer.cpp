@@ -1,0 +1,492 @@
+// One decoder layer of a decode step (every row is one new token) in one call: RMSNorm, the
+// fused QKV matmul (+ bias), RoPE, the KV write into the paged pool, paged attention, the O
+// matmul (+ bias) and residual, RMSNorm, gate/up, SiLU * up, down and residual. fp32, CPU; the KV
+// pools fp32 or fp16 (``--kv-cache-dtype float16``: new rows rounded to fp16 as they are written,
+// as torch's ``.to(torch.float16)`` rounds them on the python path).
+//
+// Why: on a small model a decode step is ~10 small torch calls per layer, and each one pays
+// dispatch plus an OpenMP fork/join, which on 2 cores costs about as much as the matmuls. Here
+// a layer is ONE parallel region; its phases are worksharing loops separated by four barriers. The
+// matmuls deal out chunks of 32 output features dynamically (a thread preempted by another
+// process does not hold the others up), each chunk through the block kernel of its part's
+// format (quant_linear.h) or a plain fp32 dot product for dense parts. Attention is the native
+// paged kernel's per-sequence routine (paged_attention.h), one job per (sequence, kv head).
+//
+// The results equal engine/model/llama.py's DecoderLayer.forward up to fp32 summation order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "block_codes.h"
+#include "paged_attention.h"
+#include "silu_mul.h"
+#include "quant_linear.h"
+
+namespace {
+
+constexpr int64_t kDense = -1;  // format code of a dense fp32 [rows, K] part
+// Output features per work item of an N-feature matmul on `threads` threads: about two items per
+// thread, whole 32-feature groups (whole 8-column strips), at most 512. Small items cost: 32 per
+// item measured 3.3-3.7 ms of native layers per SmolLM2 decode step against 2.1-2.5 at 256 (each
+// item restarts the weight stream and its prefetch, and is dealt out by the dynamic schedule).
+inline int64_t chunk_for(int64_t N, int threads) {
+  const int64_t per = (N + 2 * threads - 1) / (2 * threads);
+  return std::min<int64_t>(512, std::max<int64_t>(32, (per + 31) / 32 * 32));
+}
+
+struct Part {
+  const void* data;
+  int64_t rows;
+  int64_t format;
+};
+
+// A (possibly fused) weight matrix [N, K]: parts stacked along the output features, each
+// dense fp32 or packed blocks of one format (engine/loader/gguf/blocks.py BlockMatrix).
+struct Matrix {
+  std::vector<Part> parts;
+  int64_t N = 0, K = 0;
+  bool int8 = false;         // some part has an int8-activation kernel (quant_linear_q8.cpp) on this CPU
+  unsigned q8_layouts = 0;   // the Q8Act layouts those kernels read (kvserve::q8_layouts, ORed)
+};
+
+Matrix make_matrix(at::TensorList data, at::IntArrayRef rows, at::IntArrayRef formats, int64_t K, const char* name) {
+  TORCH_CHECK(!data.empty() && data.size() == rows.size() && rows.size() == formats.size(), name,
+              ": one tensor, row count and format per part");
+  Matrix m;
+  m.K = K;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const at::Tensor& t = data[i];
+    if (formats[i] == kDense) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows[i] &&
+                      t.size(1) == K, name, ": a dense part must be a contiguous float32 [", rows[i], ", ", K, "]");
+    } else {
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.dim() == 2, name,
+                  ": a block part must be a packed uint8 matrix (gguf_pack)");
+      TORCH_CHECK(formats[i] >= 0 && formats[i] < kvserve::blocks::kNumFormats, name, ": format must be -1 (dense) or 0-",
+                  kvserve::blocks::kNumFormats - 1);
+      // strip formats (0, 1) are cut into ranges on strip boundaries
+      TORCH_CHECK(formats[i] > 1 || m.N % 8 == 0, name, ": a strip-format part must start at a multiple of 8 rows");
+    }
+    m.parts.push_back({t.data_ptr(), rows[i], formats[i]});
+    m.N += rows[i];
+    m.int8 |= kvserve::q8_supported(formats[i]);
+    m.q8_layouts |= kvserve::q8_layouts(formats[i]);
+  }
+  return m;
+}
+
+// out[r * ldo + n - n0] = x[r] . w[n] for n in [n0, n1), w dense [*, K].
+void dense_range(const float* x, int64_t M, int64_t K, const float* w, int64_t n0, int64_t n1, float* out,
+                 int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * K;
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * K;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < K; ++k) s += wn[k] * xr[k];
+      out[r * ldo + n - n0] = s;
+    }
+  }
+}
+
+// Features [n0, n1) of y = x @ W^T into y (row stride ldy, column n at y[n]). With qx (x
+// quantized, int8_activations) the parts that have an int8 kernel multiply qx, the others x.
+void matmul_range(const Matrix& m, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                  const kvserve::Q8Act* qx = nullptr) {
+  int64_t off = 0;
+  for (const Part& p : m.parts) {
+    const int64_t a = std::max(n0, off), b = std::min(n1, off + p.rows);
+    if (a < b) {
+      if (p.format == kDense)
+        dense_range(x, M, m.K, static_cast<const float*>(p.data), a - off, b - off, y + a, ldy);
+      else if (qx && kvserve::q8_supported(p.format))
+        kvserve::gguf_linear_q8_range(*qx, static_cast<const uint8_t*>(p.data), p.rows, p.format, a - off, b - off,
+                                      y + a, ldy);
+      else
+        kvserve::gguf_linear_range(x, M, m.K, static_cast<const uint8_t*>(p.data), p.rows, p.format, a - off,
+                                   b - off, y + a, ldy);
+    }
+    off += p.rows;
+  }
+}
+
+// Inside a parallel region: y[M, N] = x @ W^T, chunks dealt out dynamically; after a chunk its
+// thread runs epilogue(n0, n1) on those columns (no barrier needed: nobody else touches them).
+// Ends with the worksharing loop's barrier.
+template <typename Epilogue>
+void matmul(const Matrix& m, const float* x, int64_t M, float* y, Epilogue&& epilogue,
+            const kvserve::Q8Act* qx = nullptr) {
+  const int64_t chunk = chunk_for(m.N, omp_get_num_threads());
+  const int64_t chunks = (m.N + chunk - 1) / chunk;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * chunk, n1 = std::min(m.N, n0 + chunk);
+    matmul_range(m, x, M, n0, n1, y, m.N, qx);
+    epilogue(n0, n1);
+  }
+}
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, as F.rms_norm in fp32.
+void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (int64_t k = 0; k < K; ++k) y[r * K + k] = xr[k] * inv * w[k];
+  }
+}
+
+// v[D] <- v * cos + [v2, v1] * sin_signed (engine/model/llama.py apply_rope_signed).
+void rope(float* v, const float* cos, const float* sin, int64_t D, float* tmp) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * cos[i] + v[i < half ? i + half : i - half] * sin[i];
+  std::copy(tmp, tmp + D, v);
+}
+
+const float* optional_data(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, name,
+              " must be a contiguous float32 vector of ", n);
+  return t->data_ptr<float>();
+}
+
+// One decoder layer's weights, checked once: the norms, the four (fused) matrices, the biases.
+// Points into tensors its owner keeps alive (decode_layer's arguments, or DecodeStack::keep).
+struct LayerWeights {
+  const float *input_norm = nullptr, *post_norm = nullptr, *qkv_bias = nullptr, *o_bias = nullptr;
+  float eps = 0.f;
+  Matrix qkv, o, gate_up, down;
+  int64_t hidden = 0, I = 0;
+};
+
+LayerWeights make_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, at::TensorList qkv_w,
+                        at::IntArrayRef qkv_rows, at::IntArrayRef qkv_formats, const std::optional<at::Tensor>& qkv_bias,
+                        at::TensorList o_w, at::IntArrayRef o_rows, at::IntArrayRef o_formats,
+                        const std::optional<at::Tensor>& o_bias, at::TensorList gate_up_w, at::IntArrayRef gate_up_rows,
+                        at::IntArrayRef gate_up_formats, at::TensorList down_w, at::IntArrayRef down_rows,
+                        at::IntArrayRef down_formats, int64_t hidden, int64_t H, int64_t KVH, int64_t D) {
+  TORCH_CHECK(H >= KVH && KVH >= 1 && H % KVH == 0 && D % 2 == 0, "num_heads must be a multiple of the kv heads");
+  const int64_t q_size = H * D, kv_size = KVH * D;
+  LayerWeights l;
+  l.hidden = hidden;
+  l.qkv = make_matrix(qkv_w, qkv_rows, qkv_formats, hidden, "qkv");
+  l.o = make_matrix(o_w, o_rows, o_formats, q_size, "o_proj");
+  l.gate_up = make_matrix(gate_up_w, gate_up_rows, gate_up_formats, hidden, "gate_up");
+  l.I = l.gate_up.N / 2;
+  l.down = make_matrix(down_w, down_rows, down_formats, l.I, "down");
+  TORCH_CHECK(l.qkv.N == q_size + 2 * kv_size && l.o.N == hidden && l.gate_up.N == 2 * l.I && l.down.N == hidden,
+              "weight shapes do not match hidden ", hidden, ", ", H, "/", KVH, " heads of ", D);
+  TORCH_CHECK(l.I % 8 == 0, "the intermediate size must be a multiple of 8 (up starts a strip)");
+  TORCH_CHECK(input_norm.numel() == hidden && post_norm.numel() == hidden && input_norm.is_contiguous() &&
+                  post_norm.is_contiguous() && input_norm.scalar_type() == at::kFloat &&
+                  post_norm.scalar_type() == at::kFloat, "the norms must be contiguous float32 [hidden]");
+  l.input_norm = input_norm.data_ptr<float>();
+  l.post_norm = post_norm.data_ptr<float>();
+  l.qkv_bias = optional_data(qkv_bias, l.qkv.N, "qkv_bias");
+  l.o_bias = optional_data(o_bias, hidden, "o_bias");
+  l.eps = static_cast<float>(eps);
+  return l;
+}
+
+// What one decode step gives every layer: the rows, their RoPE rows, slots and block tables.
+struct StepInputs {
+  float* x;  // [B, hidden], updated in place layer by layer
+  int64_t B, H, KVH, D, block_size, W;
+  const float *cos, *sin;
+  const int64_t *slots, *tables, *lens;
+  float scale;
+  bool int8_activations;
+};
+
+// x [B, hidden]; cos/sin [B, head_dim] (the rows of the RoPE tables at each row's position,
+// sin sign-adjusted); a cache [blocks, block_size, kv_heads, head_dim]; slots [B] the flat slot
+// of each new token; block_tables [B, W] and context_lens [B] (the new token included) as
+// paged_decode_attention takes them. Checks them against each other and the pool.
+StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     int64_t num_heads, double scale, bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
+  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  k_cache.is_contiguous(),
+              "the caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, head_dim] of one shape");
+  const int64_t B = x.size(0), block_size = k_cache.size(1), D = k_cache.size(3);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "cos/sin must be contiguous float32 [B, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && slots.is_contiguous() &&
+                  context_lens.scalar_type() == at::kLong && context_lens.numel() == B && context_lens.is_contiguous() &&
+                  block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                  block_tables.is_contiguous(), "slots, block_tables and context_lens must be int64, one row per token");
+  const int64_t W = block_tables.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < num_slots, "slot ", sp[b], " is outside the pool");
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * block_size, "a context is empty or longer than its block table");
+  }
+  return {x.data_ptr<float>(), B, num_heads, k_cache.size(2), D, block_size, W, cos.data_ptr<float>(),
+          sin.data_ptr<float>(), sp, block_tables.data_ptr<int64_t>(), lp, static_cast<float>(scale), int8_activations};
+}
+
+// k_cache and v_cache of like's shape and dtype (make_step checked like), contiguous.
+void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.sizes() == like.sizes() &&
+                  k_cache.scalar_type() == like.scalar_type() && v_cache.scalar_type() == like.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one shape and one dtype");
+}
+
+// A new K or V row into the pool: copied (fp32) or rounded to nearest even (fp16; F16C eight at a
+// time where the CPU has it, the same rounding as c10::Half's scalar one, which had cost ~2% of a
+// 16-row decode step).
+inline void store_row(const float* src, int64_t D, float* dst) { std::copy(src, src + D, dst); }
+#ifdef KVSERVE_ATTN_X86
+__attribute__((target("avx2,f16c"))) inline int64_t store_halves_f16c(const float* src, int64_t D, c10::Half* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  return i;
+}
+#endif
+inline void store_row(const float* src, int64_t D, c10::Half* dst) {
+  int64_t i = 0;
+#ifdef KVSERVE_ATTN_X86
+  if (kvserve::cpu_has_avx2()) i = store_halves_f16c(src, D, dst);
+#endif
+  for (; i < D; ++i) dst[i] = c10::Half(src[i]);
+}
+
+// The step's buffers between phases, shared by the threads: sized for the largest layer.
+struct SharedScratch {
+  std::vector<float> data;
+  float *qkv, *attn, *tmp, *gu, *act;  // [B, qkv.N], [B, q_size], [B, hidden] O / down products, [B, 2I], [B, I]
+  void size_for(const LayerWeights& l, const StepInputs& in) {
+    const int64_t B = in.B, q_size = in.H * in.D;
+    data.resize(B * (l.qkv.N + q_size + l.hidden + 3 * l.I));
+    qkv = data.data(), attn = qkv + B * l.qkv.N, tmp = attn + B * q_size, gu = tmp + B * l.hidden, act = gu + B * 2 * l.I;
+  }
+};
+
+// One thread's buffers.
+struct ThreadScratch {
+  std::vector<float> y, head, scores, acc;
+  kvserve::Q8Act qx;
+};
+
+// One layer, run by every thread of the enclosing parallel region; ends with a barrier, after
+// which in.x holds the layer's output. `s` must be sized for this layer (SharedScratch::size_for,
+// before the region).
+//
+// Four barriers: each phase reads what all threads wrote in the one before it. The norms are
+// computed by every thread into its own copy (no barrier of their own); a row's RoPE and KV
+// write happen in the attention job that reads them; SiLU * up in the gate/up chunk that
+// computed both halves.
+template <typename T>
+void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const SharedScratch& s, ThreadScratch& ts) {
+  const int64_t B = in.B, hidden = l.hidden, I = l.I, H = in.H, KVH = in.KVH, D = in.D, G = H / KVH;
+  const int64_t q_size = H * D;
+  float* xp = in.x;
+  const kvserve::Pool<T> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
+  ts.y.resize(B * hidden), ts.head.resize(D), ts.acc.resize(G * D);
+  // int8_activations: each matmul input is quantized once per thread (a few microseconds;
+  // cheaper than another barrier) for the parts that have an int8 kernel
+  const auto quantized = [&](const Matrix& m, const float* x, int64_t K) -> const kvserve::Q8Act* {
+    if (!in.int8_activations || !m.int8) return nullptr;
+    ts.qx.quantize(x, B, K, m.q8_layouts);
+    return &ts.qx;
+  };
+  const auto add_residual = [&](const float* bias) {
+    return [&, bias](int64_t n0, int64_t n1) {
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t n = n0; n < n1; ++n) xp[r * hidden + n] += bias ? s.tmp[r * hidden + n] + bias[n] : s.tmp[r * hidden + n];
+    };
+  };
+  // bias, then RoPE (q and k heads), of head h of row b's fused qkv output
+  const auto prepare_head = [&](int64_t b, int64_t h) {
+    float* v = s.qkv + b * l.qkv.N + h * D;
+    if (l.qkv_bias)
+      for (int64_t i = 0; i < D; ++i) v[i] += l.qkv_bias[h * D + i];
+    if (h < H + KVH) rope(v, in.cos + b * D, in.sin + b * D, D, ts.head.data());
+    return v;
+  };
+
+  float* y = ts.y.data();
+  rms_norm(xp, l.input_norm, B, hidden, l.eps, y);
+  matmul(l.qkv, y, B, s.qkv, [](int64_t, int64_t) {}, quantized(l.qkv, y, hidden));
+  // attention: one job per (row, kv head): its G query heads, its key and value
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t job = 0; job < B * KVH; ++job) {
+    const int64_t b = job / KVH, g = job % KVH;
+    for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h);
+    const float* k = prepare_head(b, H + g);
+    const float* v = prepare_head(b, H + KVH + g);
+    store_row(k, D, kp + (in.slots[b] * KVH + g) * D);
+    store_row(v, D, vp + (in.slots[b] * KVH + g) * D);
+    const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
+    ts.scores.resize(G * lay.len);
+    kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
+                    ts.acc.data(), s.attn + b * q_size);
+  }
+  matmul(l.o, s.attn, B, s.tmp, add_residual(l.o_bias), quantized(l.o, s.attn, q_size));
+  rms_norm(xp, l.post_norm, B, hidden, l.eps, y);
+  const kvserve::Q8Act* qy = quantized(l.gate_up, y, hidden);
+  // gate and up features [j0, j1) together, then act = SiLU(gate) * up on them
+  const int64_t gu_chunk = chunk_for(I, omp_get_num_threads());
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t c = 0; c < (I + gu_chunk - 1) / gu_chunk; ++c) {
+    const int64_t j0 = c * gu_chunk, j1 = std::min(I, j0 + gu_chunk);
+    matmul_range(l.gate_up, y, B, j0, j1, s.gu, 2 * I, qy);
+    matmul_range(l.gate_up, y, B, I + j0, I + j1, s.gu, 2 * I, qy);
+    for (int64_t r = 0; r < B; ++r) kvserve::silu_mul(s.gu + r * 2 * I + j0, s.gu + r * 2 * I + I + j0, j1 - j0, s.act + r * I + j0);
+  }
+  matmul(l.down, s.act, B, s.tmp, add_residual(nullptr), quantized(l.down, s.act, I));
+}
+
+// One layer of a decode step (see the file comment); x is updated in place. The weights'
+// arguments are those of engine/model/llama.py DecoderLayer.native_decode_args.
+void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                  at::TensorList qkv_w, at::IntArrayRef qkv_rows, at::IntArrayRef qkv_formats,
+                  const std::optional<at::Tensor>& qkv_bias, at::TensorList o_w, at::IntArrayRef o_rows,
+                  at::IntArrayRef o_formats, const std::optional<at::Tensor>& o_bias, at::TensorList gate_up_w,
+                  at::IntArrayRef gate_up_rows, at::IntArrayRef gate_up_formats, at::TensorList down_w,
+                  at::IntArrayRef down_rows, at::IntArrayRef down_formats, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, double scale,
+                  bool int8_activations) {
+  const StepInputs in = make_step(x, cos, sin, k_cache, slots, block_tables, context_lens, num_heads, scale,
+                                  int8_activations);
+  check_cache_pair(k_cache, v_cache, k_cache);
+  const LayerWeights l = make_layer(input_norm, post_norm, eps, qkv_w, qkv_rows, qkv_formats, qkv_bias, o_w, o_rows,
+                                    o_formats, o_bias, gate_up_w, gate_up_rows, gate_up_formats, down_w, down_rows,
+                                    down_formats, x.size(1), in.H, in.KVH, in.D);
+  // scratch, reused across calls (one decode step runs layer after layer on one thread)
+  // (a thread_local named inside the region would be each thread's own: pass the caller's by address)
+  static thread_local SharedScratch scratch;
+  SharedScratch* shared = &scratch;
+  shared->size_for(l, in);
+  const auto each_thread = [&](auto* kp, auto* vp) {
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      static thread_local ThreadScratch ts;
+      run_layer(l, in, kp, vp, *shared, ts);
+    }
+  };
+  if (k_cache.scalar_type() == at::kHalf)
+    each_thread(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>());
+  else
+    each_thread(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+}
+
+// Every decoder layer of a model, bound once (engine/model/llama.py binds it with the layers'
+// native_decode_args), run for a decode step as ONE parallel region: the same work as one
+// decode_layer call per layer, without a Python call, an operator dispatch and a thread
+// fork/join per layer (~25 us a layer on 2 cores, ~7% of a 135M model's token).
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<LayerWeights> layers;
+  std::vector<at::Tensor> keep;  // the tensors the layers point into
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  at::Tensor norm;  // the model's final RMSNorm weight (set_final_norm), or undefined
+  float norm_eps = 0.f;
+
+  DecodeStack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_)
+      : hidden(hidden_size), heads(num_heads), kv_heads(num_kv_heads), head_dim(head_dim_) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_w,
+                 std::vector<int64_t> qkv_rows, std::vector<int64_t> qkv_formats, std::optional<at::Tensor> qkv_bias,
+                 std::vector<at::Tensor> o_w, std::vector<int64_t> o_rows, std::vector<int64_t> o_formats,
+                 std::optional<at::Tensor> o_bias, std::vector<at::Tensor> gate_up_w, std::vector<int64_t> gate_up_rows,
+                 std::vector<int64_t> gate_up_formats, std::vector<at::Tensor> down_w, std::vector<int64_t> down_rows,
+                 std::vector<int64_t> down_formats) {
+    layers.push_back(make_layer(input_norm, post_norm, eps, qkv_w, qkv_rows, qkv_formats, qkv_bias, o_w, o_rows,
+                                o_formats, o_bias, gate_up_w, gate_up_rows, gate_up_formats, down_w, down_rows,
+                                down_formats, hidden, heads, kv_heads, head_dim));
+    for (auto* list : {&qkv_w, &o_w, &gate_up_w, &down_w}) keep.insert(keep.end(), list->begin(), list->end());
+    keep.push_back(input_norm), keep.push_back(post_norm);
+    if (qkv_bias) keep.push_back(*qkv_bias);
+    if (o_bias) keep.push_back(*o_bias);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // The model's final RMSNorm, which run() applies after the last layer when asked to.
+  void set_final_norm(at::Tensor weight, double eps) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == hidden,
+                "the final norm must be a contiguous float32 [hidden]");
+    norm = weight, norm_eps = static_cast<float>(eps);
+  }
+
+  // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools. With
+  // final_norm, then through the model's final RMSNorm (set_final_norm), in the same region.
+  void run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
+           std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens,
+           double scale, bool int8_activations, bool final_norm) {
+    TORCH_CHECK(!final_norm || norm.defined(), "run(final_norm=True) needs set_final_norm first");
+    TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+                "one K and one V cache per layer (", layers.size(), " layers)");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "x must be [B, ", hidden, "]");
+    const StepInputs in = make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
+                                    int8_activations);
+    TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
+                ", the layers ", kv_heads, " of ", head_dim);
+    for (size_t i = 0; i < layers.size(); ++i) check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);
+    static thread_local SharedScratch scratch;  // the caller's, passed by address (see decode_layer)
+    SharedScratch* shared = &scratch;
+    shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
+      return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
+    }), in);
+    const float* w = final_norm ? norm.data_ptr<float>() : nullptr;
+    if (k_caches[0].scalar_type() == at::kHalf)
+      run_layers<c10::Half>(in, k_caches, v_caches, *shared, w);
+    else
+      run_layers<float>(in, k_caches, v_caches, *shared, w);
+  }
+
+  template <typename T>
+  void run_layers(const StepInputs& in, const std::vector<at::Tensor>& k_caches,
+                  const std::vector<at::Tensor>& v_caches, const SharedScratch& shared, const float* final_norm) const {
+    std::vector<T*> kp(layers.size()), vp(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) kp[i] = k_caches[i].data_ptr<T>(), vp[i] = v_caches[i].data_ptr<T>();
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      static thread_local ThreadScratch ts;
+      for (size_t i = 0; i < layers.size(); ++i) run_layer(layers[i], in, kp[i], vp[i], shared, ts);
+      if (final_norm) {
+#pragma omp for
+        for (int64_t r = 0; r < in.B; ++r) rms_norm(in.x + r * hidden, final_norm, 1, hidden, norm_eps, in.x + r * hidden);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("set_final_norm", &DecodeStack::set_final_norm)
+      .def("run", &DecodeStack::run);
+  m.def("decode_layer(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor[] qkv, int[] qkv_rows, int[] qkv_formats, Tensor? qkv_bias, "
+        "Tensor[] o_proj, int[] o_rows, int[] o_formats, Tensor? o_bias, "
+        "Tensor[] gate_up, int[] gate_up_rows, int[] gate_up_formats, "
+        "Tensor[] down, int[] down_rows, int[] down_formats, "
+        "Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, float scale, bool int8_activations=False) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layer", &decode_layer); }

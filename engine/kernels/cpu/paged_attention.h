@@ -1,0 +1,370 @@
+// The per-sequence decode attention of paged_attention.cpp, shared with decode_layer.cpp.
+// fp32 queries and outputs; the pools are fp32, fp16 (``--kv-cache-dtype float16``: widened to
+// fp32 as they are read) or int8 codes with per-token-per-head (step, minimum) scales
+// (engine/kv/int8.py).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <c10/util/Half.h>
+
+#include "quant_linear.h"  // cpu_has_avx2
+#include "simd.h"             // hsum8
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSERVE_ATTN_X86 1
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+
+struct Layout {
+  const int64_t* table;  // this sequence's block ids
+  int64_t len;           // cached tokens to attend to
+  int64_t block_size;
+  int64_t token_stride;  // elements between consecutive tokens of a block (kv_heads * head_dim)
+  int64_t block_stride;  // elements between blocks
+};
+
+// One K or V pool. fp32 and fp16 (c10::Half): ``data`` holds the values. int8 (engine/kv/int8.py): ``data`` holds
+// codes c in [-128, 127] and ``scale`` a (step, minimum) pair per token and kv head; the value
+// is (c + 128) * step + minimum. The kernels never dequantize a row into memory: the dot
+// product and the weighted sum are taken over the codes and the affine part is folded in
+// per (token, head) with two scalars.
+template <typename T>
+struct Pool {
+  const T* data;
+  const float* scale;  // int8 only: [num_blocks, block_size, kv_heads, 2]
+  int64_t kv_heads;
+};
+
+// exp for x <= 0 (softmax inputs after max subtraction): Cody-Waite range reduction and a
+// degree-6 polynomial, written so the compiler vectorizes it. Relative error ~2e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Asks for one token row of the next block while the current one is processed: blocks sit
+// anywhere in the pool, so the hardware prefetcher cannot guess where the next one starts.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+// Calls fn(slot, t) for the sequence's cached tokens t = 0 .. len-1 in order, slot being token
+// t's flat index in the pool (block id * block_size + offset), block by block as the table says.
+template <typename T, typename Fn>
+inline void for_each_row(const Pool<T>& pool, const Layout& lay, Fn&& fn) {
+  const int64_t num_blocks = (lay.len + lay.block_size - 1) / lay.block_size;
+  const int64_t row_bytes = lay.token_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0, t = 0; j < num_blocks; ++j) {
+    const int64_t first = lay.table[j] * lay.block_size;
+    const T* next = j + 1 < num_blocks ? pool.data + lay.table[j + 1] * lay.block_stride : nullptr;
+    const int64_t n = std::min(lay.block_size, lay.len - j * lay.block_size);
+    for (int64_t i = 0; i < n; ++i, ++t) {
+      if (next) prefetch_row(next + i * lay.token_stride, row_bytes);
+      fn(first + i, t);
+    }
+  }
+}
+
+// Softmax in place over each of the nh rows of L scores (exp_nonpositive after subtracting the
+// row's maximum).
+inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
+  for (int64_t h = 0; h < nh; ++h) {
+    float* s = scores + h * L;
+    float m = s[0];
+    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      s[t] = exp_nonpositive(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+  }
+}
+
+#ifdef KVSERVE_ATTN_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// Token rows a head's first pass asks for ahead of use: the pools' blocks sit anywhere, so the
+// hardware prefetcher cannot follow a sequence across them.
+constexpr int64_t kRowsAhead = 16;
+
+
+// 8 values of a float or fp16 pool as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Query heads sharing a kv head are taken together, up to kGroup at a time, so that each K and V
+// value is loaded (and, from an fp16 pool, widened) once for all of them rather than once per head.
+constexpr int kGroup = 4;
+
+// scores[g * ldS + t] = scale * q_g . k_t for the NG heads g whose queries are q + g * D, over the
+// L tokens whose key rows are krows[t] + off: 4 tokens at a time into 4 NG accumulators, each
+// head's 4 reduced together by horizontal adds. With ahead_bytes > 0, the key rows kRowsAhead
+// tokens on are prefetched from ahead0, that many bytes, and so are the value rows (vrows) the
+// V pass will read next.
+template <int NG, typename T>
+inline void dots_group(const float* q, int64_t D, const T* const* krows, int64_t off, int64_t L, float scale,
+                       float* scores, int64_t ldS, int64_t ahead0, int64_t ahead_bytes, const T* const* vrows) {
+  const int64_t nv = D / 8;
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    const T* kt[4] = {krows[t] + off, krows[t + 1] + off, krows[t + 2] + off, krows[t + 3] + off};
+    if (ahead_bytes)
+      for (int64_t j = t + kRowsAhead; j < std::min(L, t + kRowsAhead + 4); ++j)
+        prefetch_row(krows[j] + ahead0, ahead_bytes), prefetch_row(vrows[j] + ahead0, ahead_bytes);
+    __m256 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nv; ++c) {
+      __m256 x[4];
+      for (int i = 0; i < 4; ++i) x[i] = load8(kt[i] + 8 * c);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 qc = _mm256_loadu_ps(q + g * D + 8 * c);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm256_fmadd_ps(qc, x[i], a[g][i]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      // [a0 a1 a2 a3 partial sums | the other halves] -> the 4 dot products
+      const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+      const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1));
+      _mm_storeu_ps(scores + g * ldS + t, _mm_mul_ps(dots, sc));
+    }
+  }
+  for (; t < L; ++t) {
+    const T* kt = krows[t] + off;
+    for (int g = 0; g < NG; ++g) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < nv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), load8(kt + 8 * c), a);
+      scores[g * ldS + t] = hsum8(a) * scale;
+    }
+  }
+}
+
+// out[g * D + 0 .. 8 NV) = sum_t p[g * ldP + t] rows[t][offset ..] for the NG heads g: the NG x NV
+// accumulators stay in registers across the tokens and each row slice is loaded once for all
+// heads. With ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many bytes.
+template <int NG, int NV, typename T>
+inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset,
+                         int64_t ahead0, int64_t ahead_bytes, float* out, int64_t D) {
+  __m256 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = rows[t] + offset;
+    if (ahead_bytes && t + kRowsAhead < L) prefetch_row(rows[t + kRowsAhead] + ahead0, ahead_bytes);
+    __m256 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = load8(vt + 8 * i);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pt = _mm256_set1_ps(p[g * ldP + t]);
+      for (int i = 0; i < NV; ++i) a[g][i] = _mm256_fmadd_ps(pt, x[i], a[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + g * D + 8 * i, a[g][i]);
+}
+
+// The V pass of NG heads over all nv = D / 8 channel vectors: slices of 8 vectors (4 when 3 or 4
+// heads share the registers), then 4, 2, 1; only the first slice prefetches.
+template <int NG, typename T>
+inline void values_group(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t off, int64_t D,
+                         int64_t ahead0, int64_t ahead_bytes, float* out) {
+  const int64_t nv = D / 8;
+  int64_t c = 0;
+  const auto ahead = [&](int64_t c) { return c == 0 ? ahead_bytes : 0; };
+  if constexpr (NG <= 2)
+    for (; c + 8 <= nv; c += 8) weighted_sum<NG, 8>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
+  for (; c + 4 <= nv; c += 4) weighted_sum<NG, 4>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
+  if (c + 2 <= nv) weighted_sum<NG, 2>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D), c += 2;
+  if (c < nv) weighted_sum<NG, 1>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
+}
+
+// attend() for fp32 and fp16 pools and D % 8 == 0 (the same contract). The heads go in groups of
+// up to kGroup sharing one kv head: q . k (dots_group), then the softmax of every head, then the
+// probability-weighted V rows (values_group). The first group streams the rows' kv heads
+// [h0 / G, (h1 - 1) / G] from memory (prefetched kRowsAhead tokens on, whole rows when the job
+// has every head, so that blocks are read as they lie); the other groups find them in cache.
+// The job's first kRowsAhead K and V rows are asked for before any work, and each pass over K
+// prefetches V too: a job had started on a cold pool twice (its K pass, then its V pass),
+// which in a decode step, where the weights have swept the caches, is where attention waited
+// (native layers of a step 3% faster at 16 rows of ~150 tokens, 5% at one row of ~1,000).
+template <typename T>
+inline void attend_avx2(
+    const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
+    int64_t G, int64_t D, float scale, float* scores, float* out) {
+  const int64_t L = lay.len, nh = h1 - h0;
+  thread_local std::vector<const T*> krows, vrows;
+  krows.resize(L), vrows.resize(L);
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = lay.table[t / lay.block_size] * lay.block_size + t % lay.block_size;
+    krows[t] = k.data + slot * lay.token_stride, vrows[t] = v.data + slot * lay.token_stride;
+  }
+  const int64_t ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < std::min(L, kRowsAhead); ++t)
+    prefetch_row(krows[t] + ahead0, ahead_bytes), prefetch_row(vrows[t] + ahead0, ahead_bytes);
+  // calls fn(h, n, off): heads [h, h + n) share the kv head whose values start at off
+  const auto for_each_group = [&](auto&& fn) {
+    for (int64_t h = h0; h < h1;) {
+      const int64_t n = std::min<int64_t>({kGroup, h1 - h, (h / G + 1) * G - h});
+      fn(h, n, (h / G) * D);
+      h += n;
+    }
+  };
+  for_each_group([&](int64_t h, int64_t n, int64_t off) {
+    const float* qh = q + h * D;
+    float* s = scores + (h - h0) * L;
+    const int64_t pf = h == h0 ? ahead_bytes : 0;
+    switch (n) {
+      case 1: dots_group<1>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      case 2: dots_group<2>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      case 3: dots_group<3>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      default: dots_group<4>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+    }
+  });
+  softmax_rows(scores, nh, L);
+  for_each_group([&](int64_t h, int64_t n, int64_t off) {
+    const float* p = scores + (h - h0) * L;
+    float* o = out + h * D;
+    const int64_t pf = h == h0 ? ahead_bytes : 0;
+    switch (n) {
+      case 1: values_group<1>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 2: values_group<2>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 3: values_group<3>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      default: values_group<4>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+    }
+  });
+}
+
+#pragma GCC pop_options
+#endif
+
+// Heads [h0, h1) of one sequence against its cached tokens. q [H, D] (this sequence's
+// queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
+// out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
+// once, in block order.
+template <typename T>
+inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
+            int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
+  constexpr bool quantized = std::is_same<T, int8_t>::value;
+  constexpr bool widened = !std::is_same<T, float>::value;  // int8 codes or fp16 values
+#ifdef KVSERVE_ATTN_X86
+  if constexpr (!quantized) {
+    if (D % 8 == 0 && cpu_has_avx2()) return attend_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out);
+  }
+#endif
+  const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
+  // int8: q . ((c + 128) step + min) = step (q . c + 128 sum(q)) + min sum(q).
+  float qsum[quantized ? 64 : 1];
+  std::vector<float> qsum_big;
+  float* qs = qsum;
+  if (quantized) {
+    if (nh > 64) {
+      qsum_big.resize(nh);
+      qs = qsum_big.data();
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < D; ++i) s += qh[i];
+      qs[h - h0] = s;
+    }
+  }
+  // int8 and fp16 rows are widened to fp32 once per token (the kv heads this job reads) into
+  // ``row``, so the G query heads sharing a kv head reuse them and the dot products stay plain
+  // fp32 loops.
+  const int64_t kv0 = h0 / G, kv1 = (h1 - 1) / G + 1;
+  float row_buf[widened ? 1024 : 1];
+  std::vector<float> row_big;
+  float* row = row_buf;
+  if (widened && (kv1 - kv0) * D > 1024) {
+    row_big.resize((kv1 - kv0) * D);
+    row = row_big.data();
+  }
+  auto widen = [&](const T* src) -> const float* {
+    if constexpr (widened) {
+      const T* p = src + kv0 * D;
+      const int64_t n = (kv1 - kv0) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(p[i]);
+      return row - kv0 * D;
+    } else {
+      return src;
+    }
+  };
+  for_each_row(k, lay, [&](int64_t slot, int64_t t) {
+    const float* kt = widen(k.data + slot * lay.token_stride);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qh = q + h * D;
+      const float* kh = kt + (h / G) * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < D; ++i) s += qh[i] * kh[i];
+      if (quantized) {
+        const float* sc = k.scale + (slot * KVH + h / G) * 2;
+        s = sc[0] * (s + 128.f * qs[h - h0]) + sc[1] * qs[h - h0];
+      }
+      scores[(h - h0) * L + t] = s * scale;
+    }
+  });
+  softmax_rows(scores, nh, L);
+  std::fill(acc, acc + nh * D, 0.f);
+  // int8: sum_t p_t ((c_t + 128) step_t + min_t) = sum_t (p_t step_t) c_t + sum_t p_t (128 step_t + min_t);
+  // the second term is the same for every channel, so it is one scalar per head.
+  float bias[quantized ? 64 : 1] = {};
+  std::vector<float> bias_big;
+  float* bs = bias;
+  if (quantized && nh > 64) {
+    bias_big.assign(nh, 0.f);
+    bs = bias_big.data();
+  }
+  for_each_row(v, lay, [&](int64_t slot, int64_t t) {
+    const float* vt = widen(v.data + slot * lay.token_stride);
+    for (int64_t h = h0; h < h1; ++h) {
+      float p = scores[(h - h0) * L + t];
+      if (quantized) {
+        const float* sc = v.scale + (slot * KVH + h / G) * 2;
+        bs[h - h0] += p * (128.f * sc[0] + sc[1]);
+        p *= sc[0];
+      }
+      const float* vh = vt + (h / G) * D;
+      float* a = acc + (h - h0) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) a[i] += p * vh[i];
+    }
+  });
+  if (quantized) {
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < D; ++i) acc[h * D + i] += bs[h];
+  }
+  std::copy(acc, acc + nh * D, out + h0 * D);
+}
+
+}  // namespace kvserve

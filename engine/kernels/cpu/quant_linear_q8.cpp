@@ -1,0 +1,1156 @@
+// Block matmuls on int8 activations (ModelConfig.activation_quant "int8"): y[M, N] = x[M, K] @ W^T
+// with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) for
+// Q4_1 / Q8_0 weights and per 256 (llama.cpp's Q8_K) for Q4_K / Q6_K, and W the strip-packed
+// Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads, as they are
+// (the same bytes the fp32 kernel reads; no second copy). Other formats, and CPUs without AVX2,
+// have no int8 kernel here (q8_supported): callers multiply fp32 activations.
+//
+// Why: the fp32 kernel expands every 4-bit code to fp32 and FMAs it, ~5 vector ops per 8
+// multiply-adds, which makes decode compute bound on AVX2 (no AVX-512) at ~1/3 of the memory
+// bandwidth. Integer dot products do 32 multiply-adds per `_mm256_maddubs_epi16` (Q4_1) or 16 per
+// `_mm256_madd_epi16` (Q8_0), and the scales are applied once per block of 32.
+//
+// What it computes: per row r, strip column c and block b, an exact integer dot product
+// I = sum_k q_x[k] * q_w[k] (int16 / int32 lanes, no overflow: |q_w| <= 15 or 128, |q_x| <= 127),
+// then acc += (d_w * d_x) * I (+ m_w * s_x for Q4_1) in fp32. So the result equals
+// F.linear(dequant(quant(x)), dequant(W)) up to fp32 rounding of those per-block terms; the
+// only approximation against the fp32 kernel is the activations' rounding to 8 bits.
+//
+// Layouts (quant_linear.cpp's strips, 8 output columns per strip, 32 k per strip-block):
+//   Q4_1 (160 bytes): d[8], m[8] fp16, then 8 groups of 16 bytes; group g byte i holds column
+//     i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8 (high nibble), so group g is
+//     k-quad g of all 8 columns. Once per strip-block (shared by every row of the pass) the codes
+//     are re-laid as 8 vectors w[g] whose dword c is column c's 4 codes at k = 4g .. 4g + 3; a row
+//     then multiplies w[g] by its 4 codes at k-quad g broadcast to every dword (maddubs: 16 int16
+//     lanes = 8 columns x 2 k pairs), sums the 8 quads in int16 (<= 8 * 2 * 15 * 127 = 30480, no
+//     saturation) and one madd by 1 gives the 8 int32 column sums. A row reads its own 32 int8
+//     codes per block (an earlier layout broadcast 256 bytes of pre-expanded code pairs per row and
+//     block, which at 8+ rows spilled from L1 and made the kernel L2 bound: 16 rows ran ~20% slower).
+//   Q8_0 (272 bytes): d[8] fp16, then byte 16 + 8k + c = column c at k. A 32-byte load at quad j
+//     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
+//     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
+//     column sums.
+// Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1) or 8 (Q8_0) rows.
+// On AMX CPUs the whole 16-row tiles of the strip pairs take tile products instead
+// (quant_linear_amx.cpp strip_pairs_amx), with the same results.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "block_codes.h"
+#include "quant_linear.h"
+#include "simd.h"
+#include "silu_mul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVSERVE_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+using namespace kvserve::blocks;  // the BlockFormat codes, strip and K-quant super-block sizes (block_codes.h)
+constexpr int64_t kStrip = kStripColumns;
+constexpr int64_t kQ4_1Bytes = kQ4_1StripBytes, kQ8_0Bytes = kQ8_0StripBytes;  // strip-block bytes
+constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
+
+// The weights along K and the bytes of one block of `format` as the int8 kernels read it.
+constexpr int64_t block_weights(int64_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K ? 256 : 32; }
+constexpr int64_t block_bytes(int64_t format) {
+  return format == kQ4_1 ? kQ4_1Bytes : format == kQ8_0 ? kQ8_0Bytes : format == kQ4_0 ? kQ4_0Bytes
+       : format == kQ4_K ? kQ4_KBytes : format == kQ5_K ? kQ5_KBytes : format == kQ6_K ? kQ6_KBytes
+       : format == kQ5_0 ? kQ5_0Bytes : kQ5_1Bytes;
+}
+
+using kvserve::k8_order;  // quant_linear.h
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+using kvserve::u32_at;  // block_codes.h
+
+inline float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(u16_at(p)); }
+
+using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both sources
+
+#ifdef KVSERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+using kvserve::prefetch_ahead;  // quant_linear.h
+
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Per 128-bit lane: bytes [a0..a7, b0..b7] -> [a0, b0, a1, b1, ..., a7, b7].
+inline __m256i interleave_halves(__m256i v) {
+  const __m256i idx = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                       0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_shuffle_epi8(v, idx);
+}
+
+inline void store_cols(__m256 v, float* out, int64_t cols) {
+  if (cols == kStrip) {
+    _mm256_storeu_ps(out, v);
+  } else {
+    alignas(32) float tmp[kStrip];
+    _mm256_store_ps(tmp, v);
+    std::copy(tmp, tmp + cols, out);
+  }
+}
+
+// A Q4_1 strip-block's codes as k-quads: dword c % 4 of lane c / 4 of w[j] = column c's codes at
+// k = 4j .. 4j + 3 (unsigned, 0..15).
+inline void relay_q4_1(const uint8_t* sb, __m256i* w) {
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int o = 0; o < 4; ++o) {  // lane 0: group 2o (k-quad 2o), lane 1: group 2o + 1
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
+    const __m256i k01 = interleave_halves(_mm256_and_si256(q, mask));  // column c: (k, k + 1)
+    const __m256i k23 = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+    const __m256i c03 = _mm256_unpacklo_epi16(k01, k23), c47 = _mm256_unpackhi_epi16(k01, k23);
+    w[2 * o] = _mm256_permute2x128_si256(c03, c47, 0x20);
+    w[2 * o + 1] = _mm256_permute2x128_si256(c03, c47, 0x31);
+  }
+}
+
+// Row code quad j (k = 4j .. 4j + 3) of a block's 32 int8 codes, broadcast to every dword.
+inline __m256i quad_at(const int8_t* xq, int j) {
+  int32_t v;
+  std::memcpy(&v, xq + 4 * j, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [r0, r0 + R) against one Q4_1 strip. Each strip-block is re-laid once into k-quads and
+// every row then needs only broadcasts of its own codes, 4 at a time (32 bytes a block, from L1).
+template <int R>
+void strip_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = x.K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = strip + b * kQ4_1Bytes;
+    prefetch_ahead(sb, kQ4_1Bytes);
+    __m256i w[8];
+    relay_q4_1(sb, w);
+    const __m256 d = halves8(sb), m = halves8(sb + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const int8_t* xq = x.q8.data() + rb * kBlock;
+      __m256i s = _mm256_maddubs_epi16(w[0], quad_at(xq, 0));
+      for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], quad_at(xq, j)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+// Rows [r0, r0 + R) against one Q8_0 strip.
+template <int R>
+void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
+  const int64_t nb = x.K / kBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = strip + b * kQ8_0Bytes;
+    prefetch_ahead(sb, kQ8_0Bytes);
+    __m256i w[16];
+    for (int j = 0; j < 8; ++j) {
+      const __m256i q = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)));
+      w[2 * j] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+      w[2 * j + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    }
+    const __m256 d = halves8(sb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const int16_t* q = x.q16.data() + (r0 + r) * x.K + b * kBlock;
+      int32_t pair;
+      std::memcpy(&pair, q, 4);
+      __m256i s = _mm256_madd_epi16(w[0], _mm256_set1_epi32(pair));
+      for (int v = 1; v < 16; ++v) {
+        std::memcpy(&pair, q + 2 * v, 4);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(w[v], _mm256_set1_epi32(pair)));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+// ---- AVX512-VNNI (Zen 4 and 5, Ice Lake and later): vpdpbusd multiplies 4 unsigned by 4 signed
+// bytes and adds the 4 products to an int32 lane in one instruction. Where two adjacent strips
+// are full, Q4_1 and Q8_0 run them together in 512-bit registers (pair_q4_1 / pair_q8_0 below);
+// a lone or partial strip (the end of a matrix or of a thread's range) runs the AVX2 kernel
+// (for Q4_1 one ymm vpdpbusd chain per row had measured ~13% slower than maddubs + add on this
+// project's Zen 5 machine). The integer sums are the AVX2 kernels', so the results are bit for
+// bit the same. Compiled for that target whatever the build flags, and run only where the CPU
+// has it (cpu_has_vnni).
+// The K-quant row kernels below take vpdpbusd only where the build itself targets AVX512-VNNI
+// (the default -march=native on such a CPU): there it sits inside their AVX2-target loops, which
+// a separately targeted function could not be inlined into.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVSERVE_VNNI_BUILD 1
+#endif
+// Likewise the K-quants' one-row kernels take 512-bit registers (two 32-blocks per instruction).
+#if defined(KVSERVE_VNNI_BUILD) && defined(__AVX512BW__)
+#define KVSERVE_ZMM_ROWS 1
+#endif
+
+bool detect_vnni() {
+  __builtin_cpu_init();  // may run among the library's constructors
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && !std::getenv("KVSERVE_NO_VNNI");
+}
+const bool kHasVnni = detect_vnni();  // once, at load: the kernels test it per block (a call would spill their registers)
+inline bool cpu_has_vnni() { return kHasVnni; }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+
+// ---- Strip pairs in 512-bit registers (AVX512-VNNI CPUs): two adjacent full strips are 16
+// columns, one zmm; the same integer dot products and the same fp32 operations per column as the
+// AVX2 kernels, so every output is the same float. On Zen 5 (full-width AVX-512) one thread, 16
+// rows of 1536 x 576 Q4_1: ~90 (AVX2 maddubs) -> ~145 GMAC/s; 512 rows ~190 (dense fp32 oneDNN
+// ~100). Rows go in groups of 8: each k-quad's vpdpbusd then feeds 8 independent accumulators.
+
+using kvserve::relay_q4_1_pair;  // block_codes.h
+using kvserve::relay_q8_0_pair;
+using kvserve::halves16;
+
+inline __m512i quad_at16(const int8_t* xq, int j) {
+  int32_t v;
+  std::memcpy(&v, xq + 4 * j, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows [r0, r0 + R) against strips a and a + strip_bytes (Q4_1): unsigned codes by the row's
+// signed codes, vpdpbusd as it is.
+template <int R>
+void pair_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
+               int64_t ldo) {
+  static_assert(R <= 8, "one group of accumulators");
+  const int64_t nb = x.K / kBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *sa = strip + b * kQ4_1Bytes, *sb = sa + strip_bytes;
+    prefetch_ahead(sa, kQ4_1Bytes), prefetch_ahead(sb, kQ4_1Bytes);
+    __m512i w[8];
+    relay_q4_1_pair(sa, sb, w);
+    const __m512 d = halves16(sa, sb), m = halves16(sa + 16, sb + 16);
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w[j], quad_at16(x.q8.data() + ((r0 + r) * nb + b) * kBlock, j));
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.d[rb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// Rows [r0, r0 + R) against two Q8_0 strips. Both sides are signed, so the row's codes go in
+// the unsigned operand offset by 128 (Q8Act::u8) and the strip-block's column sums times 128
+// come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32.
+template <int R>
+void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
+               int64_t ldo) {
+  static_assert(R <= 8, "one group of accumulators");
+  const int64_t nb = x.K / kBlock;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *sa = strip + b * kQ8_0Bytes, *sb = sa + strip_bytes;
+    prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
+    __m512i w[8], sum128 = _mm512_setzero_si512();
+    relay_q8_0_pair(sa, sb, w);
+    for (int j = 0; j < 8; ++j) sum128 = _mm512_dpbusd_epi32(sum128, bias, w[j]);
+    const __m512 d = halves16(sa, sb);
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < R; ++r) {
+        const auto* xu = reinterpret_cast<const int8_t*>(x.u8.data()) + ((r0 + r) * nb + b) * kBlock;
+        s[r] = _mm512_dpbusd_epi32(s[r], quad_at16(xu, j), w[j]);
+      }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], sum128));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(x.d[rb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+#pragma GCC pop_options
+
+// ---- K-quant row formats (GGUF rows as stored, super-blocks of 256 along K) against the activations
+// per 256 (Q8Act kSuper: one scale dx per super-block, llama.cpp's Q8_K). Per output feature,
+// row and super-block the weights' sub-block scales multiply the integer dot products in
+// integers, so one exact int32 (two for Q4_K) per super-block reaches fp32:
+//   Q4_K, Q5_K (5-bit q): w = (d sc_j) q - (dmin m_j), sub-blocks j of 32, I_j the codes' dot
+//         product and S_j the activation codes' sum: A = sum_j sc_j I_j, B = sum_j m_j S_j;
+//         acc += A (d dx), corr += B (dmin dx).
+//   Q6_K: w = (d sc_i) (q - 32), sub-blocks i of 16: A = sum_i sc_i (I_i - 32 S_i); acc += A (d dx).
+// Exact: |A| <= 8 * 63 * 32 * 31 * 127 (Q4_K, Q5_K) and 16 * 128 * 16 * 63 * 127 (Q6_K), all < 2^31.
+// A row's acc (lane 0) and corr (lane 1) are one __m128, added to in super-block order by one
+// fmadd of [A, B] and [d dx, dmin dx], so the one-row and the many-row paths, which reach A and B
+// by different integer routes, give the same floats, and a row's result does not depend on the
+// other rows of its pass. The result is acc - corr.
+// (Per-32 activations, an earlier version, needed 8 float scales per super-block and so an
+// 8-way horizontal reduction per row and super-block: the one-row Q4_K kernel was compute bound
+// at ~22 GB/s per thread.)
+
+using kvserve::hsum8;  // simd.h
+
+// The sums of a's and of b's lanes, exact, as int32 lanes 0 and 1.
+inline __m128i hsum2_epi32(__m256i a, __m256i b) {
+  const __m128i sa = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  const __m128i sb = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  const __m128i t = _mm_add_epi32(_mm_unpacklo_epi64(sa, sb), _mm_unpackhi_epi64(sa, sb));
+  return _mm_hadd_epi32(t, t);
+}
+
+#ifdef KVSERVE_ZMM_ROWS
+// int16 lanes 0-7 = a, 8-15 = b, 16-23 = c, 24-31 = d (vpermw indices, vpsrlvw counts).
+inline __m512i four_quarters(int a, int b, int c, int d) {
+  const auto two = [](int v) { return v | (v << 16); };
+  return _mm512_setr_epi32(two(a), two(a), two(a), two(a), two(b), two(b), two(b), two(b), two(c), two(c), two(c),
+                           two(c), two(d), two(d), two(d), two(d));
+}
+// int16 lanes 0-15 = a (the low 256 bits), 16-31 = b.
+inline __m512i two_halves(int a, int b) { return four_quarters(a, a, b, b); }
+#endif
+
+// The 8 32-byte blocks v[j] of a super-block as 4-byte groups v[j].t (k = 32 j + 4 t .. + 3)
+// -> out[4 g + i] = [v[4g].i v[4g+1].i v[4g+2].i v[4g+3].i | the same at t = i + 4]: a dword
+// lane m then holds block j = 4 g + m % 4 (Q8Act::kq is the activations in this order).
+inline void transpose_k(const __m256i* v, __m256i* out) {
+  for (int g = 0; g < 2; ++g) {
+    const __m256i* w = v + 4 * g;
+    const __m256i a0 = _mm256_unpacklo_epi32(w[0], w[1]), a1 = _mm256_unpackhi_epi32(w[0], w[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(w[2], w[3]), a3 = _mm256_unpackhi_epi32(w[2], w[3]);
+    out[4 * g] = _mm256_unpacklo_epi64(a0, a2), out[4 * g + 1] = _mm256_unpackhi_epi64(a0, a2);
+    out[4 * g + 2] = _mm256_unpacklo_epi64(a1, a3), out[4 * g + 3] = _mm256_unpackhi_epi64(a1, a3);
+  }
+}
+
+// Per dword lane m of a transposed half g (transpose_k), the int16 pair or int32 of block 4g + m % 4's
+// value in v (8 bytes, one per block): words[g] as int16 lane pairs, dwords[g] as int32.
+inline void per_transposed_lane(__m128i v8, __m256i* words, __m256i* dwords) {
+  for (int g = 0; g < 2; ++g) {
+    const char a = static_cast<char>(4 * g);
+    const __m128i b = _mm_shuffle_epi8(v8, _mm_setr_epi8(a, a + 1, a + 2, a + 3, a, a + 1, a + 2, a + 3, -1, -1, -1,
+                                                          -1, -1, -1, -1, -1));
+    dwords[g] = _mm256_cvtepi8_epi32(b);
+    words[g] = _mm256_or_si256(dwords[g], _mm256_slli_epi32(dwords[g], 16));
+  }
+}
+
+using kvserve::q4_k_scales;  // block_codes.h
+
+// One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
+// scales are unpacked once and every row is dotted from registers, so a pass over the weights
+// serves up to kKRows rows. acc[r]: row r's [acc, corr] (see above).
+// Q4_K and Q5_K (kQ5): the same scales and mins, Q5_K's codes with a fifth bit, bit j of qh[32]
+// for sub-block j (|pair| <= 2 * 31 * 127; 4 summed in int16 <= 31496).
+template <bool kQ5>
+struct KRows {
+  static constexpr int64_t kCode = kQ5 ? kQ5_K : kQ4_K, kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes;
+  static constexpr int64_t kCodes = kQ5 ? 48 : 16;  // the nibbles' offset (Q5_K: after qh)
+  template <int R>
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
+    const int nr = R ? R : rn;
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32_at(b))));  // [d, dmin, 0, 0]
+    const __m128i sm = q4_k_scales(b);  // bytes 0-7 the scales, 8-15 the mins
+    // the mins as int16, each twice: lane i pairs with the activations' sum of 16 codes i
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    __m256i q[8];  // the codes of block j (AVX2 paths)
+    const auto unpack = [&] {
+      const __m256i mask = _mm256_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kCodes + 32 * c));
+        q[2 * c] = _mm256_and_si256(v, mask);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      if (kQ5) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), one = _mm256_set1_epi8(1);
+        for (int j = 0; j < 8; ++j)  // per 16-bit lane: bit j of each byte to bit 4
+          q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
+      }
+    };
+    const int64_t nbk = x.K / 256;
+    if (R == 1) {
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
+      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;  // blocks in k8_order
+      __m256i a;  // lanes in any order: only their sum A is used
+#ifdef KVSERVE_ZMM_ROWS
+      if (cpu_has_vnni()) {  // two blocks per instruction: 64 code bytes are blocks [4c | 4c + 2] (low
+        // nibbles) and [4c + 1 | 4c + 3] (high), which is k8_order; vpermw puts each block's scale in its half
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+        const __m512i m15 = _mm512_set1_epi8(15);
+        __m512i a16 = _mm512_setzero_si512();
+        const __m512i pick[4] = {two_halves(0, 2), two_halves(1, 3), two_halves(4, 6), two_halves(5, 7)};
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+        for (int c = 0; c < 2; ++c) {
+          const __m512i v = _mm512_loadu_si512(b + kCodes + 64 * c);
+          __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+          if (kQ5) {  // blocks [4c | 4c + 2] and [4c + 1 | 4c + 3]: their bits of qh, shifted per half
+            const __m512i one = _mm512_set1_epi8(1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c]), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c + 1]), one), 4));
+          }
+          const __m512i slo = _mm512_permutexvar_epi16(pick[2 * c], sc), shi = _mm512_permutexvar_epi16(pick[2 * c + 1], sc);
+          a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(xk + 128 * c)), slo));
+          a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(xk + 128 * c + 64)), shi));
+        }
+        a = _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1));
+      } else
+#endif
+      {  // maddubs, then the scale of block j in every int16 lane (madd)
+        unpack();
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        a = _mm256_setzero_si256();  // |lane| <= 8 * 2 * 2 * 15 * 127 * 63
+        for (int j = 0; j < 8; ++j) {
+          const __m256i scj = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>((2 * j) | ((2 * j + 1) << 8))));
+          const __m256i xj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xk + 32 * k8_order(j)));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xj), scj));
+        }
+      }
+      const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, _mm256_madd_epi16(mins, s16)));
+      acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+      return;
+    }
+    // many rows: transpose the codes once (transpose_k), so that with Q8Act::kq each row's dot
+    // products are vertical adds, each dword lane within one block j and scaled by its sc_j
+    __m256i t[8], tsc[2], tsc32[2];
+    unpack();
+    transpose_k(q, t);
+    per_transposed_lane(sm, tsc, tsc32);
+    const bool vnni = cpu_has_vnni();
+    for (int r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.kq.data() + row * x.K + 256 * sb);
+      __m256i a = _mm256_setzero_si256();
+      for (int g = 0; g < 2; ++g) {
+#ifdef KVSERVE_VNNI_BUILD
+        if (vnni) {  // the same integers, 4 products per int32 lane per instruction (two short chains)
+          const __m256i* xg = xq + 4 * g;
+          const __m256i u = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(xg));
+          const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g + 2], _mm256_loadu_si256(xg + 2));
+          const __m256i i = _mm256_add_epi32(_mm256_dpbusd_epi32(u, t[4 * g + 1], _mm256_loadu_si256(xg + 1)),
+                                             _mm256_dpbusd_epi32(v, t[4 * g + 3], _mm256_loadu_si256(xg + 3)));
+          a = _mm256_add_epi32(a, _mm256_mullo_epi32(i, tsc32[g]));
+          continue;
+        }
+#endif
+        __m256i u = _mm256_maddubs_epi16(t[4 * g], _mm256_loadu_si256(xq + 4 * g));
+        for (int i = 1; i < 4; ++i)  // |.| <= 4 * 2 * 31 * 127
+          u = _mm256_add_epi16(u, _mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(xq + 4 * g + i)));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(u, tsc[g]));
+      }
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nbk + sb) * 16));
+      const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, _mm256_madd_epi16(mins, s16)));
+      acc[r] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
+    }
+  }
+};
+
+using Q4_KRows = KRows<false>;
+using Q5_KRows = KRows<true>;
+
+struct Q6_KRows {
+  static constexpr int64_t kCode = kQ6_K;
+  static constexpr int64_t kBytes = kQ6_KBytes;
+  template <int R>
+  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
+    const int nr = R ? R : rn;
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(b + 208)));  // [d, 0, 0, 0]
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    // the 16 scales as int16, for the -32 offset: 32 * sum_i sc_i S_i, one madd of int16 pairs
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sc_words = _mm256_cvtepi8_epi16(sc16);
+    const int64_t nbk = x.K / 256;
+    // row's scaled products a (lanes in any order: only their sum is used) -> acc[r]
+    const auto finish = [&](int r, __m256i a) {
+      const int64_t row = r0 + r;
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nbk + sb) * 16));
+      const __m256i off = _mm256_madd_epi16(sc_words, s16);  // |.| <= 2 * 128 * 2032
+      const __m128 A = _mm_cvtepi32_ps(hsum2_epi32(_mm256_sub_epi32(a, _mm256_slli_epi32(off, 5)), _mm256_setzero_si256()));
+      acc[r] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
+    };
+#ifdef KVSERVE_ZMM_ROWS
+    if (R == 1 && cpu_has_vnni()) {  // two blocks per instruction, in k8_order: [4h | 4h + 2] from
+      // the low/high nibbles of ql's first 32 bytes, [4h + 1 | 4h + 3] of its next 32 (shifted per
+      // 256-bit half by vpsrlvw); vpermw puts each 16 weights' scale in their int16 lanes
+      const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+      const __m512i sh04 = two_halves(0, 4), sh26 = two_halves(2, 6);
+      const __m512i scw = _mm512_castsi256_si512(sc_words);
+      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
+      __m512i a16 = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const auto both = [&](const uint8_t* p) {
+          return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        };
+        const __m512i l0 = both(b + 64 * h), l1 = both(b + 64 * h + 32), qh = both(b + 128 + 32 * h);
+        const auto codes = [&](__m512i l, __m512i qh_shift) {
+          const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, qh_shift), m2);
+          return _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(l, sh04), m4), _mm512_slli_epi16(high, 4));
+        };
+        const int s = 8 * h;  // block 4h + g's scales: sc[s + 2g], sc[s + 2g + 1]
+        const __m512i sa = _mm512_permutexvar_epi16(four_quarters(s, s + 1, s + 4, s + 5), scw);
+        const __m512i sb2 = _mm512_permutexvar_epi16(four_quarters(s + 2, s + 3, s + 6, s + 7), scw);
+        a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l0, sh04), _mm512_loadu_si512(xk + 128 * h)), sa));
+        a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l1, sh26), _mm512_loadu_si512(xk + 128 * h + 64)), sb2));
+      }
+      return finish(0, _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1)));
+    }
+#endif
+    __m256i q[8];  // block j's 6-bit codes
+    kvserve::q6_k_codes(b, 0, q), kvserve::q6_k_codes(b, 1, q + 4);
+    if (R == 1) {
+      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
+      // the 32 weights of block j: first 16 scale sc[2j], last 16 sc[2j + 1] (int16 lanes, by one shuffle)
+      const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+      __m256i a = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_broadcastsi128_si256(
+            _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+        for (int g = 0; g < 4; ++g) {
+          const int j = 4 * h + g;
+          const __m256i scj = _mm256_shuffle_epi8(w, _mm256_add_epi8(pick, _mm256_set1_epi8(static_cast<char>(4 * g))));
+          const __m256i xj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xk + 32 * k8_order(j)));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], xj), scj));
+        }
+      }
+      return finish(0, a);
+    }
+    // many rows: the codes transposed (transpose_k) and their scales in the same lanes: dword
+    // lane m of tsc[g] is block 4g + m % 4's first-16 scale in the low half (t 0-3), second in the high
+    __m256i t[8], tsc[2], tsc32[2];  // tsc32: the same scales, one int32 per lane
+    const bool vnni = cpu_has_vnni();
+    transpose_k(q, t);
+    for (int g = 0; g < 2; ++g) {
+      const char a = static_cast<char>(8 * g);
+      tsc[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+          sc16, _mm_setr_epi8(a, a, a + 2, a + 2, a + 4, a + 4, a + 6, a + 6, a + 1, a + 1, a + 3, a + 3, a + 5, a + 5,
+                              a + 7, a + 7)));
+      tsc32[g] = _mm256_srai_epi32(_mm256_slli_epi32(tsc[g], 16), 16);
+    }
+    for (int r = 0; r < nr; ++r) {
+      const __m256i* tx = reinterpret_cast<const __m256i*>(x.kq.data() + (r0 + r) * x.K + 256 * sb);
+      __m256i a = _mm256_setzero_si256();
+      for (int g = 0; g < 2; ++g) {
+#ifdef KVSERVE_VNNI_BUILD
+        if (vnni) {  // a lane's 4 quads share one scale: sum the products, then scale once (exact)
+          __m256i u = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[4 * g], _mm256_loadu_si256(tx + 4 * g));
+          for (int i = 1; i < 4; ++i) u = _mm256_dpbusd_epi32(u, t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i));
+          a = _mm256_add_epi32(a, _mm256_mullo_epi32(u, tsc32[g]));
+          continue;
+        }
+#endif
+        for (int i = 0; i < 4; ++i)
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(t[4 * g + i], _mm256_loadu_si256(tx + 4 * g + i)), tsc[g]));
+      }
+      finish(r, a);
+    }
+  }
+};
+
+constexpr int kKRows = 16;  // rows per pass over the K-quant rows: the weights leave DRAM once per 16 rows
+
+#ifdef KVSERVE_ZMM_ROWS
+// ---- Many rows, two features per instruction (AVX512-VNNI builds): features n and n + 1's
+// super-blocks sit in the low and the high 256 bits of each zmm, unpacked and transposed as the
+// ymm many-row path does it (transpose_k's unpacks stay within 128-bit lanes), and each row's
+// transposed activations are broadcast to both halves. Per row and super-block the two features'
+// A (and B) are the same exact integers as in Q4_KRows / Q6_KRows, reduced together (hsum4_epi32),
+// and [A_n, B_n, A_n+1, B_n+1] take one fmadd with [d_n dx, dmin_n dx, d_n+1 dx, dmin_n+1 dx]: lane
+// for lane the one-row path's operations, so the floats are the same.
+
+// [sum of a's low 8 lanes, of b's low 8, of a's high 8, of b's high 8] (exact).
+inline __m128i hsum4_epi32(__m512i a, __m512i b) {
+  a = _mm512_add_epi32(a, _mm512_shuffle_i64x2(a, a, _MM_SHUFFLE(2, 3, 0, 1)));  // 128-bit units u0+u1, u2+u3
+  b = _mm512_add_epi32(b, _mm512_shuffle_i64x2(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
+  __m512i z = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // [a n, a n+1, b n, b n+1] (4 lanes each)
+  z = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_CDAB));
+  z = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_BADC));
+  return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 4, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), z));
+}
+
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+}
+inline void transpose_k512(const __m512i* v, __m512i* out) {
+  for (int g = 0; g < 2; ++g) {
+    const __m512i* w = v + 4 * g;
+    const __m512i a0 = _mm512_unpacklo_epi32(w[0], w[1]), a1 = _mm512_unpackhi_epi32(w[0], w[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(w[2], w[3]), a3 = _mm512_unpackhi_epi32(w[2], w[3]);
+    out[4 * g] = _mm512_unpacklo_epi64(a0, a2), out[4 * g + 1] = _mm512_unpackhi_epi64(a0, a2);
+    out[4 * g + 2] = _mm512_unpacklo_epi64(a1, a3), out[4 * g + 3] = _mm512_unpackhi_epi64(a1, a3);
+  }
+}
+
+// Two features' super-block, ready for the rows: transposed codes t, per-lane int32 scales sc[g],
+// `side` (Q4_K: the mins as int16, each twice; Q6_K: the 16 scales as int16) and dd.
+struct PairBlock {
+  __m512i t[8], sc[2], side;
+  __m128 dd;  // Q4_K [d, dmin, d', dmin'], Q6_K [d, 0, d', 0]
+};
+
+template <bool kQ5>  // Q4_K or Q5_K (KRows)
+inline void q4_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
+  constexpr int64_t kCodes = KRows<kQ5>::kCodes;
+  const __m128i s0 = q4_k_scales(b0), s1 = q4_k_scales(b1);
+  p.dd = _mm_cvtph_ps(_mm_setr_epi32(static_cast<int>(u32_at(b0)), static_cast<int>(u32_at(b1)), 0, 0));
+  p.side = join(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s0, s0)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s1, s1)));
+  const __m512i mask = _mm512_set1_epi8(15);
+  __m512i q[8];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = load_pair(b0 + kCodes + 32 * c, b1 + kCodes + 32 * c);
+    q[2 * c] = _mm512_and_si512(v, mask);
+    q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+  if (kQ5) {
+    const __m512i qh = load_pair(b0 + 16, b1 + 16), one = _mm512_set1_epi8(1);
+    for (int j = 0; j < 8; ++j)
+      q[j] = _mm512_or_si512(q[j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
+  }
+  transpose_k512(q, p.t);
+  __m256i w0[2], d0[2], w1[2], d1[2];
+  per_transposed_lane(s0, w0, d0);
+  per_transposed_lane(s1, w1, d1);
+  p.sc[0] = join(d0[0], d1[0]), p.sc[1] = join(d0[1], d1[1]);
+}
+
+inline void q6_k_pair(const uint8_t* b0, const uint8_t* b1, PairBlock& p) {
+  // fp16 lanes [d, 0, d', 0]
+  p.dd = _mm_cvtph_ps(_mm_setr_epi32(u16_at(b0 + 208), u16_at(b1 + 208), 0, 0));
+  const __m128i sc0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 192));
+  const __m128i sc1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + 192));
+  p.side = join(_mm256_cvtepi8_epi16(sc0), _mm256_cvtepi8_epi16(sc1));
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  __m512i q[8];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l0 = load_pair(b0 + 64 * h, b1 + 64 * h), l1 = load_pair(b0 + 64 * h + 32, b1 + 64 * h + 32);
+    const __m512i qh = load_pair(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
+    const auto high = [&](int shift) {
+      return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(shift)), m2), 4);
+    };
+    q[4 * h] = _mm512_or_si512(_mm512_and_si512(l0, m4), high(0));
+    q[4 * h + 1] = _mm512_or_si512(_mm512_and_si512(l1, m4), high(2));
+    q[4 * h + 2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), high(4));
+    q[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), high(6));
+  }
+  transpose_k512(q, p.t);
+  for (int g = 0; g < 2; ++g) {  // Q6_KRows' tsc32: block 4g + m % 4's first-16 scale (t 0-3), second (t 4-7)
+    const char a = static_cast<char>(8 * g);
+    const __m128i pick = _mm_setr_epi8(a, a + 2, a + 4, a + 6, a + 1, a + 3, a + 5, a + 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    p.sc[g] = join(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc0, pick)), _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc1, pick)));
+  }
+}
+
+// Features n, n + 1 (their super-block rows at w0, w1) for rows [r0, r0 + nr): out[r * ldo + n], [.. + 1].
+template <typename Format>  // KRows<.> or Q6_KRows
+void pair_rows(const kvserve::Q8Act& x, int64_t r0, int nr, const uint8_t* w0, const uint8_t* w1, float* out,
+               int64_t ldo) {
+  constexpr int64_t kBytes = Format::kBytes;
+  constexpr bool kQ4_K = Format::kCode != kQ6_K;  // Q4_K or Q5_K: the mins' B beside A
+  const int64_t nb = x.K / 256;
+  __m128 acc[kKRows];  // [acc, corr, acc', corr'] per row
+  for (int r = 0; r < nr; ++r) acc[r] = _mm_setzero_ps();
+  PairBlock p;
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const uint8_t *b0 = w0 + sb * kBytes, *b1 = w1 + sb * kBytes;
+    prefetch_ahead(b0, kBytes), prefetch_ahead(b1, kBytes);
+    if (Format::kCode == kQ6_K) q6_k_pair(b0, b1, p); else q4_k_pair<Format::kCode == kQ5_K>(b0, b1, p);
+    for (int r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = x.kq.data() + row * x.K + 256 * sb;
+      const auto xs = [&](int i) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i))); };
+      __m512i a = _mm512_setzero_si512();
+      for (int g = 0; g < 2; ++g) {
+        const __m512i u = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p.t[4 * g], xs(4 * g)), p.t[4 * g + 1], xs(4 * g + 1));
+        const __m512i v = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p.t[4 * g + 2], xs(4 * g + 2)), p.t[4 * g + 3], xs(4 * g + 3));
+        a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_add_epi32(u, v), p.sc[g]));
+      }
+      const __m512i s16 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nb + sb) * 16)));
+      const __m512i side = _mm512_madd_epi16(p.side, s16);
+      const __m128i ab = kQ4_K ? hsum4_epi32(a, side) : hsum4_epi32(_mm512_sub_epi32(a, _mm512_slli_epi32(side, 5)), _mm512_setzero_si512());
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(ab), _mm_mul_ps(p.dd, _mm_set1_ps(x.kd[row * nb + sb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; ++r) {
+    const __m128 v = _mm_sub_ps(acc[r], _mm_movehdup_ps(acc[r]));  // [n, *, n + 1, *]
+    out[r * ldo] = _mm_cvtss_f32(v), out[r * ldo + 1] = _mm_cvtss_f32(_mm_movehl_ps(v, v));
+  }
+}
+#endif
+
+// Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
+// or 0): out[r * ldo + n]. Feature n's row of super-blocks (<= a few KB) is read once from
+// memory and each super-block serves every row.
+template <typename Format, int R>
+void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+             int64_t ldo) {
+  const int nr = R ? R : rn;
+  const int64_t nb = x.K / 256;
+  int64_t n = n0;
+#ifdef KVSERVE_ZMM_ROWS
+  if (R != 1 && cpu_has_vnni())
+    for (; n + 2 <= n1; n += 2)
+      pair_rows<Format>(x, r0, nr, w + n * nb * Format::kBytes,
+                                                       w + (n + 1) * nb * Format::kBytes, out + n, ldo);
+#endif
+  for (; n < n1; ++n) {
+    __m128 acc[R ? R : kKRows];  // [acc, corr, 0, 0] per row
+    for (int r = 0; r < nr; ++r) acc[r] = _mm_setzero_ps();
+    const uint8_t* row = w + n * nb * Format::kBytes;
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      prefetch_ahead(row + sb * Format::kBytes, Format::kBytes);
+      Format::template block<R>(row + sb * Format::kBytes, x, r0, nr, sb, acc);
+    }
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = _mm_cvtss_f32(_mm_sub_ss(acc[r], _mm_movehdup_ps(acc[r])));
+  }
+}
+
+template <typename Format>
+void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  n0 = kvserve::kquant_rows_amx(x, w, Format::kCode, n0, n1, out, ldo);  // whole groups of 16 on AMX tiles, where it runs
+  if (n0 >= n1) return;
+  for (int64_t r = 0; r < x.M; r += kKRows) {
+    float* o = out + r * ldo;
+    const int rn = static_cast<int>(std::min<int64_t>(kKRows, x.M - r));
+    if (rn == 1)
+      rows_q8<Format, 1>(x, r, 1, w, n0, n1, o, ldo);
+    else
+      rows_q8<Format, 0>(x, r, rn, w, n0, n1, o, ldo);
+  }
+}
+
+// ---- Legacy row formats (Q4_0, Q5_0, Q5_1: GGUF rows of 32-weight blocks) against the per-32
+// activations (Q8Act kBlocks). The codes of 4 blocks are unpacked once for all rows of the pass;
+// per row and block an exact integer dot product in int32 lanes (maddubs, madd by 1; |pair| <=
+// 2 * 31 * 127) is scaled lane-wise by d dx, the 4 blocks' products summed in a fixed tree and
+// added to the row's accumulator (one dependent add per 4 blocks, not one fmadd per block, which
+// bound one row at ~5 GB/s), one horizontal sum per output. Q4_0 and Q5_0 store q with w = d (q - 8)
+// or d (q - 16): the signed codes multiply by llama.cpp's sign trick, |w| times x with w's sign
+// (maddubs needs one unsigned operand). Q5_1's w = d q + m adds m s_x per block (s_x = dx * the
+// activation codes' sum, Q8Act::s), summed per group the same way into a scalar. A row's
+// operations do not depend on the other rows of the pass, so its result does not either.
+template <int64_t kFmt, int R>  // R: the row count at compile time (1: registers), or 0: rn
+void legacy_rows(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+                 int64_t ldo) {
+  const int nr = R ? R : rn;
+  constexpr int64_t kBytes = block_bytes(kFmt);
+  constexpr bool kSigned = kFmt != kQ5_1;
+  constexpr int kGroup = 4;
+  const int64_t nb = x.K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R ? R : kKRows];
+    float corr[R ? R : kKRows];
+    for (int r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+    const uint8_t* row = w + n * nb * kBytes;
+    for (int64_t b0 = 0; b0 < nb; b0 += kGroup) {
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, nb - b0));
+      __m256i q[kGroup], uq[kGroup];  // Q4_0 / Q5_0: the signed codes q - 8 / q - 16, and |.|; Q5_1: q
+      float d[kGroup], m[kGroup];
+      for (int i = 0; i < g; ++i) {
+        const uint8_t* blk = row + (b0 + i) * kBytes;
+        prefetch_ahead(blk, kBytes);
+        d[i] = _cvtsh_ss(u16_at(blk));
+        if (kFmt == kQ4_0) q[i] = _mm256_sub_epi8(kvserve::q4_codes(blk + 2), _mm256_set1_epi8(8));
+        else if (kFmt == kQ5_0) q[i] = _mm256_sub_epi8(kvserve::q5_codes(blk + 2, blk + 6), _mm256_set1_epi8(16));
+        else q[i] = kvserve::q5_codes(blk + 4, blk + 8), m[i] = _cvtsh_ss(u16_at(blk + 2));
+        uq[i] = kSigned ? _mm256_sign_epi8(q[i], q[i]) : q[i];
+      }
+      for (int r = 0; r < nr; ++r) {
+        const int64_t xb = (r0 + r) * nb + b0;
+        __m256 p[kGroup];
+        for (int i = 0; i < g; ++i) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q8.data() + (xb + i) * kBlock));
+          if (kSigned) xv = _mm256_sign_epi8(xv, q[i]);
+          p[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(uq[i], xv), ones)),
+                               _mm256_set1_ps(d[i] * x.d[xb + i]));
+        }
+        if (kFmt == kQ5_1) {  // the group's m s_x, summed as the products are (one dependent add per group)
+          float c[kGroup];
+          for (int i = 0; i < g; ++i) c[i] = m[i] * x.s[xb + i];
+          corr[r] += g == kGroup ? (c[0] + c[1]) + (c[2] + c[3]) : g == 3 ? (c[0] + c[1]) + c[2] : g == 2 ? c[0] + c[1] : c[0];
+        }
+        // the group's sum: ((p0 + p1) + (p2 + p3)) for a whole group; the tail group left to right
+        const __m256 sum = g == kGroup ? _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]))
+                           : g == 3    ? _mm256_add_ps(_mm256_add_ps(p[0], p[1]), p[2])
+                           : g == 2    ? _mm256_add_ps(p[0], p[1])
+                                       : p[0];
+        acc[r] = _mm256_add_ps(acc[r], sum);
+      }
+    }
+    for (int r = 0; r < nr; ++r) out[r * ldo + n] = hsum8(acc[r]) + corr[r];
+  }
+}
+
+template <int64_t kFmt>
+void legacy_rows_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < x.M; r += kKRows) {
+    const int rn = static_cast<int>(std::min<int64_t>(kKRows, x.M - r));
+    if (rn == 1)
+      legacy_rows<kFmt, 1>(x, r, 1, w, n0, n1, out + r * ldo, ldo);
+    else
+      legacy_rows<kFmt, 0>(x, r, rn, w, n0, n1, out + r * ldo, ldo);
+  }
+}
+
+template <int R>
+struct Q4_1Kernel {
+  static constexpr int64_t kFormat = kQ4_1;
+  static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
+  static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
+    strip_q4_1<R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
+  }
+  static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo) {
+    pair_q4_1<R>(x, r0, s, bytes, o, ldo);
+  }
+};
+template <int R>
+struct Q8_0Kernel {
+  static constexpr int64_t kFormat = kQ8_0;
+  static constexpr int kMaxRows = 8;
+  static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
+    strip_q8_0<R>(x, r0, s, o, ldo, cols);
+  }
+  static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo) {
+    pair_q8_0<R>(x, r0, s, bytes, o, ldo);
+  }
+};
+
+// Q8Act::kq from Q8Act::k8 (blocks in k8_order): each 256 in transpose_k's order.
+void transpose_codes_k(const int8_t* k8, int8_t* kq, int64_t n) {
+  for (int64_t o = 0; o < n; o += 256) {
+    __m256i v[8], t[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k8 + o + 32 * k8_order(j)));
+    transpose_k(v, t);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(kq + o + 32 * j), t[j]);
+  }
+}
+
+// The activation quantizer's pieces, vectorized (the same fp32 operations as the scalar loop
+// in Q8Act::quantize, so the same codes).
+inline float amax_avx2(const float* x, int64_t n) {  // max |x[i]|, n a multiple of 8
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// 32 codes round-half-even(x * id) clamped to [-127, 127] into q8 (and q16 when not null); the
+// sums of the first and the last 16 into sums.
+inline void codes32_avx2(const float* xb, float id, int8_t* q8, int16_t* q16, int32_t* sums) {
+  const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)  // round half to even, as nearbyint in the default rounding mode
+    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), idv),
+                                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8), bytes);
+  const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+  const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+  if (q16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), w0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), w1);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(sums), hsum2_epi32(_mm256_madd_epi16(w0, ones), _mm256_madd_epi16(w1, ones)));
+}
+
+// Strips [s0, s1): strip s writes columns s * 8 .. of out. Rows go in passes of Kernel::kMaxRows,
+// then 8, 4, 2, 1 (each row's result does not depend on the pass it is in). On AVX512-VNNI
+// CPUs two adjacent full strips go together (Kernel::run_pair, passes of 8 rows, then 4, 2, 1).
+template <template <int> class Kernel>
+void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, int64_t s0, int64_t s1, int64_t N,
+               float* out, int64_t ldo) {
+  constexpr int kMax = Kernel<1>::kMaxRows;
+  static_assert(kMax == 8 || kMax == 16, "passes of 16 or 8 rows, then halving");
+  const bool pairs = cpu_has_vnni();
+  // the paired strips [s0, pair_end): the full ones (only the matrix's last strip can be
+  // partial), an even count
+  const int64_t pair_end = pairs ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
+  // AMX CPUs: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
+  const int64_t tiled = pair_end > s0 ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, pair_end, out, ldo) : 0;
+  for (int64_t s = s0; s < s1;) {
+    const uint8_t* strip = w + s * strip_bytes;
+    if (s < pair_end) {
+      for (int64_t r = tiled; r < x.M;) {
+        float* o = out + r * ldo + s * kStrip;
+        const int64_t left = x.M - r;
+        if (left >= 8) Kernel<8>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 8;
+        else if (left >= 4) Kernel<4>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 4;
+        else if (left >= 2) Kernel<2>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 2;
+        else Kernel<1>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 1;
+      }
+      s += 2;
+      continue;
+    }
+    const int64_t cols = std::min(kStrip, N - s * kStrip);
+    for (int64_t r = 0; r < x.M;) {
+      float* o = out + r * ldo + s * kStrip;
+      const int64_t left = x.M - r;
+      if (kMax == 16 && left >= 16) Kernel<kMax>::run(x, r, strip, o, ldo, cols), r += kMax;
+      else if (left >= 8) Kernel<8>::run(x, r, strip, o, ldo, cols), r += 8;
+      else if (left >= 4) Kernel<4>::run(x, r, strip, o, ldo, cols), r += 4;
+      else if (left >= 2) Kernel<2>::run(x, r, strip, o, ldo, cols), r += 2;
+      else Kernel<1>::run(x, r, strip, o, ldo, cols), r += 1;
+    }
+    ++s;
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
+// x [M, K] fp32, packed strips [ceil(N / 8), ...] -> [M, N] fp32 through int8 activations;
+// callers check gguf_q8_supported(format) first (engine/loader/gguf/blocks.py BlockLinear).
+// The arguments of the int8 ops: x [M, K] fp32 and `packed` holding N x K weights of `format`,
+// which has an int8 kernel on this CPU.
+void check_q8_args(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
+  TORCH_CHECK(kvserve::q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t K = x.size(1);
+  const bool strips = format == kQ4_1 || format == kQ8_0;
+  const int64_t per = block_weights(format), width = K / per * block_bytes(format);
+  TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
+                  packed.size(1) == width,
+              "packed weights do not hold ", N, " x ", K, " weights of this format");
+}
+
+// x [M, K] quantized with the layouts `format`'s kernel reads.
+kvserve::Q8Act quantize_for(const at::Tensor& x, int64_t format) {
+  const auto xc = x.contiguous();
+  kvserve::Q8Act q;
+  q.quantize(xc.data_ptr<float>(), x.size(0), x.size(1), kvserve::q8_layouts(format));
+  return q;
+}
+
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format) {
+  check_q8_args(x, packed, N, format);
+  auto out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return out;
+  const kvserve::Q8Act q = quantize_for(x, format);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (format == kQ4_1 || format == kQ8_0) {  // strips of kStrip features
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
+      kvserve::gguf_linear_q8_range(q, wp, N, format, s0 * kStrip, std::min(N, s1 * kStrip), op + s0 * kStrip, N);
+    });
+  } else {
+    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+      kvserve::gguf_linear_q8_range(q, wp, N, format, n0, n1, op + n0, N);
+    });
+  }
+  return out;
+}
+
+// SiLU(x @ gate^T) * (x @ up^T) -> [M, I], for a gate/up matrix packed as one [2I, K] matrix of
+// one format (gate rows first): gguf_linear_q8 on it, then SiLU * up, without the [M, 2I] product.
+// Each thread takes kCols features at a time: their gate and up products ([M, kCols] each, in
+// L2) feed silu_mul at once, and their weight rows (<= 74 KB for K = 2048 Q4_K) stay in L2
+// across the passes over the rows. The products are gguf_linear_q8's, bit for bit.
+at::Tensor gguf_swiglu_q8(const at::Tensor& x, const at::Tensor& packed, int64_t I, int64_t format) {
+  constexpr int64_t kCols = 64;  // a multiple of kStrip: strip formats' chunks start on a strip
+  TORCH_CHECK(I % kStrip == 0, "the gate/up width must be a multiple of ", kStrip, ", got ", I);
+  check_q8_args(x, packed, 2 * I, format);
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, I}, x.options());
+  if (M == 0) return out;
+  const kvserve::Q8Act q = quantize_for(x, format);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (I + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> gate(M * kCols), up(M * kCols);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kCols, n1 = std::min(I, n0 + kCols), w = n1 - n0;
+      kvserve::gguf_linear_q8_range(q, wp, 2 * I, format, n0, n1, gate.data(), w);
+      kvserve::gguf_linear_q8_range(q, wp, 2 * I, format, I + n0, I + n1, up.data(), w);
+      for (int64_t r = 0; r < M; ++r) kvserve::silu_mul(gate.data() + r * w, up.data() + r * w, w, op + r * I + n0);
+    }
+  });
+  return out;
+}
+
+// The activation quantization alone, for tests: (codes int8 [M, K], scales fp32 [M, K / block]),
+// per 32 (the strip formats' activations) or per 256 (the K-quants').
+std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(block == kBlock || block == 256, "block must be 32 or 256");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0,
+              "x must be a 2-D float32 tensor whose width is a multiple of ", block);
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto xc = x.contiguous();
+  kvserve::Q8Act q;
+  q.quantize(xc.data_ptr<float>(), M, K, block == kBlock ? kvserve::Q8Act::kBlocks : kvserve::Q8Act::kSuper);
+  const auto& d_v = block == kBlock ? q.d : q.kd;
+  at::Tensor codes = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / block}, x.options());
+  int8_t* c = codes.data_ptr<int8_t>();
+  if (block == kBlock)
+    std::copy(q.q8.begin(), q.q8.end(), c);
+  else  // k8 back to natural order
+    for (int64_t o = 0; o < M * K; o += 256)
+      for (int j = 0; j < 8; ++j) std::memcpy(c + o + 32 * j, q.k8.data() + o + 32 * k8_order(j), 32);
+  std::copy(d_v.begin(), d_v.end(), d.data_ptr<float>());
+  return {codes, d};
+}
+
+bool gguf_q8_supported(int64_t format) { return kvserve::q8_supported(format); }
+
+// Which instructions the Q4_1 / Q8_0 int8 kernels use here: "vnni", "avx2" or "none".
+std::string gguf_q8_isa() {
+#ifdef KVSERVE_X86
+  if (cpu_has_avx2()) return cpu_has_vnni() ? "vnni" : "avx2";
+#endif
+  return "none";
+}
+
+// Whether the K-quants' many-row int8 matmul takes AMX tiles here (quant_linear_amx.cpp).
+bool gguf_q8_amx() { return kvserve::cpu_has_amx(); }
+
+}  // namespace
+
+void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsigned layouts) {
+  M = rows, K = width;
+  if (layouts & (kWide | kOffset)) layouts |= kBlocks;
+  const bool avx2 = cpu_has_avx2(), blocks = layouts & kBlocks, super = layouts & kSuper;
+  TORCH_CHECK(K % kBlock == 0 && (!super || K % 256 == 0), "cannot quantize a width of ", K, " per 32 / 256");
+  q8.resize(blocks ? M * K : 0), d.resize(blocks ? M * K / kBlock : 0), s.resize(d.size());
+  q16.resize(layouts & kWide ? M * K : 0);
+  u8.resize(avx2 && (layouts & kOffset) && cpu_has_vnni() ? M * K : 0);
+  k8.resize(super ? M * K : 0), ksum16.resize(super ? M * K / 16 : 0), kd.resize(super ? M * K / 256 : 0);
+  kq.resize(avx2 && super ? M * K : 0);
+  int16_t* const wide = q16.empty() ? nullptr : q16.data();
+  // n values at xb -> scale, codes (and int16 codes), sums of each 16 codes; per 32 or per 256.
+  // The codes of 32-block c go to codes + 32 * (permuted ? k8_order(c) : c); sums stay in order.
+  const auto group = [&](const float* xb, int64_t n, float& dg, int8_t* codes, int16_t* codes16, int32_t* sums,
+                         bool permuted) {
+    const auto at = [&](int64_t c) { return codes + kBlock * (permuted ? k8_order(static_cast<int>(c)) : c); };
+#ifdef KVSERVE_X86
+    if (avx2) {
+      dg = amax_avx2(xb, n) / 127.f;
+      const float id = dg > 0.f ? 1.f / dg : 0.f;
+      for (int64_t o = 0; o < n; o += kBlock)
+        codes32_avx2(xb + o, id, at(o / kBlock), codes16 ? codes16 + o : nullptr, sums + o / 16);
+      return;
+    }
+#endif
+    float amax = 0.f;
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    dg = amax / 127.f;
+    const float id = dg > 0.f ? 1.f / dg : 0.f;
+    for (int64_t k = 0; k < n; ++k) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
+      at(k / kBlock)[k % kBlock] = static_cast<int8_t>(v);
+      if (codes16) codes16[k] = static_cast<int16_t>(v);
+      sums[k / 16] = (k % 16 ? sums[k / 16] : 0) + static_cast<int32_t>(v);
+    }
+  };
+  // rows [r0, r1): each row's layouts depend on that row alone
+  const auto rows_range = [&](int64_t r0, int64_t r1) {
+    int32_t sums[16];
+    for (int64_t r = r0; r < r1; ++r) {
+      if (blocks)
+        for (int64_t b = r * K / kBlock; b < (r + 1) * K / kBlock; ++b) {
+          group(x + b * kBlock, kBlock, d[b], q8.data() + b * kBlock, wide ? wide + b * kBlock : nullptr, sums, false);
+          s[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
+        }
+      if (super)
+        for (int64_t b = r * K / 256; b < (r + 1) * K / 256; ++b) {
+          group(x + b * 256, 256, kd[b], k8.data() + b * 256, nullptr, sums, true);
+          for (int i = 0; i < 16; ++i) ksum16[b * 16 + i] = static_cast<int16_t>(sums[i]);  // |.| <= 16 * 127
+        }
+    }
+#ifdef KVSERVE_X86
+    if (!kq.empty()) transpose_codes_k(k8.data() + r0 * K, kq.data() + r0 * K, (r1 - r0) * K);
+#endif
+    for (int64_t i = r0 * K; i < static_cast<int64_t>(u8.size()) && i < r1 * K; ++i)
+      u8[i] = static_cast<uint8_t>(q8[i]) ^ 0x80;  // x + 128
+  };
+  // Prefill-sized inputs on ATen's threads (inside the native layer's OpenMP region, where each
+  // thread quantizes its own copy, parallel_for runs inline).
+  if (M * K >= (1 << 16))
+    at::parallel_for(0, M, 1, rows_range);
+  else
+    rows_range(0, M);
+  if (super && (layouts & kTiles) && M >= kAmxMinRows && cpu_has_amx())
+    fill_tiles();
+  else
+    kt.clear(), ktd.clear(), ktsum.clear();
+}
+
+unsigned kvserve::q8_layouts(int64_t format) {
+  if (!q8_supported(format)) return 0;
+  switch (format) {
+    case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
+    case kQ4_K: case kQ5_K: case kQ6_K: return Q8Act::kSuper | (cpu_has_amx() ? Q8Act::kTiles : 0u);
+    default: return Q8Act::kBlocks;  // Q4_1: the codes, scales and block sums
+  }
+}
+
+bool kvserve::q8_supported(int64_t format) {
+  return format >= kQ4_1 && format <= kQ5_1 && cpu_has_avx2();  // every quantized BlockFormat (not F16, BF16)
+}
+
+void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, int64_t format, int64_t n0,
+                                   int64_t n1, float* out, int64_t ldo) {
+  if (n1 <= n0 || x.M == 0) return;
+  TORCH_CHECK(q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
+#ifdef KVSERVE_X86
+  if (format == kQ4_K) return rows_q8_all<Q4_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ5_K) return rows_q8_all<Q5_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ6_K) return rows_q8_all<Q6_KRows>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ4_0) return legacy_rows_all<kQ4_0>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ5_0) return legacy_rows_all<kQ5_0>(x, w, n0, n1, out - n0, ldo);
+  if (format == kQ5_1) return legacy_rows_all<kQ5_1>(x, w, n0, n1, out - n0, ldo);
+  const int64_t s0 = n0 / kStrip, s1 = (n1 + kStrip - 1) / kStrip, n_end = std::min(n1, N);
+  // strips_q8 writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
+  if (format == kQ4_1)
+    strips_q8<Q4_1Kernel>(x, w, x.K / kBlock * kQ4_1Bytes, s0, s1, n_end, out - n0, ldo);
+  else
+    strips_q8<Q8_0Kernel>(x, w, x.K / kBlock * kQ8_0Bytes, s0, s1, n_end, out - n0, ldo);
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("gguf_q8_supported(int format) -> bool", &gguf_q8_supported);
+  m.def("gguf_q8_isa() -> str", &gguf_q8_isa);
+  m.def("gguf_q8_amx() -> bool", &gguf_q8_amx);
+  m.def("gguf_linear_q8(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("gguf_swiglu_q8(Tensor x, Tensor packed, int intermediate, int format) -> Tensor");
+  m.def("quantize_q8(Tensor x, int block=32) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("gguf_linear_q8", &gguf_linear_q8);
+  m.impl("gguf_swiglu_q8", &gguf_swiglu_q8);
+  m.impl("quantize_q8", &quantize_q8);
+}

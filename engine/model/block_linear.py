@@ -1,0 +1,112 @@
+"""Linear layers computed straight from a GGUF checkpoint's quantized blocks.
+
+Decode streams every weight once per step for a handful of rows, so its speed is weight bytes
+over memory bandwidth, and fp32 is 6.4x (Q4_1) or 3.8x (Q8_0) more bytes than the blocks it
+came from. kvserve keeps the blocks of each linear layer (``engine.loader.gguf.blocks``) and
+sends calls of up to ``BlockLinear.MAX_ROWS`` rows to the native kernel
+(``engine/kernels/cpu/quant_linear.cpp``), which expands each weight in registers and
+multiplies in fp32 (or, with int8 activations, in integers).
+
+Contract: a block matrix is attached to a layer only when it decodes to that layer's dense
+parameter bit for bit (checked at load), so both paths compute the same function of the
+same weights and differ only in summation order, like any two fp32 matmul kernels.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engine.loader.gguf.blocks import BlockFormat, BlockMatrix, PackedMatrix
+
+
+class BlockLinear:
+    """``F.linear(x, W, bias)`` with W held as GGUF blocks (a ``PackedMatrix``).
+
+    Calls of at most ``max_rows`` rows (decode) run the block kernel, which streams the blocks
+    once. Larger calls (prefill, big batches) run ``dense`` (the same op on a dense fp32 copy
+    of W, through oneDNN or MKL) when there is one; without one (``weights_resident:
+    blocks``) they run ``gguf_linear_panels``: the blocks decoded tile by tile into a
+    cache-sized fp32 panel, one MKL GEMM per tile, so no dense copy is ever resident.
+
+    ``MAX_ROWS``, measured per format on this project's 2-core CPU against oneDNN on packed
+    fp32 weights (``bench/quant_linear.py``): the kernel reads 3.8-7x fewer bytes, which wins
+    while a call is bandwidth bound; with more rows the matmul turns compute bound, and
+    expanding each weight to fp32 costs more than oneDNN's blocking saves. F16 / BF16 read 2x
+    fewer bytes and widen for free: SmolLM2 F16 at 16 streams, a step 45-46 ms on the kernel
+    against 59 on a dense fp32 copy and ~70 on the panels (``bench.step_profile``).
+    """
+
+    MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4, BlockFormat.Q4_0: 16, BlockFormat.Q4_K: 16,
+                BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8, BlockFormat.Q5_0: 16, BlockFormat.Q5_1: 16,
+                BlockFormat.F16: 16, BlockFormat.BF16: 16}
+    # int8 activations: integer dot products keep the block kernel ahead of dense fp32 GEMM up to
+    # 16 rows for every format that has one (bench.activation_quant speed, 16 streams). Beyond
+    # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
+    # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
+    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls), and when there is
+    # no dense copy for the formats whose int8 kernel beats the fp32 panels (8192 x 2048 Q4_K at 64
+    # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
+    # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
+    # Without a dense copy the alternative is the panels, which every format's kernel beats up to
+    # 24 rows (bench.quant_linear on SmolLM2 Q4_K_M: Q5_0 / Q6_K / Q8_0 at 16 rows 1.2-1.7x;
+    # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16)
+    BLOCKS_ONLY_MAX_ROWS = 16
+    INT8_MAX_ROWS = 16
+    INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0})
+    INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K,
+                                          BlockFormat.Q6_K})
+    PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
+
+    def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
+                 dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
+        self.blocks = blocks if isinstance(blocks, BlockMatrix) else BlockMatrix([blocks])
+        self.bias = bias
+        self.dense = dense
+        self.tile_rows = max(8, self.PANEL_BYTES // (4 * self.blocks.in_features) // 8 * 8)
+        # (data, out_features, kernel format code) per group, converted once rather than per call
+        # (block bytes, rows, format id) of each part: the arguments of the native ops
+        self.parts = [(p.data, p.out_features, int(p.format)) for p in self.blocks.parts]
+        # int8_activations (ModelConfig.activation_quant): calls of up to max_rows rows run the
+        # int8-activation kernel for the parts that have one on this CPU, the fp32 kernel otherwise
+        self.use_int8_activations(int8_activations)
+
+    def use_int8_activations(self, on: bool) -> None:
+        """Bind the kernel of each part: int8 activations where ``on`` and the part's format has
+        an int8 kernel on this CPU, else fp32; and ``max_rows`` to match."""
+        self.int8_activations = on
+        int8 = [on and torch.ops.kvserve.gguf_q8_supported(f) for _, _, f in self.parts]
+        self.kernels = [torch.ops.kvserve.gguf_linear_q8 if q else torch.ops.kvserve.gguf_linear for q in int8]
+        vnni = on and torch.ops.kvserve.gguf_q8_isa() == "vnni"
+
+        def rows(q: bool, fmt: BlockFormat) -> int:
+            if not q:
+                return self.MAX_ROWS[fmt] if self.dense is not None else max(self.MAX_ROWS[fmt],
+                                                                             self.BLOCKS_ONLY_MAX_ROWS)
+            unbounded = ((self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS)
+                         or (vnni and fmt in self.INT8_VNNI_FORMATS))
+            return sys.maxsize if unbounded else self.INT8_MAX_ROWS
+        self.max_rows = min(rows(q, p.format) for q, p in zip(int8, self.blocks.parts))
+        # swiglu's fused kernel: one part, no bias, an int8 kernel, gate and up halves of whole strips
+        half = self.blocks.out_features // 2
+        fusable = len(self.parts) == 1 and self.bias is None and int8[0] and half % 8 == 0
+        self.swiglu_args = (self.parts[0][0], half, self.parts[0][2]) if fusable else None
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``SiLU(gate) * up`` for a gate/up matrix (the gate's rows first) where this call would
+        run one int8 kernel over the whole matrix: ``gguf_swiglu_q8`` computes the same products
+        without the ``[rows, 2 * intermediate]`` tensor (32 MiB per 512-row prefill chunk of a
+        1B model). None where it does not apply; the caller then splits ``self(x)``."""
+        if self.swiglu_args is None or x.shape[0] > self.max_rows:
+            return None
+        return torch.ops.kvserve.gguf_swiglu_q8(x, *self.swiglu_args)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            if self.dense is not None:
+                return self.dense(x)
+            ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
+        else:
+            ys = [op(x, d, n, f) for op, (d, n, f) in zip(self.kernels, self.parts)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        return y if self.bias is None else y.add_(self.bias)

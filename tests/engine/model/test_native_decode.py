@@ -1,0 +1,293 @@
+"""The native decode path (one ``decode_layer`` C++ call per layer) against the Python path
+(``DecoderLayer.forward``) on the same step: GGUF models in block formats and dense fp32,
+Llama and Qwen2 (biases), GQA and MHA, one sequence and ragged batches crossing block edges.
+
+Every all-decode step is run twice on the same pool, Python first, then native (both write the
+same new K/V slot before attending, so the second run sees what the first did), and the logits
+must agree to fp32 summation order: rtol 1e-4 and atol 1e-4 of the largest logit. The two
+paths sum dot products of up to 512 terms in different orders (eps 1.2e-7 each, ~1e-6
+relative after a layer) through 2-3 layers and a softmax; a wrong bias, RoPE, slot or head
+mapping moves logits by O(1), four orders of magnitude above the tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
+from engine.loader.gguf.blocks import BlockFormat
+from kvtypes.sampling_params import SamplingParams
+from tests.helpers import require_native_kernel, tiny_engine, tiny_hf_model, tiny_llama_config
+from tests.engine.loader.test_gguf_formats import TINY, cache_dir, gguf_engine, uniform  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    require_native_kernel()
+
+
+class PathComparer:
+    """Wraps the model's forward: a step whose decode rows the native path takes (an all-decode
+    step, or a mixed one: decode rows native, then the prefill chunks in Python) runs on both
+    paths and their logits are compared, every row; the native result goes on. The engine answers
+    a step that raises by retrying its requests alone, so mismatches are also kept in ``failures``."""
+
+    def __init__(self, model, rtol: float = 1e-4) -> None:
+        self.model, self.inner, self.rtol = model, model.forward, rtol
+        self.native_steps: list[int] = []  # decode rows of each compared all-decode step
+        self.mixed_steps: list[tuple[int, int]] = []  # (decode rows, prefill rows) of each compared mixed step
+        self.failures: list[AssertionError] = []
+        model.forward = self
+
+    def __call__(self, input_ids, positions, meta, kv_caches):
+        m = self.model
+        decodes = m._native_rows(meta, kv_caches)
+        if not decodes:
+            return self.inner(input_ids, positions, meta, kv_caches)
+        m.decode_path = "python"
+        try:
+            want = m.compute_logits(self.inner(input_ids, positions, meta, kv_caches))
+        finally:
+            m.decode_path = "native"
+        hidden = self.inner(input_ids, positions, meta, kv_caches)
+        got = m.compute_logits(hidden)
+        try:
+            torch.testing.assert_close(got, want, rtol=self.rtol, atol=self.rtol * max(1.0, want.abs().max().item()))
+        except AssertionError as exc:
+            self.failures.append(exc)
+            raise
+        if decodes == input_ids.shape[0]:
+            self.native_steps.append(decodes)
+        else:
+            self.mixed_steps.append((decodes, input_ids.shape[0] - decodes))
+        return hidden
+
+
+# prompt lengths around the test pools' 4-token blocks; 9 new tokens move every context across an edge
+RAGGED = [3, 4, 7, 9]
+
+
+def run_and_compare(engine, lengths: list[int], tokens: int = 9) -> list[int]:
+    model = engine.runner.model
+    assert model.decode_path == "native"
+    comparer = PathComparer(model)
+    prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    assert not comparer.failures, comparer.failures[0]
+    assert [len(o.token_ids) for o in outputs] == [tokens] * len(prompts)
+    assert engine.kv_cache.usage == 0, "a block is still held after every request finished"
+    return comparer.native_steps
+
+
+GGUF_CASES = {
+    "llama-Q4_1-gqa": (TINY, uniform(BlockFormat.Q4_1)),
+    "llama-Q8_0-mha": (GGUFShape(**{**TINY.__dict__, "kv_heads": 4}), uniform(BlockFormat.Q8_0)),
+    "llama-Q4_K_M-mix": (GGUFShape(**{**TINY.__dict__, "layers": 3}), q4_k_m),
+    "qwen2-Q4_K-bias": (GGUFShape(**{**TINY.__dict__, "arch": "qwen2"}), uniform(BlockFormat.Q4_K)),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+@pytest.mark.parametrize("resident", ["blocks", "dense"])
+def test_gguf_native_decode_equals_python(case, resident, cache_dir, tmp_path):  # noqa: F811
+    shape, formats = GGUF_CASES[case]
+    path = write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=len(case))
+    engine = gguf_engine(path, resident)
+    if case == "llama-Q4_K_M-mix":  # q, k Q4_K and v Q6_K in one fused matrix: two groups in one call
+        assert any(len(layer.blocks["qkv"].parts) == 2 for layer in engine.runner.model.layers)
+    assert engine.runner.model.arch.attention_bias == (shape.arch == "qwen2")
+    assert run_and_compare(engine, [5]) == [1] * 8  # one stream: every decode step native
+    steps = run_and_compare(engine, RAGGED)
+    assert steps and max(steps) == len(RAGGED)
+
+
+def test_int8_blocks_only_native_decode_takes_more_than_16_rows(cache_dir, tmp_path):  # noqa: F811
+    """With int8 activations a block-only model keeps its block kernels at any row count
+    (BlockLinear.max_rows unbounded), so the native path takes steps of 20 decode rows, and they
+    match the Python path on the same int8 kernels (tolerance 1e-3: the two paths quantize
+    activations that differ in fp32 summation order, so a code can round the other way)."""
+    from cache import CacheConfig
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from scheduler.config import SchedulerConfig
+
+    shape, formats = GGUF_CASES["llama-Q4_K_M-mix"]
+    path = write_gguf(tmp_path / "mix.gguf", shape, formats, seed=5)
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(path), num_threads=1, weights_resident="blocks", activation_quant="int8"),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=24)))
+    model = engine.runner.model
+    assert model.native_max_rows > 16
+    comparer = PathComparer(model, rtol=1e-3)
+    prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(3 + i % 5)] for i in range(20)]
+    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert not comparer.failures, comparer.failures[0]
+    assert [len(o.token_ids) for o in outputs] == [4] * 20 and engine.kv_cache.usage == 0
+    assert max(comparer.native_steps) == 20
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+@pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
+def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
+    """float16: the pools hold fp16 rows, which the python path rounds with ``.to()`` and the
+    native one with F16C (c10::Half's rounding, to nearest even) as it writes, and widens as it
+    reads."""
+    engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_key_value_heads=heads)), block_size=4,
+                         kv_cache_dtype=kv_cache_dtype)
+    assert engine.runner.kv_caches[0][0].dtype == (torch.float16 if kv_cache_dtype == "float16" else torch.float32)
+    assert engine.runner.model.linear_backend != "gguf" and engine.runner.model.native_max_rows == 4
+    assert run_and_compare(engine, [6]) == [1] * 8
+    assert max(run_and_compare(engine, RAGGED)) == 4
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
+    """Requests arriving while others decode make mixed steps: the decode rows take the native path,
+    the new prompts' chunks (a chunked 30-token prompt, and one that reuses a cached prefix) the
+    Python one, and every row's logits equal the all-Python step's."""
+    engine = tiny_engine(tiny_hf_model(), block_size=4, max_num_batched_tokens=12, kv_cache_dtype=kv_cache_dtype)
+    comparer = PathComparer(engine.runner.model)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = [[(5 * i + j) % 120 + 3 for j in range(n)] for i, n in enumerate((6, 9))]
+    for p in first:
+        engine.add_request(p, params)
+    for _ in range(4):
+        engine.step()
+    engine.add_request([(11 * j) % 120 + 3 for j in range(30)], params)  # chunked over several steps
+    engine.add_request(first[1][:8] + [77, 78], params)  # two cached blocks of the second prompt
+    while engine.has_unfinished():
+        engine.step()
+    assert not comparer.failures, comparer.failures[0]
+    assert len(comparer.mixed_steps) >= 3 and all(d >= 1 and p >= 1 for d, p in comparer.mixed_steps)
+    assert comparer.native_steps
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.usage == 0
+
+
+def test_larger_batches_fall_back_to_python():
+    """A step of more rows than native_max_rows runs DecoderLayer.forward, and still serves."""
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    steps = run_and_compare(engine, [3, 4, 5, 6, 7, 8], tokens=4)
+    assert steps == []  # six rows > 4: every decode step on the Python path
+
+
+def test_decode_path_selection_is_explicit():
+    from engine.attention import select_attention
+
+    engine = tiny_engine(tiny_hf_model(), attention_backend="torch")
+    model = engine.runner.model
+    assert model.decode_path == "python"  # auto: the torch attention backend is in use
+    with pytest.raises(ValueError, match="native.*'torch' is in use"):
+        model.select_decode_path("native")
+    with pytest.raises(ValueError, match="decode_path must be"):
+        model.select_decode_path("fast")
+    model.attn = select_attention("native", torch.device("cpu"), torch.float32, 4)
+    assert model.select_decode_path("auto") == ("native", None)
+    assert model.select_decode_path("python") == ("python", None)
+
+
+def test_bad_arguments_are_clear_errors():
+    from engine.config import ModelConfig
+
+    with pytest.raises(ValueError, match="decode_path must be auto, native or python"):
+        ModelConfig(decode_path="fast")
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    model = engine.runner.model
+    args = list(model._native_layers[0])
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    x, rope = torch.zeros(1, 64), torch.zeros(1, 16)
+    table, lens = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long)
+
+    def call(slot: int = 0, heads: int = 4, layer_args=args):
+        torch.ops.kvserve.decode_layer(x, *layer_args, rope, rope, k_cache, v_cache, torch.tensor([slot]), table,
+                                       lens, heads, 0.25)
+
+    call()  # valid
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        call(slot=10**6)
+    with pytest.raises(RuntimeError, match=r"o_proj: a dense part must be a contiguous float32 \[64, 32\]"):
+        call(heads=2)  # 2 heads of 16 would make o_proj 64 x 32
+    bad = args.copy()
+    bad[3] = [args[3][0][:8]]  # qkv: a dense part of the wrong shape
+    with pytest.raises(RuntimeError, match="qkv: a dense part must be"):
+        call(layer_args=bad)
+
+
+def _step_inputs(model, rows: int, context: int, block_size: int, seed: int, kv_dtype=torch.float32):
+    """Random decode-step inputs over fresh pools (of ``kv_dtype``): every row ``context`` tokens
+    long, its new token in the last slot of its own blocks."""
+    g = torch.Generator().manual_seed(seed)
+    arch = model.arch
+    width = (context + block_size - 1) // block_size
+    shape = (rows * width + 1, block_size, arch.num_kv_heads, arch.head_dim)
+    k_caches = [torch.randn(shape, generator=g).to(kv_dtype) for _ in model.layers]
+    v_caches = [torch.randn(shape, generator=g).to(kv_dtype) for _ in model.layers]
+    table = torch.arange(rows * width).view(rows, width)
+    slots = table[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    positions = torch.full((rows,), context - 1)
+    cos, sin = model.rope_cos[positions].contiguous(), model.rope_sin_signed[positions].contiguous()
+    x = torch.randn(rows, arch.hidden_size, generator=g)
+    return x, cos, sin, k_caches, v_caches, slots.contiguous(), table.contiguous(), torch.full((rows,), context)
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_1-gqa", "llama-Q4_K_M-mix", "qwen2-Q4_K-bias"])
+def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, tmp_path):  # noqa: F811
+    """The native path runs every layer in one DecodeStack call; it must compute exactly what one
+    decode_layer call per layer does (same kernels, same per-chunk order: bit for bit), K/V
+    writes included, with two threads sharing the work (the engine tests run one thread, so this
+    is where threads share the step's buffers), with int8 activations on and off, over fp32 and
+    fp16 pools. With final_norm it also applies the model's final RMSNorm (F.rms_norm's up to
+    the summation order)."""
+    shape, formats = GGUF_CASES[case]
+    model = gguf_engine(write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=3), "blocks").runner.model
+    assert model.decode_path == "native" and model._native_stack.num_layers() == len(model.layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows, context, int8, kv_dtype in [(1, 9, False, torch.float32), (5, 30, True, torch.float32),
+                                              (16, 7, True, torch.float32), (3, 13, True, torch.float16)]:
+            x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
+            want_x, want_k, want_v = x.clone(), [k.clone() for k in ks], [v.clone() for v in vs]
+            scale = model.arch.head_dim ** -0.5
+            for args, k, v in zip(model._native_layers, want_k, want_v):
+                torch.ops.kvserve.decode_layer(want_x, *args, cos, sin, k, v, slots, table, lens,
+                                               model.arch.num_heads, scale, int8)
+            model._native_stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False)
+            assert torch.equal(x, want_x), (rows, int8)
+            assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
+            assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
+            fresh_k = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)[3]
+            assert not all(torch.equal(a, b) for a, b in zip(ks, fresh_k))  # and wrote their new keys
+            normed, _, _, ks2, vs2, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
+            model._native_stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True)
+            want_normed = F.rms_norm(want_x, (want_x.shape[-1],), model.norm, model.arch.rms_norm_eps)
+            torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-6)
+            assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_stack_rejects_mismatched_caches():
+    engine = tiny_engine(tiny_hf_model(), block_size=4)
+    model = engine.runner.model
+    x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, 2, 5, 4, seed=0)
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        model._native_stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False)
+    bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
+    with pytest.raises(RuntimeError, match="of one shape and one dtype"):
+        model._native_stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False)
+    mixed = ks[:1] + [ks[1].half()] + ks[2:]  # one layer's pool fp16, the others fp32
+    with pytest.raises(RuntimeError, match="of one shape and one dtype"):
+        model._native_stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False)
+    with pytest.raises(RuntimeError, match="contiguous float32 or float16"):
+        model._native_stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        model._native_stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False)
+    a = model.arch
+    bare = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
+    for args in model._native_layers:
+        bare.add_layer(*args)
+    with pytest.raises(RuntimeError, match="needs set_final_norm"):
+        bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True)
