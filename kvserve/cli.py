@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -124,9 +125,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.__main__ import main as bench_main
-
-    return bench_main(args.bench_args, prog="kvserve bench")
+    """``kvserve bench ARGS`` is ``python -m bench ARGS`` in this process's place: the bench
+    sits above the product (it drives kvserve and its peers), so the CLI hands over to it
+    instead of importing it."""
+    os.environ["KVSERVE_BENCH_PROG"] = "kvserve bench"
+    os.execv(sys.executable, [sys.executable, "-m", "bench", *args.bench_args])
+    return 0  # not reached
 
 
 def main(argv: list[str] | None = None) -> int:
