@@ -29,10 +29,10 @@ from engine.loader.gguf.reader import GGUFTensorInfo
 
 logger = logging.getLogger(__name__)
 
-def read_gguf_tensors(path: Path, arch: ModelArch, dense: bool = True,
+def read_gguf_tensors(path: Path, arch: ModelArch, with_dense: bool = True,
                       ) -> tuple[dict[str, GGUFMatrix], dict[str, torch.Tensor]]:
     """(blocks, dense): every matrix stored in a ``BlockFormat`` as blocks, everything else
-    dequantized to fp32 (left out with ``dense=False``); transformers' names, llama's q/k row
+    dequantized to fp32 (left out with ``with_dense=False``); transformers' names, llama's q/k row
     permutation undone. The one walk over a GGUF's tensors: ``read_gguf_blocks`` is its first half."""
     import gguf
 
@@ -51,7 +51,7 @@ def read_gguf_tensors(path: Path, arch: ModelArch, dense: bool = True,
             if matrix is not None:
                 blocks[name] = matrix
                 continue
-            if not dense:
+            if not with_dense:
                 continue
             values = gguf.quants.dequantize(tensor.read(raw), gguf.GGMLQuantizationType(tensor.ggml_type))
             values = values.astype(np.float32, copy=False).reshape(tensor.shape[::-1])
@@ -95,4 +95,4 @@ def read_gguf_blocks(path: Path, arch: ModelArch) -> dict[str, GGUFMatrix]:
     """The linear weights of a GGUF file stored in a ``BlockFormat`` (Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) under transformers' names; matrices in other formats (F32,
     Q2_K, Q3_K, IQ*, ...) are left out and run dense."""
-    return read_gguf_tensors(path, arch, dense=False)[0]
+    return read_gguf_tensors(path, arch, with_dense=False)[0]
