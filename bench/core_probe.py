@@ -26,7 +26,8 @@ PROMPT = ("You are a careful assistant. Summarise in two sentences why a paged k
 
 
 def build_client(mode: str, config: Any) -> Any:
-    from engine.core.client import InprocEngineClient, MPEngineClient
+    from engine.core.client import InprocEngineClient
+    from engine.core.process_client import MPEngineClient
 
     if mode == "process":
         import torch

@@ -10,7 +10,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.client import EngineClient, InprocEngineClient, MPEngineClient
+from engine.core.client import EngineClient, InprocEngineClient
+from engine.core.process_client import MPEngineClient
 from engine.llm_engine import EngineConfig
 from server.app import build_app
 from server.config import ServerConfig

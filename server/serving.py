@@ -32,13 +32,13 @@ from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
+from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
 
 # JSON has no -inf; a sampled token can have zero probability under the raw logits only in
 # theory, but a top-k alternative easily can.
-_MIN_LOGPROB = -9999.0
 
 
 class EngineRequestError(RuntimeError):
@@ -97,7 +97,7 @@ class OpenAIServing:
         self.config = config
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
-        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self.logprobs = LogprobFormatter(self.tokenizer)
         # One worker: tokenization holds the GIL, more threads would only take turns.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
 
@@ -315,7 +315,7 @@ class OpenAIServing:
         for c in choices:
             message, finish_reason = finish_message(plan, c.text, c.finish_reason)
             rendered.append({"index": c.index, "message": message,
-                             "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
+                             "logprobs": self.logprobs.chat(c.logprobs) if body.logprobs else None,
                              "finish_reason": finish_reason})
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
@@ -345,7 +345,7 @@ class OpenAIServing:
                             yield chunk([{"index": choice.index, "delta": delta, "logprobs": None,
                                           "finish_reason": None}])
                         delta = tail
-                logprobs = self._chat_logprobs(out.logprobs or []) if body.logprobs else None
+                logprobs = self.logprobs.chat(out.logprobs or []) if body.logprobs else None
                 if not (delta or out.finished or logprobs):
                     continue
                 yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
@@ -385,10 +385,10 @@ class OpenAIServing:
                     choice.echoed = True
                     text = (choice.echo or "") + text
                 if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(out.logprobs or [], offsets[choice.index])
+                    logprobs = self.logprobs.completion(out.logprobs or [], offsets[choice.index])
                     if echo and out.prompt_logprobs is not None:
                         job = next(j for j in jobs if j.choice is choice)
-                        logprobs = _concat_logprobs(self._prompt_logprobs(job.prompt_token_ids, out.prompt_logprobs),
+                        logprobs = concat_logprobs(self.logprobs.prompt(job.prompt_token_ids, out.prompt_logprobs),
                                                     logprobs)
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                 yield chunk([{"index": choice.index, "text": text, "logprobs": logprobs,
@@ -405,40 +405,12 @@ class OpenAIServing:
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
-        def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                            for e in entries], "refusal": None}
-
-    def _prompt_logprobs(self, prompt_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:
-        """Completion-style logprobs of the prompt: the first token has none (null), as in vLLM."""
-        rest = self._completion_logprobs(entries, len(self._token_text(prompt_ids[0])))
-        first = self._token_text(prompt_ids[0])
-        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
-                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
-
     def _echoed_logprobs(self, choice: Choice, jobs: list[Job]) -> dict[str, Any]:
-        output = self._completion_logprobs(choice.logprobs)
+        output = self.logprobs.completion(choice.logprobs)
         if choice.echo is None or choice.prompt_logprobs is None:
             return output
         job = next(j for j in jobs if j.choice is choice)
-        return _concat_logprobs(self._prompt_logprobs(job.prompt_token_ids, choice.prompt_logprobs), output)
-
-    def _completion_logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-        tokens = [self._token_text(e.token_id) for e in entries]
-        text_offset = []
-        for token in tokens:
-            text_offset.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [max(e.logprob, _MIN_LOGPROB) for e in entries],
-                "top_logprobs": [{self._token_text(t): max(lp, _MIN_LOGPROB) for t, lp in e.top} for e in entries],
-                "text_offset": text_offset}
+        return concat_logprobs(self.logprobs.prompt(job.prompt_token_ids, choice.prompt_logprobs), output)
 
 
 @lru_cache(maxsize=1024)
@@ -446,15 +418,6 @@ def _validate_spec_cached(spec: Any) -> None:
     """validate_spec, remembered per spec (a frozen dataclass): a large schema costs tens of ms
     to check, and load generators send the same one with every request."""
     validate_spec(spec)
-
-
-def _concat_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Completion logprobs of the prompt then of the output (the output's offsets shifted)."""
-    shift = sum(len(t) for t in first["tokens"])
-    return {"tokens": first["tokens"] + second["tokens"],
-            "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
-            "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
-            "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
 
 
 def _checked(choice: Choice, out: RequestOutput) -> RequestOutput:

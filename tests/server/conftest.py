@@ -128,7 +128,7 @@ class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
     api_key: str
     model: str
-    engine: Any  # the engine client (engine.core.client.MPEngineClient)
+    engine: Any  # the engine client (engine.core.process_client.MPEngineClient)
     app: Any
 
     @property

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from engine.core.client import MPEngineClient
+from engine.core.process_client import MPEngineClient
 from kvtypes.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from engine.core.client import MPEngineClient
+from engine.core.process_client import MPEngineClient
 
 pytestmark = pytest.mark.slow
 
