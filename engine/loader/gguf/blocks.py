@@ -14,7 +14,6 @@ bit for bit (tests/engine/loader/test_gguf_formats.py).
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from enum import IntEnum
 
