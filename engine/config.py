@@ -1,12 +1,15 @@
 """The engine's configuration: what to load and how to run it (``ModelConfig``), where the core
-runs (``EngineCoreConfig``).
+runs (``EngineCoreConfig``), and all of it with the cache's and the scheduler's (``EngineConfig``).
 
 Contract: plain dataclasses validated on construction (ValueError); importing or building them
 never imports torch or a backend, so the frontend and the CLI validate a config without the model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from cache.config import CacheConfig
+from scheduler.config import SchedulerConfig
 
 ACTIVATION_QUANTS = ("none", "int8")
 # Every attention backend name the engine accepts; ``engine.attention.base`` registers exactly
@@ -116,3 +119,10 @@ class EngineCoreConfig:
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
 
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    core: EngineCoreConfig = field(default_factory=EngineCoreConfig)

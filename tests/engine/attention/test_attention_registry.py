@@ -135,8 +135,8 @@ def test_validating_a_config_imports_neither_torch_nor_a_backend():
     from pathlib import Path
 
     code = ("import sys\n"
-            "from engine.config import EngineCoreConfig, ModelConfig\n"
-            "ModelConfig(attention_backend='native'), EngineCoreConfig()\n"
+            "from engine.config import EngineConfig, ModelConfig\n"
+            "EngineConfig(model=ModelConfig(attention_backend='native'))\n"
             "try:\n"
             "    ModelConfig(attention_backend='flash')\n"
             "except ValueError:\n"
