@@ -41,7 +41,7 @@ def auto_threads(probe_s: float = 2.0) -> int:
     """The cores this process may use, less those other processes keep busy (measured over
     ``probe_s``), at least 1. On a shared 2-core machine a 2-thread matmul (torch or
     llama.cpp) next to a busy neighbour runs 5-10x slower than a 1-thread one."""
-    from engine.llm_engine import available_cores
+    from engine.builder import available_cores
 
     cores = available_cores()
     with CpuMonitor() as mon:
@@ -140,7 +140,7 @@ class Context:
         on all cores (0 when auto-threads already gave a busy neighbour its cores, or --quick)."""
         if self.args.quiet_wait is not None:
             return self.args.quiet_wait
-        from engine.llm_engine import available_cores
+        from engine.builder import available_cores
 
         return 0.0 if self.args.quick or self.threads < available_cores() else 10.0
 

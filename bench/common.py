@@ -52,7 +52,7 @@ CHAT_QUESTIONS = [
 
 def set_threads(num_threads: int | None) -> int:
     """Use ``num_threads`` intra-op threads (default: the cores this process may use)."""
-    from engine.llm_engine import available_cores
+    from engine.builder import available_cores
 
     n = num_threads or available_cores()
     torch.set_num_threads(n)

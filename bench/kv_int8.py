@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine.kv.pool import kv_bytes_per_token
 from kvtypes.sampling_params import SamplingParams
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
@@ -99,11 +100,11 @@ def bytes_per_token(arch, scheme: str, block_size: int) -> int:
     """Pool bytes per token: fp32, int8 per-token scales (2 floats per token and head, K and V),
     int8 with per-channel key scales (2 floats per channel, head and block, shared by its tokens)."""
     L, H, D = arch.num_layers, arch.num_kv_heads, arch.head_dim
-    if scheme in ("fp32", "fp16"):
-        return 2 * L * H * D * (4 if scheme == "fp32" else 2)
-    if scheme == "token":
-        return 2 * L * H * (D + 8)
-    return L * H * (D + 8) + L * H * (D + 8 * D // block_size)
+    stored = {"fp32": "auto", "fp16": "float16", "token": "int8"}  # what --kv-cache-dtype stores
+    if scheme in stored:
+        return kv_bytes_per_token(L, H, D, stored[scheme], torch.float32)
+    # simulated only: values per token as int8 stores them, keys' ranges per channel and block
+    return kv_bytes_per_token(L, H, D, "int8", torch.float32) // 2 + L * H * (D + 8 * D // block_size)
 
 
 def quality(args) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of K and V one token occupies across all layers: ``2 * L * kv_heads * head_dim * bytes``.
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       scale_bytes: int = 0) -> int:
+    """Bytes of K and V one token occupies across all layers:
+    ``2 * L * kv_heads * (head_dim * dtype_bytes + scale_bytes)``, ``scale_bytes`` being what a
+    quantized pool stores per token and head beside its codes (the engine's per-KV-dtype values:
+    engine/kv/pool.py).
 
     Uses the number of KV heads, not query heads: under GQA several query heads share one KV head.
     """
@@ -14,7 +18,9 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
                         ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    if scale_bytes < 0:
+        raise ValueError(f"scale_bytes must be >= 0, got {scale_bytes}")
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
 
 
 def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:

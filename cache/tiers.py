@@ -1,8 +1,9 @@
 """Lower KV-cache tiers: where hashed blocks go when the device pool evicts them.
 
 A tier stores opaque bytes (one block's K/V of every layer, serialized by the engine) under a
-block hash; it never sees tensors. Tiers sit behind one interface (``KVTier``) and a registry
-(``TIERS`` / ``make_tier``). The device pool itself is tier 0 and lives in ``BlockPool``.
+block hash; it never sees tensors. Tiers sit behind one interface (``KVTier``); the engine
+builds the ones its config enables (engine/builder.py). The device pool itself is tier 0 and
+lives in ``BlockPool``.
 
 ``DiskTier`` contract:
   * a file is named ``sha256(fingerprint || block_hash).hex() + ".kvb"`` - never anything a
@@ -533,30 +534,3 @@ def tier_members(tier: KVTier | None) -> list[KVTier]:
     if tier is None:
         return []
     return list(tier.members) if isinstance(tier, TierChain) else [tier]
-
-
-@dataclass
-class TierConfig:
-    """What a tier needs to be built (fingerprint from the engine, the rest from CacheConfig)."""
-
-    directory: str | None
-    capacity_bytes: int
-    fingerprint: bytes = b""
-    clock: Callable[[], float] = time.time
-    block_bytes: int = 0  # host: one block's payload
-    arena: memoryview | bytearray | None = None  # host: preallocated by the engine (pinned on GPU)
-
-
-TIERS: dict[str, Callable[[TierConfig], KVTier]] = {
-    "disk": lambda c: DiskTier(c.directory or "", c.capacity_bytes, c.fingerprint, c.clock),
-    "host": lambda c: HostTier(c.block_bytes, c.arena if c.arena is not None else bytearray(c.capacity_bytes)),
-}
-
-
-def make_tier(name: str, config: TierConfig) -> KVTier:
-    """Build the tier registered under ``name`` (ValueError for an unknown name)."""
-    try:
-        factory = TIERS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV tier {name!r}; known: {', '.join(sorted(TIERS))}") from None
-    return factory(config)

@@ -1,10 +1,26 @@
-"""Model-side configuration: what to load and how to run it."""
+"""The engine's configuration: what to load and how to run it (``ModelConfig``), where the core
+runs (``EngineCoreConfig``), and all of it with the cache's and the scheduler's (``EngineConfig``).
+
+Contract: plain dataclasses validated on construction (ValueError); importing or building them
+never imports torch or a backend, so the frontend and the CLI validate a config without the model.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from cache.config import CacheConfig
+from scheduler.config import SchedulerConfig
 
 ACTIVATION_QUANTS = ("none", "int8")
+# Every attention backend name the engine accepts; ``engine.attention.base`` registers exactly
+# these (``auto`` aside) and the CLI offers them.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
+
+
+def check_backend_name(name: str) -> None:
+    """ValueError naming the choices unless ``name`` is a known backend (or ``auto``)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
 
 
 @dataclass
@@ -21,7 +37,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
-    attention_backend: str = "auto"  # a name of engine.attention.ATTENTION_BACKENDS
+    attention_backend: str = "auto"  # a name of ATTENTION_BACKENDS
     # "auto" | "gguf" | "onednn" | "aten": gguf runs decode matmuls from a GGUF's blocks
     # (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and F16/BF16 halves; engine/loader/gguf/blocks.py); auto picks it for such a GGUF
     linear_backend: str = "auto"
@@ -70,8 +86,6 @@ class ModelConfig:
             raise ValueError(f"activation_quant must be none or int8, got {self.activation_quant!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):
             raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
-        from engine.attention.base import check_backend_name
-
         check_backend_name(self.attention_backend)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -104,3 +118,11 @@ class EngineCoreConfig:
             raise ValueError(f"failure_window_s must be > 0, got {self.failure_window_s}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    core: EngineCoreConfig = field(default_factory=EngineCoreConfig)

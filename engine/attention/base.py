@@ -1,8 +1,9 @@
 """The attention backend interface and the one registry of backend names.
 
-Every backend name the engine accepts is a key of ``BACKENDS`` (plus ``auto``); the config,
-the CLI and the engine all validate against ``ATTENTION_BACKENDS`` and build through
-``select_attention``, so a name or a refusal lives in one place.
+Every backend name the engine accepts is a key of ``BACKENDS`` (plus ``auto``); the names
+themselves are ``engine.config.ATTENTION_BACKENDS`` (a torch-free tuple: the config, the CLI and
+the engine all validate against it), and ``register`` refuses a backend not listed there.
+Backends are built through ``select_attention``, so a name or a refusal lives in one place.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.config import ATTENTION_BACKENDS, check_backend_name
 
 
 class AttentionBackend(ABC):
@@ -53,7 +55,6 @@ class AttentionBackend(ABC):
 BACKENDS: dict[str, type[AttentionBackend]] = {}
 # What ``auto`` tries, in order, per device type; the first available one wins.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("flash_attn", "triton", "torch"), "cpu": ("native", "torch")}
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
 
 
 def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -61,12 +62,6 @@ def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         raise ValueError(f"backend {cls.name!r} must be listed in ATTENTION_BACKENDS")
     BACKENDS[cls.name] = cls
     return cls
-
-
-def check_backend_name(name: str) -> None:
-    """ValueError naming the choices unless ``name`` is a known backend (or ``auto``)."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
 
 
 def kv_dtype_backends(kv_cache_dtype: str) -> list[str]:

@@ -65,12 +65,6 @@ class EngineCore:
             return []
         return [out for rid in command.request_ids if (out := engine.abort(rid, command.stopped)) is not None]
 
-    def step(self) -> EngineCoreOutputs:
-        t0 = time.perf_counter()
-        outputs = self.engine.step()
-        self.num_steps += 1
-        return EngineCoreOutputs(outputs, self.engine.stats(time.perf_counter() - t0, self.engine.last_step_tokens))
-
     def run(self, receive: Callable[[float], Sequence[Command]], send: Callable[[EngineCoreOutputs], None],
             should_stop: Callable[[], bool] = lambda: False) -> None:
         """Loop until a ``Shutdown`` command (or ``should_stop``): then abort everything and return.

@@ -19,6 +19,10 @@ import torch
 
 from engine.kernels import has_op
 
+SCALE_FIELDS = 2  # (step, minimum) per token and head
+SCALE_DTYPE = torch.float32
+SCALE_BYTES = SCALE_FIELDS * SCALE_DTYPE.itemsize  # what a token and head costs beyond its int8 codes
+
 
 @dataclass
 class Int8KV:
@@ -29,7 +33,7 @@ class Int8KV:
     @classmethod
     def zeros(cls, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device) -> "Int8KV":
         return cls(torch.zeros(shape, dtype=torch.int8, device=device),
-                   torch.zeros((*shape[:-1], 2), dtype=torch.float32, device=device), out_dtype)
+                   torch.zeros((*shape[:-1], SCALE_FIELDS), dtype=SCALE_DTYPE, device=device), out_dtype)
 
     @property
     def shape(self) -> torch.Size:

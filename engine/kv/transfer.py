@@ -9,7 +9,8 @@ bytes only). ``KVOffloader`` drives a tier for the engine:
 * ``submit_load``: reads a request's tier blocks on a reader thread;
 * ``poll``: on the engine thread, copies finished reads into their pool blocks and returns
   ``(request_id, blocks loaded)``; a read that failed (miss, corrupt file) ends that request's
-  load at the block before it.
+  load at the block before it;
+* ``spill``: at shutdown, writes what the pool and the host tier cache to the disk tier.
 
 Only the engine thread touches the pool tensors.
 """
@@ -22,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from cache.hashing import BlockHash
-from cache.tiers import KVTier
+from cache.tiers import HostTier, KVTier, tier_members
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,25 @@ class KVOffloader:
                 self.copier.write_blocks(block_ids[:len(payloads)], payloads)
             finished.append((request_id, len(payloads)))
         return finished
+
+    def spill(self, cached: list[tuple[BlockHash, int]], disk: KVTier | None) -> None:
+        """Before a shutdown: write the pool's ``cached`` blocks ``(hash, block_id)`` and the host
+        tier's blocks to the persistent tier ``disk``, so a restart finds every prefix, not only
+        the evicted ones (without a host tier: through ``offload``; a block already there is only
+        skipped)."""
+        if disk is not None and disk is not self.tier:  # host -> disk: spill both to disk
+            for tier in tier_members(self.tier):
+                if isinstance(tier, HostTier):
+                    for block_hash in tier.hashes():
+                        payload = tier.peek(block_hash)
+                        if payload is not None and not disk.contains(block_hash):
+                            disk.put(block_hash, payload)
+            missing = [(h, block_id) for h, block_id in cached if not disk.contains(h)]
+            payloads = self.copier.read_blocks([b for _, b in missing]) if missing else []
+            for (block_hash, _), payload in zip(missing, payloads):
+                disk.put(block_hash, payload)
+        else:
+            self.offload([(block_id, block_hash, 0.0) for block_hash, block_id in cached])
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)

@@ -1,7 +1,7 @@
 """Turn a SchedulerOutput into one forward pass and one sampling call.
 
-The runner owns the paged KV pool tensors (one K and one V tensor per layer, shape
-``[num_blocks, block_size, kv_heads, head_dim]``) and the per-request random generators.
+The runner holds the paged KV pool (one K and one V tensor per layer, allocated by
+``engine.kv.pool``) and owns the per-request random generators.
 Step metadata is built once per step, never per layer.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PagedLayout, PrefillChunk
 from engine.model.cuda_graphs import CudaGraphRunner
-from engine.kv.int8 import Int8KV
+from engine.kv.pool import allocate_kv_pool
 from engine.model.llama import LlamaForCausalLM
 from kvtypes.outputs import TokenLogprob
 from engine.sampling.sampler import Sampler, SamplingRow
@@ -54,12 +54,6 @@ def split_by_length(lengths: list[int], group_cost: int) -> list[tuple[int, int]
     return groups[::-1]
 
 
-def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of a float KV pool: fp16 for ``float16``, else the model's dtype (an
-    ``int8`` pool holds int8 codes plus scales: engine/kv/int8.py)."""
-    return torch.float16 if kv_cache_dtype == "float16" else model_dtype
-
-
 class ModelRunner:
     # A decode group costs about as much as copying and attending to this many more tokens
     # of context (one more index_select pair and SDPA call per layer).
@@ -81,18 +75,11 @@ class ModelRunner:
 
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the pool: ``num_blocks`` blocks for the cache manager plus one sink
-        block (index ``num_blocks``) that padded CUDA-graph rows write to."""
+        block (index ``num_blocks``) that padded CUDA-graph rows write to (engine/kv/pool.py)."""
         arch = self.model.arch
-        shape = (num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []  # drop the old pool before allocating the new one
-        # Zeroed, not empty: masked-out slots still enter the matmul and NaN * 0 is NaN.
-        if self.kv_cache_dtype == "int8":  # quantized on write, scales per token and head (engine/kv/int8.py)
-            self.kv_caches = [(Int8KV.zeros(shape, self.dtype, self.device), Int8KV.zeros(shape, self.dtype, self.device))
-                              for _ in range(arch.num_layers)]
-        else:
-            dtype = kv_pool_dtype(self.kv_cache_dtype, self.dtype)
-            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                               torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(arch.num_layers)]
+        self.kv_caches = allocate_kv_pool(num_blocks, self.block_size, arch.num_layers, arch.num_kv_heads,
+                                          arch.head_dim, self.kv_cache_dtype, self.dtype, self.device)
         self.sink_block = num_blocks
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:

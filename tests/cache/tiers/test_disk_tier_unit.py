@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from cache.tiers import DiskTier, make_tier, TierConfig
+from cache.tiers import DiskTier
 
 FP = hashlib.sha256(b"model-a").digest()
 
@@ -79,11 +79,3 @@ def test_lru_within_capacity_and_retention_is_not_evicted(tmp_path):
         tier.flush(10)
     assert not tier.contains(key(0))
     tier.close()
-
-
-def test_registry(tmp_path):
-    tier = make_tier("disk", TierConfig(str(tmp_path), 1 << 20, FP))
-    assert isinstance(tier, DiskTier)
-    tier.close()
-    with pytest.raises(ValueError, match="unknown KV tier"):
-        make_tier("tape", TierConfig(None, 1, FP))

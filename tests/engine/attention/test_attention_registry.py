@@ -126,3 +126,23 @@ def test_engine_refuses_flash_attn_on_cpu():
 
     with pytest.raises(ValueError, match="'flash_attn' cannot run on cpu"):
         tiny_engine(tiny_hf_model(tiny_llama_config(num_hidden_layers=1)), attention_backend="flash_attn")
+
+
+def test_validating_a_config_imports_neither_torch_nor_a_backend():
+    """The frontend and the CLI validate ``ModelConfig`` without the model's stack."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "from engine.config import EngineConfig, ModelConfig\n"
+            "EngineConfig(model=ModelConfig(attention_backend='native'))\n"
+            "try:\n"
+            "    ModelConfig(attention_backend='flash')\n"
+            "except ValueError:\n"
+            "    pass\n"
+            "print(sorted(m for m in ('torch', 'engine.attention') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

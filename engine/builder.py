@@ -1,0 +1,378 @@
+"""From an ``EngineConfig`` to the parts an ``LLMEngine`` runs: the one place an engine is built.
+
+``build_engine_parts(config, loaded=None)`` resolves the device and dtype, loads the weights (or
+takes ``loaded``), builds the model (one process, or tensor-parallel ranks), sizes and allocates
+the KV pool (``engine.kv.pool``; on CUDA after a profiling pass, ``engine.kv.budget``), builds
+the lower KV tiers (host, disk), the cache manager, the scheduler, the runner and the grammar
+compiler, and returns them as one ``EngineParts``.
+
+Order matters twice: the disk tier's fingerprint samples the weights, so it is taken before the
+model consumes the loaded state dict; the host tier's slot size is the block copier's payload,
+so the tiers come after the pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cache import CacheConfig, KVCacheManager, KVCapacity, num_blocks_for_memory
+from cache.tiers import DiskTier, HostTier, KVTier, TierChain
+from engine.attention import resolve_backend, select_attention
+from engine.config import EngineConfig, ModelConfig
+from engine.core.protocol import EngineInfo
+from engine.kernels import load_kernels
+from engine.kv.budget import profile_kv_budget
+from engine.kv.pool import kv_bytes_per_token
+from engine.kv.transfer import BlockCopier, KVOffloader, model_fingerprint
+from engine.loader import LoadedModel, gguf_source, load_model
+from engine.loader.gguf.tensors import read_gguf_blocks
+from engine.model.arch import ModelArch
+from engine.model.llama import LlamaForCausalLM
+from engine.model.runner import ModelRunner
+from engine.platform.host_malloc import limit_malloc_arenas
+from engine.sampling.structured_output import GrammarCompiler
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineParts:
+    """What ``LLMEngine`` runs. ``config`` is the resolved one (``scheduler.max_model_len`` set,
+    ``kv_cache_dtype`` ``float16`` under a float16 model made ``auto``). ``offloader`` drives the
+    lower tiers (None without any); ``disk_tier`` is the persistent one (None without);
+    ``host_arena`` keeps the host tier's memory alive."""
+
+    config: EngineConfig
+    arch: ModelArch
+    tokenizer: Any  # the HF tokenizer, or None (token-id-only models)
+    model_name: str
+    max_model_len: int
+    runner: ModelRunner
+    capacity: KVCapacity
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    offloader: KVOffloader | None
+    disk_tier: DiskTier | None
+    host_arena: torch.Tensor | None
+    grammars: GrammarCompiler | None
+    info: EngineInfo
+
+
+def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """Build everything ``config`` asks for (``loaded``: weights already in memory, e.g. tests')."""
+    return _EngineBuild(config, loaded).parts()
+
+
+# ---- the steps, each a function of what it needs --------------------------------------------
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when torch sees a GPU, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no GPU (install a CUDA build of torch)")
+    return torch.device(name)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def normalize_kv_dtype(config: EngineConfig) -> EngineConfig:
+    """``kv_cache_dtype`` equal to the model's dtype (float16 under a float16 model) is its own
+    dtype: ``auto``."""
+    if config.cache.kv_cache_dtype == config.model.dtype:
+        return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"))
+    return config
+
+
+def resolve_max_len(config: EngineConfig, arch: ModelArch) -> int:
+    """The context length: the model config's, else the scheduler's, else the model's own."""
+    max_len = config.model.max_model_len or config.scheduler.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's context of "
+                         f"{arch.max_position_embeddings} tokens")
+    return max_len
+
+
+def check_cache_dtypes(config: EngineConfig) -> None:
+    """Refuse the KV dtype settings the engine does not implement."""
+    cache_cfg = config.cache
+    if cache_cfg.cache_dtype is not None and cache_cfg.cache_dtype != config.model.dtype:
+        raise ValueError(f"cache_dtype {cache_cfg.cache_dtype} differs from the model dtype {config.model.dtype}: "
+                         "a KV dtype of its own is not implemented (leave cache_dtype unset; kv_cache_dtype "
+                         "int8 quantizes the pool)")
+
+
+def build_model(loaded: LoadedModel, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """An empty model with its parameters allocated in ``dtype`` directly on ``device`` (no
+    float32 or host copy of an 8B model on the way); weights are loaded afterwards."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(loaded.arch, loaded.hf_config, max_len)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype)  # the RoPE tables are computed in float32 and cast, as transformers does
+
+
+def build_ranked_model(config: EngineConfig, loaded: LoadedModel, max_len: int, dtype: torch.dtype,
+                       device: torch.device, attention_backend: str) -> Any:
+    """The model split over ``tensor_parallel_size`` ranks (engine/parallel: this process is rank 0)."""
+    cache_cfg = config.cache
+    if cache_cfg.kv_cache_dtype == "float16":
+        raise ValueError("kv_cache_dtype 'float16' under a float32 model is not implemented with "
+                         "tensor_parallel_size > 1; use 'auto' or 'int8'")
+    if config.model.activation_quant != "none":
+        raise ValueError("activation_quant 'int8' runs on GGUF blocks, which tensor parallel ranks do not "
+                         "use; use activation_quant 'none'")
+    from engine.parallel.tensor_parallel import TensorParallelModel
+
+    model = TensorParallelModel.launch(
+        loaded.arch, loaded.hf_config, loaded.state_dict, config.model.tensor_parallel_size, max_len,
+        attention_backend, config.model.linear_backend, dtype,
+        config.model.num_threads or available_cores(), device, cache_cfg.block_size)
+    loaded.state_dict.clear()
+    return model
+
+
+def build_local_model(config: EngineConfig, loaded: LoadedModel, max_len: int, dtype: torch.dtype,
+                      device: torch.device, attention_backend: str) -> LlamaForCausalLM:
+    """The model in this process, its weights loaded and its linear layers bound."""
+    cache_cfg = config.cache
+    model = build_model(loaded, max_len, dtype, device)
+    model.attn = select_attention(attention_backend, device, dtype, cache_cfg.block_size,
+                                  cache_cfg.kv_cache_dtype)
+    model.load_hf_state_dict(loaded.state_dict, loaded.blocks)
+    model.eval()
+    loaded.state_dict.clear()  # weights now live in the fused parameters only
+    if loaded.blocks is not None:
+        loaded.blocks.clear()  # and the blocks in the model's BlockMatrix groups
+    model.activation_quant = config.model.activation_quant
+    _select_linear(model, loaded, config.model.linear_backend, device, dtype)
+    return model
+
+
+def pool_bytes_per_token(config: EngineConfig, arch: ModelArch, model: Any, dtype: torch.dtype,
+                         device: torch.device) -> int:
+    """What one token of the pool costs in the budget the pool is sized from: a GPU's budget
+    holds one rank's pool (its own KV heads), host memory holds all ranks' pools."""
+    kv_cache_dtype = config.cache.kv_cache_dtype
+    kv_heads = model.arch.num_kv_heads if device.type == "cuda" else arch.num_kv_heads
+    per_token = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, kv_cache_dtype, dtype)
+    if kv_cache_dtype == "int8":
+        full = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, "auto", dtype)
+        logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
+                    per_token, full, full / per_token)
+    return per_token
+
+
+def build_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,
+                 per_token: int) -> tuple[ModelRunner, int]:
+    """The runner with its pool, and the pool's block count: ``num_blocks`` when set; on CUDA
+    what the memory left after a profiling pass at the largest step holds; else what
+    ``kv_cache_memory_gib`` holds."""
+    cache_cfg, sched = config.cache, config.scheduler
+    if cache_cfg.num_blocks:
+        num_blocks = cache_cfg.num_blocks
+        runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
+    elif device.type == "cuda":
+        # Profile with a pool just big enough for the largest step, then size the real one.
+        runner = ModelRunner(model, 1, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
+        tokens, seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+        runner.allocate_kv(runner.profile_blocks(tokens, seqs))
+        profile = profile_kv_budget(device, config.model.gpu_memory_utilization,
+                                    lambda: runner.profile_run(tokens, seqs))
+        runner.allocate_kv(0)
+        logger.info(profile.describe())
+        num_blocks = num_blocks_for_memory(profile.kv_budget, cache_cfg.block_size, per_token)
+        if num_blocks == 0:
+            raise ValueError("no GPU memory is left for the KV cache after loading the model: raise "
+                             "--gpu-memory-utilization or lower --max-num-batched-tokens")
+        runner.allocate_kv(num_blocks)
+    else:
+        num_blocks = num_blocks_for_memory(int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size,
+                                           per_token)
+        runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
+    return runner, num_blocks
+
+
+def make_disk_tier(cache_cfg: CacheConfig, loaded: LoadedModel, dtype: str, arch: ModelArch) -> DiskTier | None:
+    """The disk tier when ``kv_disk_dir`` is set (and prefix caching is on)."""
+    if cache_cfg.kv_disk_dir is None or not cache_cfg.enable_prefix_caching:
+        return None
+    fingerprint = model_fingerprint(loaded.state_dict, model_dtype=dtype,
+                                    kv_dtype=cache_cfg.kv_cache_dtype if cache_cfg.kv_cache_dtype != "auto" else dtype,
+                                    block_size=cache_cfg.block_size, num_layers=arch.num_layers,
+                                    num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+    tier = DiskTier(cache_cfg.kv_disk_dir, int(cache_cfg.kv_disk_gib * 2**30), fingerprint)
+    logger.info("KV disk tier: %s, %.2f GiB, %d blocks found from earlier runs", cache_cfg.kv_disk_dir,
+                cache_cfg.kv_disk_gib, tier.num_entries())
+    return tier
+
+
+def make_host_tier(cache_cfg: CacheConfig, block_bytes: int,
+                   device: torch.device) -> tuple[HostTier | None, torch.Tensor | None]:
+    """The host tier when ``kv_offload_gib`` > 0, and its arena of whole block payloads, pinned
+    when the pool is on a GPU (the caller keeps the arena tensor alive as long as the tier)."""
+    if cache_cfg.kv_offload_gib <= 0 or not cache_cfg.enable_prefix_caching:
+        return None, None
+    slots = int(cache_cfg.kv_offload_gib * 2**30) // block_bytes
+    if slots == 0:
+        raise ValueError(f"kv_offload_gib={cache_cfg.kv_offload_gib} does not hold one KV block "
+                         f"({block_bytes} bytes)")
+    pinned = device.type == "cuda"
+    arena = torch.empty(slots * block_bytes, dtype=torch.uint8, pin_memory=pinned)
+    host = HostTier(block_bytes, memoryview(arena.numpy()))
+    if pinned:
+        logger.info("KV host tier: %.2f GiB of pinned host memory, %d blocks", cache_cfg.kv_offload_gib, slots)
+    else:
+        logger.warning("KV host tier: %.2f GiB, %d blocks, in ordinary host memory; the KV pool is on the %s "
+                       "already, so this tier duplicates host memory (useful for tests and configuration; on a "
+                       "CPU server prefer a larger pool or the disk tier)", cache_cfg.kv_offload_gib, slots,
+                       device.type)
+    return host, arena
+
+
+def chain_tiers(host: HostTier | None, disk: DiskTier | None) -> KVTier | None:
+    """The lower tiers as the one tier the cache manager and the offloader see (host -> disk)."""
+    if host is None:
+        return disk
+    return TierChain([host, disk]) if disk is not None else host
+
+
+def engine_info(config: EngineConfig, model_name: str, arch: ModelArch, capacity: KVCapacity,
+                kv_cache: KVCacheManager, has_tokenizer: bool, has_disk_tier: bool) -> EngineInfo:
+    cache_cfg = config.cache
+    return EngineInfo(model_name=model_name, max_model_len=config.scheduler.max_model_len,
+                      vocab_size=arch.vocab_size, block_size=cache_cfg.block_size, num_blocks=capacity.num_blocks,
+                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                      dtype=config.model.dtype, enable_prefix_caching=cache_cfg.enable_prefix_caching,
+                      has_tokenizer=has_tokenizer, has_disk_tier=has_disk_tier,
+                      kv_bytes_per_token=capacity.bytes_per_token, kv_cache_dtype=cache_cfg.kv_cache_dtype,
+                      max_pinned_blocks=kv_cache.max_pinned_blocks)
+
+
+class _EngineBuild:
+    """The steps in order; each reads what the ones before it set."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        self.config = config
+        self.loaded = loaded
+
+    def parts(self) -> EngineParts:
+        limit_malloc_arenas()  # before the load and the first OpenMP region (engine/platform/host_malloc.py)
+        config = self.config
+        torch.set_num_threads(config.model.num_threads or available_cores())
+        config = normalize_kv_dtype(config)
+        dtype = DTYPES[config.model.dtype]
+        loaded = self.loaded or load_model(config.model.model, dtype, _blocks_only(config.model, dtype))
+        arch = loaded.arch
+        max_len = resolve_max_len(config, arch)
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
+        self.config = config
+        device = resolve_device(config.model.device)
+        cache_cfg = config.cache
+        # Resolved here, once, so that every tensor-parallel rank builds the same backend; with an
+        # int8 pool ``auto`` passes over the backends that read float pools only (flash_attn).
+        attention_backend = resolve_backend(config.model.attention_backend, device, dtype,
+                                            cache_cfg.block_size, cache_cfg.kv_cache_dtype)
+        disk = make_disk_tier(cache_cfg, loaded, config.model.dtype, arch)  # samples the weights: before the model
+        check_cache_dtypes(config)
+        build = build_ranked_model if config.model.tensor_parallel_size > 1 else build_local_model
+        model = build(config, loaded, max_len, dtype, device, attention_backend)
+        logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
+                    "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks")
+        _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype == "int8")
+
+        per_token = pool_bytes_per_token(config, arch, model, dtype, device)
+        self.runner, num_blocks = build_runner(config, model, dtype, device, per_token)
+        capacity = KVCapacity(num_blocks=num_blocks, block_size=cache_cfg.block_size, bytes_per_token=per_token)
+        logger.info(capacity.describe(max_len))
+        sched = config.scheduler
+        # Not with tensor parallelism: each step starts with a host-side broadcast to the other ranks.
+        if (config.model.cuda_graphs and config.model.tensor_parallel_size == 1
+                and self.runner.capture_cuda_graphs(sched.max_num_seqs, max_len)):
+            logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
+
+        # With tensor parallelism a block's K/V is spread over the ranks: the copier gathers it.
+        make_copier = getattr(self.runner.model, "block_copier", BlockCopier)
+        copier = make_copier(self.runner.kv_caches)
+        host, arena = make_host_tier(cache_cfg, copier.payload_bytes, device)
+        tier = chain_tiers(host, disk)
+        kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
+                                  tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
+        tokenizer = loaded.tokenizer
+        model_name = config.model.served_model_name or loaded.name
+        return EngineParts(
+            config=config, arch=arch, tokenizer=tokenizer, model_name=model_name, max_model_len=max_len,
+            runner=self.runner, capacity=capacity, kv_cache=kv_cache, scheduler=Scheduler(sched, kv_cache),
+            offloader=KVOffloader(tier, copier) if tier is not None else None, disk_tier=disk, host_arena=arena,
+            # Structured output: grammars compile on the compiler's thread.
+            grammars=GrammarCompiler(tokenizer, arch.vocab_size) if tokenizer is not None else None,
+            info=engine_info(config, model_name, arch, capacity, kv_cache, tokenizer is not None, disk is not None))
+
+
+# ---- choices made once at build time, each with its log line --------------------------------
+def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether to load the GGUF as blocks only (``weights_resident``, see ModelConfig)."""
+    if cfg.weights_resident == "dense":
+        return False
+    gguf = gguf_source(cfg.model)
+    runnable = (gguf is not None and resolve_device(cfg.device).type == "cpu" and dtype == torch.float32
+                and cfg.linear_backend in ("auto", "gguf") and load_kernels())
+    if cfg.weights_resident == "blocks":
+        if not runnable:
+            raise ValueError("weights_resident 'blocks' needs a .gguf model, a CPU in float32, linear_backend "
+                             "auto or gguf and the native kernels; use 'auto'")
+        return True
+    return bool(runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
+                and gguf.stat().st_size > cfg.blocks_auto_file_gib * 2**30)
+
+
+def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
+                   dtype: torch.dtype) -> None:
+    """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
+    ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
+    then bind the matmuls. A blocks-only model got its blocks at load."""
+    runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
+    fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
+    if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
+        covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
+        logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
+                    torch.ops.kvserve.gguf_kernel_isa())
+    chosen = model.select_linear_backend(backend)
+    held = model.weight_bytes()
+    logger.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
+                " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
+    logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
+                model.decode_weight_bytes() / 1e6)
+    logger.info("Activation quantization: %s", model.describe_activation_quant())
+
+
+def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:
+    """The one place the decode path is chosen (``ModelConfig.decode_path``) and logged."""
+    if not isinstance(model, LlamaForCausalLM) or int8_kv:
+        why = "tensor parallel ranks" if not isinstance(model, LlamaForCausalLM) else "an int8 KV pool"
+        if choice == "native":
+            raise ValueError(f"decode_path 'native' cannot run with {why}; use 'auto' or 'python'")
+        logger.info("Decode path: python (the native path does not cover %s)", why)
+        return
+    path, reason = model.select_decode_path(choice)
+    if path == "native":
+        most = "any number of them" if model.native_max_rows >= 1 << 30 else f"up to {model.native_max_rows}"
+        logger.info("Decode path: native (a step's decode rows, %s, run every layer in one C++ call; "
+                    "a mixed step's prefill chunks then run in torch)", most)
+    else:
+        logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")
