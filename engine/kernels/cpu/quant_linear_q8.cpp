@@ -35,7 +35,6 @@
 // (quant_linear_amx.cpp strip_pairs_amx), with the same results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "block_codes.h"
@@ -73,8 +72,6 @@ inline uint16_t u16_at(const uint8_t* p) {
   return v;
 }
 using kvserve::u32_at;  // block_codes.h
-
-inline float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(u16_at(p)); }
 
 using kvserve::cpu_has_avx2;  // cpu_features.h: one CPU check for every source
 
