@@ -9,12 +9,27 @@ Five kernels, one library:
   few-row matmuls of decode, which stream every weight once per step (see engine/loader/gguf/blocks.py).
 * ``quant_linear_q8.cpp``: the same matmuls on int8-quantized activations (Q4_1, Q8_0, Q4_K,
   Q6_K; AVX2 integer dot products, AVX512-VNNI ``vpdpbusd`` for Q4_1 / Q8_0 where the CPU has
-  it), only with ``activation_quant: int8``.
+  it), only with ``activation_quant: int8``; its AMX tile kernels, from 16 rows where the CPU
+  has AMX, are ``quant_linear_amx.cpp``.
 * ``decode_layer.cpp``: every decoder layer of an all-decode step in one call (``DecodeStack``)
   and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
 * ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
   maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampling/sampler.py).
+
+The headers they share, each source including the ones it uses (``cpu/`` is package data, not
+a package: no ``__init__.py``; pyproject ships its ``*.cpp`` and ``*.h``, and every header is
+part of the build's cache key):
+
+* ``cpu_features.h``: what the CPU runs (``cpu_has_avx2``, ``cpu_has_avx512f``, ``detect_vnni``,
+  ``cpu_has_amx``) and the ``KVSERVE_X86`` build test; the vector paths are compiled for their
+  own targets whatever the flags and chosen at run time by these.
+* ``vec_math.h``: small vector math more than one kernel computes (``exp_nonpositive``,
+  ``silu_mul``, ``hsum8``), so all compute the same numbers.
+* ``block_codes.h``: the GGUF block formats' codes and sizes, and the unpacking of their codes.
+* ``paged_attention.h``: the per-sequence attention routine (``attend``).
+* ``quant_linear.h``: the block matmuls as plain functions (``gguf_linear_range``,
+  ``gguf_linear_q8_range`` with its ``Q8Act`` activations) and their weight prefetch.
 
 The library is built once per (sources, flags, torch version) into
 ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve/kernels``) with plain ``g++``

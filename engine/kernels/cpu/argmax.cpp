@@ -13,16 +13,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "quant_linear.h"  // cpu_has_avx2
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define KVSERVE_ARGMAX_X86 1
-#endif
+#include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx512f
 
 namespace {
 
-#ifdef KVSERVE_ARGMAX_X86
+#ifdef KVSERVE_X86
 // (v, i) replaces (best, at) when larger, or equal at a smaller index; neither is NaN.
 inline void take(float v, int64_t i, float& best, int64_t& at) {
   if (v > best || (v == best && i < at)) best = v, at = i;
@@ -61,22 +56,13 @@ int64_t argmax_avx512(const float* x, int64_t n) {
 #pragma GCC pop_options
 #endif
 
-bool has_avx512f() {
-#ifdef KVSERVE_ARGMAX_X86
-  static const bool yes = kvserve::cpu_has_avx2() && __builtin_cpu_supports("avx512f");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
               "logits must be a 2-d float32 CPU tensor");
   TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31), "rows must hold 1 .. 2^31 - 1 values");
   const int64_t M = logits.size(0), N = logits.size(1);
-#ifdef KVSERVE_ARGMAX_X86
-  if (has_avx512f() && N >= 16) {
+#ifdef KVSERVE_X86
+  if (kvserve::cpu_has_avx512f() && N >= 16) {
     const at::Tensor x = logits.contiguous();
     at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
     const float* xp = x.data_ptr<float>();

@@ -1,14 +1,13 @@
-// Unpacking of GGUF block codes shared by the fp32 (quant_linear.cpp), the int8-activation
+// GGUF blocks as the kernels read them: the BlockFormat codes and block sizes (namespace blocks),
+// and the unpacking of block codes shared by the fp32 (quant_linear.cpp), the int8-activation
 // (quant_linear_q8.cpp) and the AMX (quant_linear_amx.cpp) block matmuls, so all read the same bits
-// the same way.
+// the same way. Included by those three and by decode_layer.cpp (the format codes).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"  // KVSERVE_X86, <immintrin.h>
 
 namespace kvserve {
 
@@ -32,7 +31,7 @@ inline uint32_t u32_at(const uint8_t* p) {
   return v;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef KVSERVE_X86
 // The 32 five-bit codes of a Q5_0 / Q5_1 block, weight order: the nibbles of qs (low nibbles
 // weights 0-15, high 16-31) | bit j of qh << 4.
 __attribute__((target("avx2"))) inline __m256i q5_codes(const uint8_t* qh_bytes, const uint8_t* qs) {

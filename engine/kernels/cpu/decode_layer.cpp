@@ -27,9 +27,10 @@
 #include <vector>
 
 #include "block_codes.h"
+#include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx2
 #include "paged_attention.h"
-#include "silu_mul.h"
 #include "quant_linear.h"
+#include "vec_math.h"      // silu_mul
 
 namespace {
 
@@ -252,7 +253,7 @@ void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
 // time where the CPU has it, the same rounding as c10::Half's scalar one, which had cost ~2% of a
 // 16-row decode step).
 inline void store_row(const float* src, int64_t D, float* dst) { std::copy(src, src + D, dst); }
-#ifdef KVSERVE_ATTN_X86
+#ifdef KVSERVE_X86
 __attribute__((target("avx2,f16c"))) inline int64_t store_halves_f16c(const float* src, int64_t D, c10::Half* dst) {
   int64_t i = 0;
   for (; i + 8 <= D; i += 8)
@@ -263,7 +264,7 @@ __attribute__((target("avx2,f16c"))) inline int64_t store_halves_f16c(const floa
 #endif
 inline void store_row(const float* src, int64_t D, c10::Half* dst) {
   int64_t i = 0;
-#ifdef KVSERVE_ATTN_X86
+#ifdef KVSERVE_X86
   if (kvserve::cpu_has_avx2()) i = store_halves_f16c(src, D, dst);
 #endif
   for (; i < D; ++i) dst[i] = c10::Half(src[i]);

@@ -5,21 +5,14 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include <c10/util/Half.h>
 
-#include "quant_linear.h"  // cpu_has_avx2
-#include "simd.h"             // hsum8
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define KVSERVE_ATTN_X86 1
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx2
+#include "vec_math.h"      // exp_nonpositive, hsum8
 
 namespace kvserve {
 
@@ -42,25 +35,6 @@ struct Pool {
   const float* scale;  // int8 only: [num_blocks, block_size, kv_heads, 2]
   int64_t kv_heads;
 };
-
-// exp for x <= 0 (softmax inputs after max subtraction): Cody-Waite range reduction and a
-// degree-6 polynomial, written so the compiler vectorizes it. Relative error ~2e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Asks for one token row of the next block while the current one is processed: blocks sit
 // anywhere in the pool, so the hardware prefetcher cannot guess where the next one starts.
@@ -105,7 +79,7 @@ inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
   }
 }
 
-#ifdef KVSERVE_ATTN_X86
+#ifdef KVSERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -274,7 +248,7 @@ inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Lay
             int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
   constexpr bool quantized = std::is_same<T, int8_t>::value;
   constexpr bool widened = !std::is_same<T, float>::value;  // int8 codes or fp16 values
-#ifdef KVSERVE_ATTN_X86
+#ifdef KVSERVE_X86
   if constexpr (!quantized) {
     if (D % 8 == 0 && cpu_has_avx2()) return attend_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out);
   }

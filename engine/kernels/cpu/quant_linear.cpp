@@ -27,22 +27,17 @@
 #include <torch/library.h>
 
 #include "block_codes.h"
+#include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx2
 #include "quant_linear.h"
-#include "simd.h"
+#include "vec_math.h"      // hsum8
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define KVSERVE_X86 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -535,7 +530,7 @@ inline void decode_avx2(const uint8_t* b, float* y) {
   Avx2Rows<Format>::run(b, sink);
 }
 
-using kvserve::hsum8;  // simd.h
+using kvserve::hsum8;  // vec_math.h
 
 // Up to 4 rows of x against output features [n0, n1), each 8 weights FMA'd into the rows'
 // accumulators as soon as they are decoded (no round trip through memory): decode is about
@@ -871,16 +866,6 @@ at::Tensor gguf_linear_panels(const at::Tensor& x, const at::Tensor& packed, int
 std::string gguf_kernel_isa() { return has_avx2() ? "avx2" : "portable"; }
 
 }  // namespace
-
-bool kvserve::cpu_has_avx2() {
-#ifdef KVSERVE_X86
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c") && !std::getenv("KVSERVE_PORTABLE_KERNELS");
-  return yes;
-#else
-  return false;
-#endif
-}
 
 void kvserve::gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
                                 int64_t n0, int64_t n1, float* out, int64_t ldo) {

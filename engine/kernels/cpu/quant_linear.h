@@ -1,14 +1,16 @@
-// The block matmul of quant_linear.cpp as a plain function, for other kernels of the library
-// (decode_layer.cpp) that split the output features over their own threads; and the int8
-// activation matmul of quant_linear_q8.cpp (ModelConfig.activation_quant "int8").
+// The block matmuls' interface between their sources: the fp32-activation matmul of
+// quant_linear.cpp as a plain function (gguf_linear_range), for other kernels of the library
+// (decode_layer.cpp) that split the output features over their own threads; the int8-activation
+// matmul of quant_linear_q8.cpp (ModelConfig.activation_quant "int8": Q8Act, q8_supported,
+// gguf_linear_q8_range) and its AMX entry points in quant_linear_amx.cpp; the weight prefetch
+// they all use (prefetch_ahead). Included by decode_layer.cpp, quant_linear.cpp,
+// quant_linear_q8.cpp and quant_linear_amx.cpp.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"  // KVSERVE_X86, <immintrin.h>
 
 namespace kvserve {
 
@@ -67,7 +69,7 @@ constexpr int64_t kWeightPrefetch = KVSERVE_Q8_PREFETCH;
 #define KVSERVE_Q8_PREFETCH_HINT _MM_HINT_T1
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef KVSERVE_X86
 // Software prefetch of the cache lines kWeightPrefetch bytes past a block about to be read: the
 // weights stream from DRAM (or a far L3) once per step, and with integer dot products the kernels
 // outrun the hardware prefetcher (measured on one thread over 44 MB of Q4_1: ~4.5 -> ~6.5 GB/s,
@@ -87,9 +89,6 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 // The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the
 // same for 1 row as for 16; at 16 rows the tiles and the AVX-512 kernels measured about even).
 constexpr int64_t kAmxMinRows = 16;
-
-// Whether this CPU (and OS) runs AMX-INT8 tiles and KVSERVE_NO_AMX is unset.
-bool cpu_has_amx();
 
 // Output features [n0, n0 + 16 g) of the K-quant `format` (Q4_K, Q5_K, Q6_K) for every row of x,
 // on AMX tiles, g the whole groups of 16 in [n0, n1): out[r * ldo + n]. Returns n0 + 16 g, where
@@ -112,10 +111,6 @@ constexpr int k8_order(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
 
 // The Q8Act layouts the int8 kernel of `format` reads on this CPU (0 where it has none).
 unsigned q8_layouts(int64_t format);
-
-// Whether this CPU runs the AVX2 kernels (AVX2, FMA and F16C, and KVSERVE_PORTABLE_KERNELS unset);
-// both block-matmul sources choose their path by it.
-bool cpu_has_avx2();
 
 // Whether gguf_linear_q8_range runs `format` on this CPU (AVX2 and a format it has a kernel
 // for); where not, callers multiply the fp32 activations (gguf_linear_range).

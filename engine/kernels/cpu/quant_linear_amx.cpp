@@ -26,6 +26,7 @@
 // tile products alone run ~3.3 TMAC/s per core; what bounds the kernel is the unpack (at 16 rows,
 // once per call and row tile) and the per-super-block float work (16 x ~20 instructions per tile).
 #include "block_codes.h"
+#include "cpu_features.h"  // KVSERVE_X86, cpu_has_amx (defined here)
 #include "quant_linear.h"
 
 #include <algorithm>
@@ -36,10 +37,9 @@
 #include <vector>
 
 // The AMX intrinsics need GCC 11 or clang 12; with an older compiler the kernel is left out.
-#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#if defined(KVSERVE_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define KVSERVE_AMX 1
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif

@@ -35,25 +35,18 @@
 // (quant_linear_amx.cpp strip_pairs_amx), with the same results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "block_codes.h"
+#include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx2, detect_vnni, cpu_has_amx
 #include "quant_linear.h"
-#include "simd.h"
-#include "silu_mul.h"
+#include "vec_math.h"      // hsum8, silu_mul
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define KVSERVE_X86 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -80,9 +73,7 @@ inline uint16_t u16_at(const uint8_t* p) {
 }
 using kvserve::u32_at;  // block_codes.h
 
-inline float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(u16_at(p)); }
-
-using kvserve::cpu_has_avx2;  // quant_linear.cpp: one CPU check for both sources
+using kvserve::cpu_has_avx2;  // cpu_features.h: one CPU check for every source
 
 #ifdef KVSERVE_X86
 #pragma GCC push_options
@@ -208,12 +199,7 @@ void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float
 #define KVSERVE_ZMM_ROWS 1
 #endif
 
-bool detect_vnni() {
-  __builtin_cpu_init();  // may run among the library's constructors
-  return cpu_has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && !std::getenv("KVSERVE_NO_VNNI");
-}
-const bool kHasVnni = detect_vnni();  // once, at load: the kernels test it per block (a call would spill their registers)
+const bool kHasVnni = kvserve::detect_vnni();  // once, at load: the kernels test it per block (a call would spill their registers)
 inline bool cpu_has_vnni() { return kHasVnni; }
 
 #pragma GCC push_options
@@ -316,7 +302,7 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 // 8-way horizontal reduction per row and super-block: the one-row Q4_K kernel was compute bound
 // at ~22 GB/s per thread.)
 
-using kvserve::hsum8;  // simd.h
+using kvserve::hsum8;  // vec_math.h
 
 // The sums of a's and of b's lanes, exact, as int32 lanes 0 and 1.
 inline __m128i hsum2_epi32(__m256i a, __m256i b) {
