@@ -44,7 +44,7 @@ def teacher_forced(engine: Any, tokens: list[int], chunk: int) -> torch.Tensor:
             if engine.kv_cache.allocate_slots(request, n) is None:
                 raise ValueError("the KV pool cannot hold the text")
             item = ScheduledRequest(request, n, engine.kv_cache.get_block_ids(request.request_id))
-            input_ids, positions, meta = engine.runner._prepare([item])
+            input_ids, positions, meta = engine.runner.prepare_inputs([item])
             hidden = engine.runner.model(input_ids, positions, meta, engine.runner.kv_caches)
             out.append(torch.log_softmax(engine.runner.model.compute_logits(hidden).float(), dim=-1))
             request.num_computed_tokens += n

@@ -24,7 +24,7 @@ PIECES = (  # (label, owner attribute path, method)
     ("  embedding", "runner.model", "embed_tokens"),
     ("LM head", "runner.model", "compute_logits"),
     ("sampler", "runner", "sampler"),
-    ("prepare inputs", "runner", "_prepare"),
+    ("prepare inputs", "runner", "prepare_inputs"),
     ("schedule", "scheduler", "schedule"),
     ("scheduler update", "scheduler", "update"),
 )
