@@ -6,7 +6,7 @@ Three packages, imported in one direction only (``bench.probes`` -> the suite ->
 * the suite, ``bench/`` itself: ``python -m bench <scenario>`` (``__main__``; one module per
   scenario: ``serve_load``, ``prefix``, ``structured``, ``vs_peers``, ``vs_llama_server``,
   ``kv_cache``, ``kv_memory``, ``kv_tier``, ``roofline``), what they share by job (``client``,
-  ``server``, ``machine``, ``workload``, ``engine_runs``, ``agreement``, ``report``), and the
+  ``server``, ``machine``, ``workload``, ``engine_runs``, ``agreement``, ``context``, ``report``), and the
   checks and tools that scripts and tests run (``gpu_check``, ``scale``, ``make_gguf``);
 * ``bench.peers``: one adapter per peer (how to install, start and run it);
 * ``bench.probes``: one-off measurements behind numbers in docs/benchmarks.md and BENCHMARKS.md,
