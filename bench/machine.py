@@ -64,7 +64,7 @@ class LoadMonitor:
     """CPU used by *other* processes while a block ran, in cores: the whole machine's busy time
     minus this process, its finished children (node) and ``pids`` (the server subprocess with its
     live descendants: the engine core process and any tensor-parallel ranks).
-    ``bench.common.CpuMonitor`` counts a server subprocess as foreign; this one does not."""
+    ``CpuMonitor`` (above) counts a server subprocess as foreign; this one does not."""
 
     def __init__(self, pids: Sequence[int | None] = ()) -> None:
         self.pids = [p for p in pids if p]
