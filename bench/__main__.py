@@ -23,134 +23,20 @@ import argparse
 import gc
 import json
 import os
-import shutil
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.common import RESULTS_DIR, CpuMonitor, chat_prompts, machine_info, set_threads
-from bench.report import FAIL, PASS, SKIPPED, check_line, print_result, scenario_markdown, write_scenario
+from bench.context import Context
+from bench.machine import CpuMonitor, cpu_model, machine_info, mem_total_gib
+from bench.report import (FAIL, PASS, RESULTS_DIR, SKIPPED, check_line, print_result, summary_markdown,
+                          write_benchmarks_md, write_scenario)
+from bench.workload import chat_prompts
 
 SCENARIOS = ("serve-load", "peers", "llama-server", "kv-cache", "prefix", "kv-memory", "roofline", "structured",
              "kv-tier")
-
-
-def auto_threads(probe_s: float = 2.0) -> int:
-    """The cores this process may use, less those other processes keep busy (measured over
-    ``probe_s``), at least 1. On a shared 2-core machine a 2-thread matmul (torch or
-    llama.cpp) next to a busy neighbour runs 5-10x slower than a 1-thread one."""
-    from engine.builder import available_cores
-
-    cores = available_cores()
-    with CpuMonitor() as mon:
-        time.sleep(probe_s)
-    busy = mon.foreign_cores or 0.0
-    threads = max(1, cores - int(busy + 0.5))
-    if threads < cores:
-        print(f"other processes keep {busy} of {cores} cores busy: using {threads} thread(s); "
-              "pin with --num-threads", file=sys.stderr)
-    return threads
-
-
-# ---- shared resources ------------------------------------------------------------------------------
-class Context:
-    """What several scenarios share in one run: the server, the default model in process."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.out = Path(args.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        if args.num_threads is None:
-            args.num_threads = auto_threads()
-        self.threads = set_threads(args.num_threads)
-        print(f"threads: {self.threads} (torch, the server and llama.cpp)", file=sys.stderr)
-        self._server = None
-        self._engine = None
-        self._hf = None
-        self._tokenizer = None
-
-    @property
-    def server(self) -> Any:
-        if self._server is None:
-            from bench.serving import connect, start_subprocess
-
-            if self.args.url:
-                self._server = connect(self.args.url, self.args.api_key)
-            else:
-                serve_args = ["--num-threads", str(self.threads), *(self.args.serve_arg or [])]
-                print(f"starting kvserve serve {' '.join(serve_args)} (log: {self.out / 'server.log'})",
-                      file=sys.stderr)
-                self._server = start_subprocess(serve_args, log_path=self.out / "server.log")
-        return self._server
-
-    def _load(self, with_hf: bool) -> None:
-        from bench.common import load_default_pair
-
-        if self._engine is None:
-            self._engine, self._hf = load_default_pair(self.args.num_threads, max_model_len=2048, kv_cache_gib=0.5,
-                                                       max_num_seqs=64, with_hf=with_hf)
-        elif with_hf and self._hf is None:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            from engine.loader import resolve_model_dir
-
-            path, _ = resolve_model_dir(None)
-            self._hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-
-    @property
-    def engine(self) -> Any:
-        self._load(with_hf=False)
-        return self._engine
-
-    @property
-    def hf(self) -> Any:
-        self._load(with_hf=True)
-        return self._hf
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._engine is not None:
-            return self._engine.tokenizer
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from engine.loader import resolve_model_dir
-
-            path, _ = resolve_model_dir(None)
-            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return self._tokenizer
-
-    def vocab_and_eos(self) -> tuple[int, list[int]]:
-        if self._engine is not None:
-            return self._engine.arch.vocab_size, list(self._engine.arch.eos_token_ids)
-        import json as _json
-
-        from engine.loader import resolve_model_dir
-
-        path, _ = resolve_model_dir(None)
-        cfg = _json.loads((Path(path) / "config.json").read_text())
-        eos = cfg.get("eos_token_id")
-        return cfg["vocab_size"], list(eos) if isinstance(eos, list) else [eos]
-
-    def quiet_wait(self) -> float:
-        """Seconds to wait for a quiet CPU before a timed side: --quiet-wait, else 10 s in a full run
-        on all cores (0 when auto-threads already gave a busy neighbour its cores, or --quick)."""
-        if self.args.quiet_wait is not None:
-            return self.args.quiet_wait
-        from engine.builder import available_cores
-
-        return 0.0 if self.args.quick or self.threads < available_cores() else 10.0
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-
-    def close_server(self) -> None:
-        self.close()
 
 
 # ---- scenarios -------------------------------------------------------------------------------------
@@ -176,7 +62,7 @@ def scenario_serve_load(ctx: Context) -> dict[str, Any]:
 
 
 def scenario_peers(ctx: Context) -> dict[str, Any]:
-    from bench.peers import ALL_PEERS, run_peers
+    from bench.vs_peers import ALL_PEERS, run_peers
 
     a = ctx.args
     peers = [p.strip() for p in (a.peers or ",".join(ALL_PEERS)).split(",") if p.strip()]
@@ -256,7 +142,7 @@ def scenario_structured(ctx: Context) -> dict[str, Any]:
 
 def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
     from bench.kv_memory import build_engine, run_kv_memory
-    from bench.serving_vs_hf import make_requests
+    from bench.workload import make_requests
 
     a = ctx.args
     max_len = _q(a, "max_model_len", 2048, 1024)
@@ -312,12 +198,12 @@ def run_one(name: str, ctx: Context) -> dict[str, Any]:
     print(f"\n=== {name} ===", file=sys.stderr)
     quiet = ctx.quiet_wait()
     if quiet > 0:
-        from bench.common import wait_for_quiet
+        from bench.machine import wait_for_quiet
 
         wait_for_quiet(quiet)
     t0 = time.perf_counter()
     try:
-        from bench.serving import LoadMonitor
+        from bench.machine import LoadMonitor
 
         server_pid = (ctx.server.pid if name in ("serve-load", "prefix", "peers", "llama-server", "structured")
                       else None)  # started untimed
@@ -338,96 +224,6 @@ def run_one(name: str, ctx: Context) -> dict[str, Any]:
 
 
 # ---- all + BENCHMARKS.md -----------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def mem_total_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
-
-
-def summary_markdown(results: list[dict[str, Any]], run: dict[str, Any]) -> str:
-    lines = ["| target | value | verdict |", "|---|---:|---|"]
-    for r in results:
-        for c in r.get("checks", []):
-            if c["verdict"] in (PASS, FAIL, SKIPPED):
-                target = f" (>= {c['target']}{c['unit']})" if c.get("target") is not None else ""
-                value = "-" if c["value"] is None else f"{c['value']:.3g}{c['unit']}"
-                verdict = c["verdict"] + (f": {c['detail']}" if c["verdict"] == SKIPPED else "")
-                lines.append(f"| {c['name']}{target} | {value} | {verdict} |")
-    return "\n".join(lines)
-
-
-NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the file is regenerated -->", "<!-- /notes -->"
-
-
-def _kept_notes(path: Path) -> str:
-    """The hand-written block between the notes markers of an existing report, if any."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return ""
-    if NOTES_BEGIN in text and NOTES_END in text:
-        return text.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip("\n")
-    return ""
-
-
-def write_benchmarks_md(results: list[dict[str, Any]], run: dict[str, Any], path: Path, plots_dir: Path) -> None:
-    """The Markdown report: command, machine, load, the targets, then every scenario with its
-    plots (copied into ``plots_dir``). A block between the notes markers survives regeneration."""
-    notes = _kept_notes(path)
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    for r in results:
-        for plot in r.get("plots", []):
-            shutil.copyfile(plot, plots_dir / Path(plot).name)
-    rel = os.path.relpath(plots_dir, path.parent)
-    m = run["machine"]
-    out = [
-        "# kvserve benchmarks",
-        "",
-        "Generated by the suite itself (`bench/`, issue 7); rerun with the command below, which rewrites this file.",
-        "Numbers move with the machine: it is shared, so compare the ratios (kvserve and its peers run back to back",
-        "in one run), not the absolute tokens/s across runs.",
-        "",
-        "```",
-        run["command"],
-        "```",
-        "",
-        f"- machine: {m['cpu']}, {m['cores']} cores visible, {m['mem_gib']} GiB RAM; Python {m['python']}, "
-        f"torch {m['torch']}, transformers {m['transformers']}, {m['threads']} torch threads",
-        f"- run: {run['started']} to {run['finished']} ({run['wall_s'] / 60:.1f} min), mode "
-        f"{'quick' if run['quick'] else 'full'}",
-        f"- load: load average {run['loadavg_before']} before, {run['loadavg_after']} after; other processes used "
-        f"{run['foreign_cpu_cores']} cores on average during the run (the machine is shared with other engineers' "
-        "test runs, so absolute numbers are pessimistic)",
-        f"- peers: {run.get('peers_versions', '-')}",
-        "",
-        "## Targets",
-        "",
-        summary_markdown(results, run),
-        "",
-        NOTES_BEGIN,
-        notes,
-        NOTES_END,
-        "",
-    ]
-    for r in results:
-        out.append(scenario_markdown(r, image_dir=rel))
-    path.write_text("\n".join(out).rstrip() + "\n")
 
 
 def run_all(args: argparse.Namespace, argv: Sequence[str], prog: str = "python -m bench") -> list[dict[str, Any]]:

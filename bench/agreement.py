@@ -9,17 +9,17 @@ near-tie costs one position, not the rest of the text.
 
 Each side gives a list ``top1[i]`` = its arg-max next token after ``ids[:start + i + 1]``:
 
-* transformers: one forward pass over the text (the oracle, fp32);
-* kvserve's engine in process: one greedy token per prefix, all prefixes submitted at once;
+* transformers: one forward pass over the text (the oracle, fp32; ``bench.peers.transformers.hf_top1``);
+* kvserve's engine in process: one greedy token per prefix, all prefixes submitted at once
+  (``engine_top1``, here);
 * llama-server: one greedy token per prefix, one request after the other (prompt caching makes
   each a one-token extension), through its native ``/completion`` (``return_tokens`` gives the
-  id; its OpenAI routes have no prompt logprobs / ``echo``).
+  id; its OpenAI routes have no prompt logprobs / ``echo``; ``bench.peers.llama_server``);
+* node-llama-cpp: one greedy token per prefix (the ``peers`` scenario).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
-
-import httpx
 
 # Plain English prose, no chat template: every position is a natural next-token prediction.
 AGREEMENT_TEXT = (
@@ -58,15 +58,6 @@ def per_prefix_top1(next_token: Callable[[list[int]], int], ids: Sequence[int], 
     return [int(next_token(p)) for p in prefixes(ids, start)]
 
 
-def hf_top1(model: Any, ids: Sequence[int], start: int = 1) -> list[int]:
-    """transformers' arg-max after every prefix, from one forward pass (fp32)."""
-    import torch
-
-    with torch.inference_mode():
-        logits = model(torch.tensor([list(ids)])).logits[0]
-    return [int(t) for t in logits.argmax(-1)[start - 1:len(ids) - 1]]
-
-
 def engine_top1(engine: Any, ids: Sequence[int], start: int = 1) -> list[int]:
     """kvserve's engine in process: one greedy token after every prefix, all prefixes submitted
     at once (the scheduler batches them; the prefix cache shares their common blocks)."""
@@ -97,27 +88,3 @@ def engine_next_token(engine: Any) -> Callable[[list[int]], int]:
     return next_token
 
 
-def llama_server_next_token(url: str, timeout_s: float = 120.0) -> Callable[[list[int]], int]:
-    """llama-server's ``/completion``: token-id prompt, one greedy token, its id back."""
-    client = httpx.Client(base_url=url, timeout=timeout_s)
-
-    def next_token(prefix: list[int]) -> int:
-        r = client.post("/completion", json={"prompt": prefix, "n_predict": 1, "temperature": 0.0,
-                                             "ignore_eos": True, "cache_prompt": True, "return_tokens": True,
-                                             "n_probs": 1})
-        r.raise_for_status()
-        return llama_server_token_id(r.json())
-
-    return next_token
-
-
-def llama_server_token_id(body: dict[str, Any]) -> int:
-    """The generated token's id in a non-streamed ``/completion`` answer: ``tokens`` (with
-    ``return_tokens``), else the top entry of ``completion_probabilities``."""
-    tokens = body.get("tokens")
-    if tokens:
-        return int(tokens[0])
-    probs = body.get("completion_probabilities") or []
-    if probs and "id" in probs[0]:
-        return int(probs[0]["id"])
-    raise ValueError(f"no token id in llama-server's answer (keys {sorted(body)})")

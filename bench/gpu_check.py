@@ -183,7 +183,8 @@ def phase_offline(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, An
 
 
 def phase_http(engine: Any, requests: Sequence[BenchRequest], concurrency: int) -> dict[str, Any]:
-    from bench.serving import completion_request, run_load, scrape_metrics, start_inprocess, summarize
+    from bench.client import completion_request, run_load, scrape_metrics, summarize
+    from bench.server import start_inprocess
     # This script is an entry point (like kvserve.cli): it composes the served app itself, through
     # the composition root, around the engine it already built (the core as a thread of it).
     from engine.config import EngineCoreConfig
@@ -254,7 +255,7 @@ def _r(v: float | None, nd: int = 2) -> float | None:
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
-    from bench.common import machine_info
+    from bench.machine import machine_info
 
     info = machine_info()
     info["device"] = str(device)

@@ -20,8 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.common import machine_info
-from bench.engine_vs_hf import _pad_id, _TimingStreamer, kvserve_single
+from bench.engine_runs import kvserve_single
+from bench.machine import machine_info
+from bench.peers.transformers import TimingStreamer as _TimingStreamer, pad_id as _pad_id
 from bench.report import finish_axes, info, new_figure, save_figure, table
 from kvtypes.sampling_params import SamplingParams
 

@@ -22,10 +22,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import machine_info
-from bench.report import check, finish_axes, info, new_figure, save_figure, table
-from bench.serving import Progress
-from bench.serving_vs_hf import BenchRequest
+from bench.machine import machine_info
+from bench.report import Progress, check, finish_axes, info, new_figure, save_figure, table
+from bench.workload import BenchRequest
 from kvtypes.sampling_params import SamplingParams
 
 UTIL_TARGET = 0.96

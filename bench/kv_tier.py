@@ -20,9 +20,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from bench.common import machine_info
-from bench.report import check, info, median, table
-from bench.serving import Progress
+from bench.machine import machine_info
+from bench.report import Progress, check, info, median, table
 from kvtypes.sampling_params import SamplingParams
 
 TARGET = 5.0

@@ -184,7 +184,7 @@ def write_gguf(path: str | os.PathLike, shape: GGUFShape,
 
 def one_b_q4_k_m(out: str | os.PathLike | None = None, layers: int | None = None) -> Path:
     """The 1B-shaped random Q4_K_M GGUF (``ONE_B``), written once into the bench cache."""
-    from bench.llamacpp import cache_dir
+    from bench.peers.base import cache_dir
 
     shape = ONE_B if layers is None else replace(ONE_B, layers=layers)
     path = Path(out) if out else cache_dir() / f"random-1b-{shape.layers}l-Q4_K_M.gguf"

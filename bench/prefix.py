@@ -12,9 +12,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from bench.common import CHAT_QUESTIONS, machine_info
-from bench.report import check, info, median, percentiles, table
-from bench.serving import Progress, Server, chat_request, prefix_hit_rate, run_load, scrape_metrics
+from bench.client import chat_request, prefix_hit_rate, run_load, scrape_metrics
+from bench.machine import machine_info
+from bench.report import Progress, check, info, median, percentiles, table
+from bench.server import Server
+from bench.workload import CHAT_QUESTIONS
 
 TARGET = 10.0
 

@@ -3,7 +3,7 @@
 * compute bound: fp32 matmul GFLOP/s (``n x n @ n x n``, best of ``repeats``, the current
   torch thread count);
 * bandwidth bound: read bandwidth of a ``sum`` over a buffer far larger than the caches
-  (``bench.common.memory_bandwidth_gbs``);
+  (``bench.machine.memory_bandwidth_gbs``);
 * kvserve's single-stream decode (engine, in process) against the bandwidth bound: every
   decode token streams all weights once (``weight_bytes_per_decode_token``: the GGUF blocks
   where the decode matmuls read them, fp32 elsewhere), so the bound is bandwidth / weight
@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.common import machine_info, memory_bandwidth_gbs, weight_bytes_per_decode_token
-from bench.engine_vs_hf import kvserve_batch, kvserve_single
+from bench.engine_runs import kvserve_batch, kvserve_single, weight_bytes_per_decode_token
+from bench.machine import machine_info, memory_bandwidth_gbs
 from bench.report import check, info, new_figure, save_figure, table
 
 BANDWIDTH_TARGET = 0.8

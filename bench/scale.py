@@ -48,7 +48,7 @@ from typing import Callable, Iterator, Sequence
 
 import httpx
 
-from bench.common import tree_cpu_seconds  # noqa: F401 - also part of this module's API
+from bench.machine import tree_cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 # Words of one length, so every tenant's prompt has the same number of characters: sglang-router's

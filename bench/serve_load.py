@@ -10,29 +10,16 @@ TPOT p50/p90/p99, and the prefix-cache hit rate from ``/metrics`` deltas
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.common import machine_info
-from bench.report import finish_axes, info, new_figure, save_figure, table
-from bench.serving import (LoadMonitor, Progress, Server, completion_request, prefix_hit_rate, run_load,
-                           scrape_metrics, summarize)
-from bench.serving_vs_hf import BenchRequest
+from bench.client import completion_request, prefix_hit_rate, run_load, scrape_metrics, summarize
+from bench.machine import LoadMonitor, machine_info
+from bench.report import Progress, finish_axes, info, new_figure, save_figure, table
+from bench.server import Server
+from bench.workload import synthetic_requests
 
 DEFAULT_LEVELS = (1, 4, 16, 32)
-
-
-def synthetic_requests(num: int, prompt_len: int, output_len: int, vocab_size: int, seed: int,
-                       shared_prefix: int = 0, low_token_id: int = 100) -> list[BenchRequest]:
-    """``num`` prompts of exactly ``prompt_len`` token ids; the first ``shared_prefix`` are common
-    to every prompt of every seed (ids drawn from ``[low_token_id, vocab)`` to avoid specials)."""
-    low = min(low_token_id, vocab_size - 1)
-    shared_rng = random.Random(1_000_003)
-    prefix = [shared_rng.randrange(low, vocab_size) for _ in range(min(shared_prefix, prompt_len - 1))]
-    rng = random.Random(seed)
-    return [BenchRequest(prefix + [rng.randrange(low, vocab_size) for _ in range(prompt_len - len(prefix))], output_len)
-            for _ in range(num)]
 
 
 def default_requests_for(quick: bool) -> Callable[[int], int]:

@@ -21,9 +21,12 @@ from typing import Any
 
 import httpx
 
-from bench.common import chat_prompts, machine_info
-from bench.report import check, info, percentiles, table
-from bench.serving import Progress, Server, _headers, completion_request, run_load, summarize
+from bench.client import completion_request, run_load, summarize
+from bench.machine import machine_info
+from bench.peers.base import headers as _headers
+from bench.report import Progress, check, info, percentiles, table
+from bench.server import Server
+from bench.workload import chat_prompts
 
 TARGET_TPS_RATIO = 0.9
 TARGET_GAP_RATIO = 1.25

@@ -1,6 +1,6 @@
 """Scenario ``llama-server``: kvserve's HTTP server against llama.cpp's own server, same client.
 
-Both servers get the same requests through the same client (``bench.serving.run_load``:
+Both servers get the same requests through the same client (``bench.client.run_load``:
 streamed ``/v1/completions`` with token-id prompts, ``temperature 0``, ``ignore_eos`` so that
 both generate exactly ``output_len`` tokens, usage from the final SSE chunk):
 
@@ -30,15 +30,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.agreement import (AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, hf_top1, llama_server_next_token,
-                             per_prefix_top1, top1_agreement)
-from bench.common import hf_weight_bytes_per_decode_token, machine_info, ratio
-from bench.llama_server import (LlamaServerConfig, check_available, ctx_size_for, gguf_weights, package_version,
-                                resolve_gguf, start_llama_server)
-from bench.llamacpp import PeerUnavailable
-from bench.report import check, info, new_figure, save_figure, table
-from bench.serve_load import synthetic_requests
-from bench.serving import LoadMonitor, Progress, Server, completion_request, free_port, run_load, summarize
+from bench.agreement import AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, per_prefix_top1, top1_agreement
+from bench.client import completion_request, run_load, summarize
+from bench.machine import LoadMonitor, machine_info
+from bench.peers.base import PeerUnavailable
+from bench.peers.gguf_files import gguf_weights
+from bench.peers.llama_server import (LlamaServerConfig, check_available, ctx_size_for, llama_server_next_token,
+                                      package_version, resolve_gguf, start_llama_server)
+from bench.peers.transformers import hf_top1, hf_weight_bytes_per_decode_token
+from bench.report import Progress, check, info, new_figure, ratio, save_figure, table
+from bench.server import Server, free_port
+from bench.workload import synthetic_requests
 
 DEFAULT_CONTEXTS = (50, 1000)
 DEFAULT_LEVELS = (4, 8, 16)

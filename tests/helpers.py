@@ -66,8 +66,8 @@ def require_native_kernel() -> None:
 
 def serve_inprocess(engine: LLMEngine):
     """``engine`` served as ``kvserve serve`` would serve it (the composition root, thread mode),
-    under uvicorn in a thread: a ``bench.serving.Server`` (close it)."""
-    from bench.serving import start_inprocess
+    under uvicorn in a thread: a ``bench.server.Server`` (close it)."""
+    from bench.server import start_inprocess
     from kvserve.compose import build_service
     from server.config import ServerConfig
 

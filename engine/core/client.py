@@ -2,7 +2,7 @@
 
 - ``MPEngineClient`` (``engine.core.process_client``, the served default) runs the core in a process of its own (started with
   'spawn': torch and fork do not mix) and talks to it over two one-way
-  ``multiprocessing`` pipes with pickle (chosen by measurement: ``python -m bench.ipc_transport``,
+  ``multiprocessing`` pipes with pickle (chosen by measurement: ``python -m bench.probes.ipc_transport``,
   numbers in docs/architecture.md). A sender thread writes the commands, so a full pipe never
   blocks the event loop. The step outputs are read by the server's event loop itself once
   ``bind_loop`` gave it one (a reader on the pipe: no thread hop and no self-pipe wake-up per

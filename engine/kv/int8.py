@@ -9,7 +9,7 @@ per token and head: ``head_dim + 8`` instead of ``4 * head_dim`` (fp32): 3.56x t
 head_dim 64. The torch reference backend dequantizes the gathered blocks; the native CPU
 decode kernel (engine/kernels/cpu/paged_attention.cpp) reads the codes in place and folds each
 (step, minimum) into its dot products. Keys with per-channel ranges (KIVI) were measured and
-not adopted: see ``bench/kv_int8.py quality`` and docs/architecture.md.
+not adopted: see ``bench/probes/kv_int8.py quality`` and docs/architecture.md.
 """
 from __future__ import annotations
 

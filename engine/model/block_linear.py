@@ -31,18 +31,18 @@ class BlockLinear:
     cache-sized fp32 panel, one MKL GEMM per tile, so no dense copy is ever resident.
 
     ``MAX_ROWS``, measured per format on this project's 2-core CPU against oneDNN on packed
-    fp32 weights (``bench/quant_linear.py``): the kernel reads 3.8-7x fewer bytes, which wins
+    fp32 weights (``bench/probes/quant_linear.py``): the kernel reads 3.8-7x fewer bytes, which wins
     while a call is bandwidth bound; with more rows the matmul turns compute bound, and
     expanding each weight to fp32 costs more than oneDNN's blocking saves. F16 / BF16 read 2x
     fewer bytes and widen for free: SmolLM2 F16 at 16 streams, a step 45-46 ms on the kernel
-    against 59 on a dense fp32 copy and ~70 on the panels (``bench.step_profile``).
+    against 59 on a dense fp32 copy and ~70 on the panels (``bench.probes.step_profile``).
     """
 
     MAX_ROWS = {BlockFormat.Q4_1: 16, BlockFormat.Q8_0: 4, BlockFormat.Q4_0: 16, BlockFormat.Q4_K: 16,
                 BlockFormat.Q5_K: 16, BlockFormat.Q6_K: 8, BlockFormat.Q5_0: 16, BlockFormat.Q5_1: 16,
                 BlockFormat.F16: 16, BlockFormat.BF16: 16}
     # int8 activations: integer dot products keep the block kernel ahead of dense fp32 GEMM up to
-    # 16 rows for every format that has one (bench.activation_quant speed, 16 streams). Beyond
+    # 16 rows for every format that has one (bench.probes.activation_quant speed, 16 streams). Beyond
     # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
     # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
     # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls), and when there is
@@ -50,7 +50,7 @@ class BlockLinear:
     # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
     # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
     # Without a dense copy the alternative is the panels, which every format's kernel beats up to
-    # 24 rows (bench.quant_linear on SmolLM2 Q4_K_M: Q5_0 / Q6_K / Q8_0 at 16 rows 1.2-1.7x;
+    # 24 rows (bench.probes.quant_linear on SmolLM2 Q4_K_M: Q5_0 / Q6_K / Q8_0 at 16 rows 1.2-1.7x;
     # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16)
     BLOCKS_ONLY_MAX_ROWS = 16
     INT8_MAX_ROWS = 16

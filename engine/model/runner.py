@@ -130,7 +130,10 @@ class ModelRunner:
             gen.manual_seed(seed)
         return gen
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The flat inputs of one forward pass over ``scheduled``: token ids, positions and the
+        attention metadata (slot mapping, block tables). Public so that a bench can run the model
+        on a step it built itself, as ``execute`` does."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -233,7 +236,7 @@ class ModelRunner:
         if logits is not None:
             sampling = ordered
         else:
-            input_ids, positions, meta = self._prepare(ordered)
+            input_ids, positions, meta = self.prepare_inputs(ordered)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             self.num_tokens_computed += input_ids.numel()
             self._collect_prompt_logprobs(ordered, hidden)

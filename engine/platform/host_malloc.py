@@ -4,7 +4,7 @@ glibc hands a thread that finds the main arena locked an arena of its own, and t
 it; memory freed in one arena is reused only by allocations made in that arena. With the OpenMP
 workers running beside the engine thread, a prefill's activations (tens of MiB a layer) end up
 split across two arenas that each keep their own high-water mark: on the 1B-shaped Q4_K_M
-(``python -m bench.gguf_decode --model F --resident blocks --activation-quant int8``) the
+(``python -m bench.probes.gguf_decode --model F --resident blocks --activation-quant int8``) the
 second arena held 63 MiB, and one arena lowered the peak RSS from 1,533 to 1,493 MiB with the
 prefill and decode times unchanged (the engine's threads rarely allocate at the same time).
 

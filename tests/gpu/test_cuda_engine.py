@@ -156,7 +156,8 @@ def test_http_server_and_metrics_on_cuda():
     """`--device cuda` end to end: the OpenAI server streams completions from a CUDA engine
     (graphs on) and /metrics reports them."""
     from bench.gpu_check import synthetic_tokenizer
-    from bench.serving import completion_request, run_load, scrape_metrics, start_inprocess
+    from bench.client import completion_request, run_load, scrape_metrics
+    from bench.server import start_inprocess
 
     hf = tiny_hf_model(CONFIGS["gqa"])
     engine = tiny_engine(hf, device="cuda", dtype="bfloat16", tokenizer=synthetic_tokenizer(128))

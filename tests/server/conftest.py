@@ -22,7 +22,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from bench.serving import wait_healthy as poll_health
+from bench.server import wait_healthy as poll_health
 
 API_KEY = "sk-kvserve-test-key"
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def free_port() -> int:
 
 
 def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """bench.serving's health poll, failing early when ``proc`` has exited."""
+    """bench.server's health poll, failing early when ``proc`` has exited."""
     poll_health(base_url, timeout, alive=(lambda: proc.poll() is None) if proc is not None else (lambda: True))
 
 

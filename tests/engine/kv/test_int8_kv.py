@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from bench.kv_int8 import compare, teacher_forced
+from bench.probes.kv_int8 import compare, teacher_forced
 from kvtypes.sampling_params import SamplingParams
 from tests.helpers import require_native_kernel, tiny_engine, tiny_hf_model
 

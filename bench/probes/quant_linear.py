@@ -15,7 +15,7 @@ from memory rather than from cache. The ratios say where ``BlockLinear.MAX_ROWS`
 the block kernel wins while a call is bound by weight bytes and loses once it is compute
 bound.
 
-    python -m bench.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N] [--gguf FILE.gguf]
+    python -m bench.probes.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N] [--gguf FILE.gguf]
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine_info, print_table, ratio, set_threads, write_results
+from bench.machine import machine_info, set_threads
+from bench.report import print_table, ratio, write_results
 from engine.loader.gguf.blocks import GGUFMatrix, PackedMatrix
 
 

@@ -11,10 +11,10 @@ every side generates exactly the same number of tokens):
 Sides: kvserve through its HTTP server (streaming; the client's cost is on kvserve's side);
 transformers ``generate`` on the same dense fp32 weights (single stream, and static batches of
 ``batch_size``, left-padded); transformers' continuous batching (the manager behind
-``generate_batch``, see ``bench/serving_vs_hf.py``; batch only); llama.cpp through the npm
+``generate_batch``, ``bench.peers.transformers``; batch only); llama.cpp through the npm
 package node-llama-cpp on the shipped Q4_1 GGUF itself: the same weights in the same bytes
 kvserve's decode matmuls read (``linear_backend: gguf``); ``--gguf f32`` runs it on an all-F32
-conversion instead, the bytes transformers reads (``bench/llamacpp.py``; one sequence, then
+conversion instead, the bytes transformers reads (``bench.peers.node_llama_cpp``; one sequence, then
 ``batch_size`` parallel sequences). Sides run back to back, single stream
 first, so that machine drift spreads over all of them. A side that cannot be installed or run
 is reported as skipped with the reason. Every row states the weight format it runs and the
@@ -33,16 +33,19 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.agreement import AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, hf_top1, prefixes
-from bench.agreement import top1_agreement
-from bench.common import hf_weight_bytes_per_decode_token, machine_info, ratio, wait_for_quiet
-from bench.engine_vs_hf import hf_single, kvserve_single
-from bench.llama_server import gguf_weights
-from bench.llamacpp import PeerUnavailable, f32_gguf, run_llamacpp
-from bench.report import check, info, new_figure, save_figure, table
-from bench.serve_load import synthetic_requests
-from bench.serving import LoadMonitor, Progress, Server, completion_request, run_load, summarize
-from bench.serving_vs_hf import BenchRequest, run_hf_continuous, run_hf_static, run_kvserve
+from bench.agreement import AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, prefixes, top1_agreement
+from bench.client import completion_request, run_load, summarize
+from bench.engine_runs import kvserve_single, run_kvserve
+from bench.machine import LoadMonitor, machine_info, wait_for_quiet
+from bench.peers import node_llama_cpp
+from bench.peers.base import PeerUnavailable
+from bench.peers.gguf_files import f32_gguf, gguf_weights
+from bench.peers.node_llama_cpp import run_llamacpp
+from bench.peers.transformers import (hf_single, hf_top1, hf_weight_bytes_per_decode_token, run_hf_continuous,
+                                      run_hf_static)
+from bench.report import Progress, check, info, new_figure, ratio, save_figure, table
+from bench.server import Server
+from bench.workload import BenchRequest, synthetic_requests
 from engine.loader import default_gguf_path
 
 ALL_PEERS = ("hf", "hf-cb", "llamacpp")
@@ -98,23 +101,6 @@ def _hf_single(model: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     return {"decode_tps": round(sum(len(x["tokens"]) - 1 for x in runs) / sum(x["decode_s"] for x in runs), 3),
             "ttft_ms": round(1000 * sorted(x["ttft_s"] for x in runs)[len(runs) // 2], 2),
             "output_tokens": sum(len(x["tokens"]) for x in runs)}
-
-
-def _llama_single(gguf: Path, requests: Sequence[BenchRequest], threads: int, install: bool) -> dict[str, Any]:
-    out = run_llamacpp(gguf, requests, parallel=1, threads=threads, install=install)
-    reqs = out["requests"]
-    return {"decode_tps": round(sum(len(r["tokens"]) - 1 for r in reqs) / sum(r["decode_s"] for r in reqs), 3),
-            "ttft_ms": round(1000 * sorted(r["ttft_s"] for r in reqs)[len(reqs) // 2], 2),
-            "output_tokens": sum(len(r["tokens"]) for r in reqs), "load_s": round(out["load_s"], 2),
-            "version": out.get("package_version"), "llama_cpp_release": out.get("llama_cpp_release")}
-
-
-def _llama_batch(gguf: Path, requests: Sequence[BenchRequest], parallel: int, threads: int,
-                 install: bool) -> dict[str, Any]:
-    out = run_llamacpp(gguf, requests, parallel=parallel, threads=threads, install=install)
-    tokens = sum(len(r["tokens"]) for r in out["requests"])
-    return {"tps": round(tokens / out["elapsed_s"], 3), "elapsed_s": round(out["elapsed_s"], 3),
-            "output_tokens": tokens, "parallel": out["parallel"]}
 
 
 class _Timer:
@@ -217,7 +203,7 @@ def run_peers(server: Server, hf_model: Any, tokenizer: Any, vocab_size: int, eo
         sides["hf-cb"]["single"] = {"skipped": "not measured: continuous batching is a batch peer"}
     if llama_path is not None:
         try:
-            sides["llamacpp"]["single"] = _timed(_llama_single, llama_path, single, threads, install)
+            sides["llamacpp"]["single"] = _timed(node_llama_cpp.run_single, llama_path, single, threads, install)
         except Exception as exc:  # noqa: BLE001
             sides["llamacpp"]["single"] = _skip(exc)
 
@@ -241,7 +227,7 @@ def run_peers(server: Server, hf_model: Any, tokenizer: Any, vocab_size: int, eo
             sides["hf-cb"]["batch"] = _skip(exc)
     if llama_path is not None:
         try:
-            sides["llamacpp"]["batch"] = _timed(_llama_batch, llama_path, batch, batch_size, threads, install)
+            sides["llamacpp"]["batch"] = _timed(node_llama_cpp.run_batch, llama_path, batch, batch_size, threads, install)
         except Exception as exc:  # noqa: BLE001
             sides["llamacpp"]["batch"] = _skip(exc)
         if "skipped" not in sides["llamacpp"].get("single", {}) and tokenizer is not None:

@@ -1,9 +1,9 @@
 """Single-stream decode through the engine client alone, no HTTP: the core in its own process
 against the core in a thread, side by side.
 
-    python -m bench.core_probe [--rounds 3] [--tokens 128] [--num-threads 2]
+    python -m bench.probes.core_probe [--rounds 3] [--tokens 128] [--num-threads 2]
 
-``bench.engine_modes`` compares the two modes through the whole server. This probe removes the
+``bench.probes.engine_modes`` compares the two modes through the whole server. This probe removes the
 HTTP side (uvicorn, SSE, the benchmark client) so that a gap between the modes is attributed:
 if the core process is slower here too, the cost is in the core process or its pipe; if not,
 it is in the frontend. Each round builds one client per mode (order alternating), sends one
@@ -75,7 +75,7 @@ def run_mode(mode: str, config: Any, args: argparse.Namespace) -> dict[str, floa
 def main(argv: list[str] | None = None) -> int:
     from kvserve.cli import add_engine_args, build_engine_config
 
-    p = argparse.ArgumentParser(prog="python -m bench.core_probe", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.core_probe", description=__doc__.splitlines()[0])
     add_engine_args(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=2)

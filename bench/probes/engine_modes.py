@@ -1,7 +1,7 @@
 """``serve-load`` against two servers side by side: the engine core in its own process (the served
 default) and in a thread of the server process (``--engine-mode thread``, the old layout).
 
-    python -m bench.engine_modes [--concurrency 1 32] [--rounds 1] [--quick] [--py-spy SECONDS]
+    python -m bench.probes.engine_modes [--concurrency 1 32] [--rounds 1] [--quick] [--py-spy SECONDS]
 
 Each side is a fresh ``kvserve serve`` subprocess (the composition root), run alone, one after
 the other (order alternates between rounds: process, thread, thread, process, ...), after an
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve_load import run_serve_load
-from bench.serving import start_subprocess
+from bench.server import start_subprocess
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 49152  # SmolLM2
@@ -71,7 +71,7 @@ def summarize_spy(path: Path, top: int = 20) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.engine_modes", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.engine_modes", description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--num-threads", type=int, default=2)

@@ -9,11 +9,11 @@ With several ``--decode-path`` choices the decode steps of one request take them
 and context; ``native_over_python`` is the ratio of their tok/s. ``--activation-quant none int8``
 alternates the same way (``int8_over_none``; ``LlamaForCausalLM.set_activation_quant``).
 
-    python -m bench.gguf_decode [--model FILE.gguf] [--resident dense blocks] [--ctx 50 1000]
-    python -m bench.gguf_decode --decode-path python native   # the default model, both paths
-    python -m bench.gguf_decode --model ~/.cache/kvserve-bench/random-1b-16l-Q4_K_M.gguf --resident blocks \
+    python -m bench.probes.gguf_decode [--model FILE.gguf] [--resident dense blocks] [--ctx 50 1000]
+    python -m bench.probes.gguf_decode --decode-path python native   # the default model, both paths
+    python -m bench.probes.gguf_decode --model ~/.cache/kvserve-bench/random-1b-16l-Q4_K_M.gguf --resident blocks \
         --activation-quant none int8                            # fp32 vs int8 activations, side by side
-    python -m bench.gguf_decode --model "$(python -m bench.make_gguf | cut -d' ' -f1)" --resident blocks
+    python -m bench.probes.gguf_decode --model "$(python -m bench.make_gguf | cut -d' ' -f1)" --resident blocks
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     results = []
     file_mb = Path(args.model).stat().st_size / 1e6
     for mode in args.resident:
-        cmd = [sys.executable, "-m", "bench.gguf_decode", "--child", "--model", args.model, "--resident", mode,
+        cmd = [sys.executable, "-m", "bench.probes.gguf_decode", "--child", "--model", args.model, "--resident", mode,
                "--ctx", *map(str, args.ctx), "--tokens", str(args.tokens), "--num-threads", str(args.num_threads),
                "--kv-cache-memory", str(args.kv_cache_memory), "--decode-path", *args.decode_path,
                "--activation-quant", *args.activation_quant]

@@ -7,15 +7,15 @@ next token. ``compare`` gives the top-1 agreement and the mean NLL delta of two 
 
 Three measurements, one command each (the default model, SmolLM2-135M-Instruct):
 
-    python -m bench.kv_int8 [quality] [--tokens 2000] [--chunk 256]
+    python -m bench.probes.kv_int8 [quality] [--tokens 2000] [--chunk 256]
         fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores) and vs
         fp16 KV (--kv-cache-dtype float16), and the
         KIVI alternative measured by simulation: keys with per-CHANNEL scales over each block's
         tokens, values per token (``--no-kivi`` skips it).
-    python -m bench.kv_int8 decode [--streams 16] [--rounds 2]
+    python -m bench.probes.kv_int8 decode [--streams 16] [--rounds 2]
         decode tokens/s at 16 streams: fp32 (native kernel), int8 (native kernel), int8 (torch
         path), the three engines stepping in lockstep so machine load hits them alike.
-    python -m bench.kv_int8 concurrency [--budget-gib 0.05] [--requests 160]
+    python -m bench.probes.kv_int8 concurrency [--budget-gib 0.05] [--requests 160]
         the same KV byte budget in fp32 and int8: requests running at once over a mixed workload
         submitted at once: the median over the steps where the pool was full (the next waiting
         prompt did not fit), the median while others queued, and the peak.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,10 @@ from engine.kv.pool import kv_bytes_per_token
 from kvtypes.sampling_params import SamplingParams
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
+
+# The fixed text both quality probes teacher-force (this one and activation_quant): a frozen copy of
+# the bench's former shared-helpers module, the text the agreement numbers in the docs were measured on.
+FIXED_TEXT = Path(__file__).with_name("fixed_text.txt")
 
 
 @torch.inference_mode()
@@ -45,7 +50,7 @@ def teacher_forced(engine: Any, tokens: list[int], chunk: int) -> torch.Tensor:
             if engine.kv_cache.allocate_slots(request, n) is None:
                 raise ValueError("the KV pool cannot hold the text")
             item = ScheduledRequest(request, n, engine.kv_cache.get_block_ids(request.request_id))
-            input_ids, positions, meta = engine.runner._prepare([item])
+            input_ids, positions, meta = engine.runner.prepare_inputs([item])
             hidden = engine.runner.model(input_ids, positions, meta, engine.runner.kv_caches)
             out.append(torch.log_softmax(engine.runner.model.compute_logits(hidden).float(), dim=-1))
             request.num_computed_tokens += n
@@ -110,7 +115,7 @@ def bytes_per_token(arch, scheme: str, block_size: int) -> int:
 def quality(args) -> None:
     from engine.attention import torch_sdpa
 
-    text = open(__file__.replace("kv_int8.py", "common.py")).read() * 4  # a fixed text (this repo's code)
+    text = FIXED_TEXT.read_text() * 4
     results, arch, tokens = {}, None, []
     runs = [("fp32", "auto", None), ("int8", "int8", None), ("float16", "float16", None)]
     if args.kivi:

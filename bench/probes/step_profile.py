@@ -1,6 +1,6 @@
 """Where an engine step's time goes: the step's pieces timed in-thread, no HTTP.
 
-    python -m bench.step_profile [--streams 1 16] [--tokens 128] [--prompt-len 50] [kvserve engine flags]
+    python -m bench.probes.step_profile [--streams 1 16] [--tokens 128] [--prompt-len 50] [kvserve engine flags]
 
 Builds one ``LLMEngine`` from the engine flags (``--num-threads``, ``--activation-quant``,
 ``--decode-path``, ``--model``...), then for each stream count runs an untimed warm-up round and a
@@ -24,7 +24,7 @@ PIECES = (  # (label, owner attribute path, method)
     ("  embedding", "runner.model", "embed_tokens"),
     ("LM head", "runner.model", "compute_logits"),
     ("sampler", "runner", "sampler"),
-    ("prepare inputs", "runner", "_prepare"),
+    ("prepare inputs", "runner", "prepare_inputs"),
     ("schedule", "scheduler", "schedule"),
     ("scheduler update", "scheduler", "update"),
 )
@@ -82,7 +82,7 @@ def profile(engine: Any, streams_levels: list[int], prompt_len: int, tokens: int
 def main(argv: list[str] | None = None) -> int:
     from kvserve.cli import add_engine_args, build_engine_config
 
-    p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.step_profile", description=__doc__.splitlines()[0])
     add_engine_args(p)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tokens", type=int, default=128)

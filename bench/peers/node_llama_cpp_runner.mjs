@@ -1,6 +1,6 @@
 // kvserve bench: run a request list through llama.cpp (node-llama-cpp's prebuilt CPU build).
 //
-//   node llamacpp_runner.mjs SPEC.json OUT.json
+//   node node_llama_cpp_runner.mjs SPEC.json OUT.json
 //
 // SPEC: {model, threads, parallel, contextSize, requests: [{tokens: [ids], maxTokens}]}
 // Greedy (temperature 0), raw token ids in (no BOS added, no chat template: the caller sends

@@ -9,28 +9,31 @@ command line, starts it, waits for ``/health`` and stops it. Nothing here builds
 a missing tree, a non-root user or a server that does not come up raise ``PeerUnavailable``
 with the reason and the command that fixes it.
 
-* ``start_llama_server(LlamaServerConfig(...))`` returns a ``bench.serving.Server``, so the
-  kvserve HTTP rows' client (``run_load``: same payloads, same SSE parsing, usage from the
-  final chunk) drives both servers.
-* ``kquant_ggufs()`` makes real-weight K-quant files of the default model with the tree's
-  ``llama-quantize`` (from the all-F32 conversion of the shipped GGUF, ``bench.llamacpp.f32_gguf``)
-  and caches them next to it.
-* ``gguf_weights()`` says what a GGUF file holds: its file type, the mix of tensor types
-  (SmolLM2's 576-wide rows are not multiples of 256, so a "Q4_K_M" file is mostly Q5_0/Q8_0
-  fallbacks) and the bytes one decode token reads (``decode_bytes``).
+* ``start_llama_server(LlamaServerConfig(...))`` is the one way to start it: a
+  ``bench.peers.base.Server``, so the client of kvserve's HTTP rows (``bench.client.run_load``:
+  same payloads, same SSE parsing, usage from the final chunk) drives both servers. The one way
+  to run it against kvserve is the suite's ``llama-server`` scenario (``bench.vs_llama_server``,
+  ``python -m bench llama-server``).
+* ``resolve_gguf()`` / ``kquant_ggufs()``: the file it runs; K-quant files of the default model are
+  made with the tree's ``llama-quantize`` (from the all-F32 conversion of the shipped GGUF,
+  ``bench.peers.gguf_files.f32_gguf``) and cached next to it.
+* ``llama_server_next_token()``: one greedy token per prompt through its native ``/completion``
+  (its OpenAI routes have no prompt logprobs), for the teacher-forced agreement (``bench.agreement``).
 """
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-from bench.llamacpp import PeerUnavailable, _file_sha256, cache_dir
+import httpx
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "llama-server-peer.sh"
+from bench.peers.base import PeerUnavailable, Server, cache_dir, file_sha256, launch
+from bench.peers.gguf_files import f32_gguf
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "llama-server-peer.sh"
 BUILD_HINT = f"build it once (root, ~3 min): sudo {SCRIPT.relative_to(SCRIPT.parent.parent)} build"
 SERVER_BIN = "usr/bin/llama-server"
 READY_MARK = ".kvserve-peer-ready"  # written by the script's build step: the package version
@@ -102,10 +105,8 @@ def serve_command(cfg: LlamaServerConfig, script: Path = SCRIPT) -> list[str]:
 
 
 def start_llama_server(cfg: LlamaServerConfig, log_path: str | os.PathLike | None = None,
-                       timeout_s: float = 180.0) -> Any:
-    """Start llama-server for ``cfg``; a ``bench.serving.Server`` once ``/health`` answers 200."""
-    from bench.serving import launch
-
+                       timeout_s: float = 180.0) -> Server:
+    """Start llama-server for ``cfg``; its ``Server`` once ``/health`` answers 200."""
     check_available()
     if not Path(cfg.model).is_file():
         raise PeerUnavailable(f"no GGUF file at {cfg.model}")
@@ -127,62 +128,6 @@ def _tail(path: str | os.PathLike | None, lines: int = 3) -> str:
         return ""
 
 
-# ---- what a GGUF holds ---------------------------------------------------------------------------
-def decode_bytes(tensor_bytes: Mapping[str, int]) -> int:
-    """Weight bytes one decode token reads from a llama-architecture GGUF, by tensor name:
-    every tensor, except that the input embedding only has one row looked up, unless the
-    file has no ``output.weight`` (tied embeddings), when ``token_embd`` is the LM head and
-    is read in full. The same rule as kvserve's ``decode_weight_bytes``."""
-    total = sum(tensor_bytes.values())
-    if "output.weight" in tensor_bytes and "token_embd.weight" in tensor_bytes:
-        total -= tensor_bytes["token_embd.weight"]
-    return total
-
-
-def type_mix(tensors: Iterable[tuple[str, int]]) -> list[tuple[str, float]]:
-    """(tensor type, share of the bytes) pairs, largest share first, from (type, bytes) pairs."""
-    by_type: dict[str, int] = {}
-    for kind, nbytes in tensors:
-        by_type[kind] = by_type.get(kind, 0) + nbytes
-    total = sum(by_type.values()) or 1
-    return sorted(((k, v / total) for k, v in by_type.items()), key=lambda kv: -kv[1])
-
-
-def format_label(file_type: str, mix: Sequence[tuple[str, float]], min_share: float = 0.02) -> str:
-    """``Q4_K_M GGUF (Q5_0 58%, Q8_0 26%, Q6_K 16%)``: the file type and the byte shares of
-    the tensor types a decode token reads (types under ``min_share`` left out)."""
-    parts = [f"{k} {share:.0%}" for k, share in mix if share >= min_share]
-    return f"{file_type} GGUF ({', '.join(parts)})" if parts else f"{file_type} GGUF"
-
-
-def gguf_weights(path: str | os.PathLike) -> dict[str, Any]:
-    """File type, decode bytes per token and the tensor-type mix of a GGUF file (parsed once
-    per file version: reading a GGUF's tokenizer fields takes seconds)."""
-    st = Path(path).stat()
-    return dict(_gguf_weights(str(Path(path).resolve()), st.st_mtime_ns, st.st_size))
-
-
-@functools.lru_cache(maxsize=16)
-def _gguf_weights(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
-    import gguf
-
-    reader = gguf.GGUFReader(path, "r")
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    ftype_field = reader.get_field(gguf.Keys.General.FILE_TYPE)
-    file_type = "?"
-    if ftype_field is not None:
-        try:
-            file_type = gguf.LlamaFileType(int(ftype_field.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        except ValueError:
-            file_type = str(ftype_field.contents())
-    read = {n: b for n, b in sizes.items() if not (n == "token_embd.weight" and "output.weight" in sizes)}
-    mix = type_mix((types[n], b) for n, b in read.items())
-    return {"path": str(path), "file_type": file_type, "decode_bytes": decode_bytes(sizes),
-            "file_bytes": Path(path).stat().st_size, "type_mix": [[k, round(s, 4)] for k, s in mix],
-            "label": format_label(file_type, mix)}
-
-
 # ---- K-quant files ---------------------------------------------------------------------------
 def quantize_command(src: Path, dst: Path, qtype: str, threads: int = 2, script: Path = SCRIPT) -> list[str]:
     return ["bash", str(script), "quantize", str(src), str(dst), qtype, "--threads", str(threads)]
@@ -191,7 +136,7 @@ def quantize_command(src: Path, dst: Path, qtype: str, threads: int = 2, script:
 def kquant_path(source: Path, qtype: str, out_dir: Path | None = None) -> Path:
     """Where the ``qtype`` file made from ``source`` is cached (keyed by the source's hash)."""
     stem = source.stem.replace(".Q4_1", "").replace("-F32", "")
-    return (out_dir or cache_dir()) / f"{stem}-{qtype}-{_file_sha256(source)[:12]}.gguf"
+    return (out_dir or cache_dir()) / f"{stem}-{qtype}-{file_sha256(source)[:12]}.gguf"
 
 
 def kquant_ggufs(types: Sequence[str] = KQUANT_TYPES, source: str | os.PathLike | None = None,
@@ -199,8 +144,6 @@ def kquant_ggufs(types: Sequence[str] = KQUANT_TYPES, source: str | os.PathLike 
     """``{type: path}`` of the default model quantized by llama-quantize to each of ``types``,
     made once from the all-F32 conversion of the shipped GGUF (``source`` overrides it) and
     cached in the bench cache. Raises ``PeerUnavailable`` when the tree is missing."""
-    from bench.llamacpp import f32_gguf
-
     src = Path(source) if source else f32_gguf()
     out: dict[str, Path] = {}
     for qtype in types:
@@ -222,7 +165,6 @@ def kquant_ggufs(types: Sequence[str] = KQUANT_TYPES, source: str | os.PathLike 
 def resolve_gguf(spec: str | None) -> Path:
     """A ``--gguf`` value: None (the shipped Q4_1 file), ``f32``, a type llama-quantize makes
     (``Q8_0`` / ``Q4_K_M`` / ``F16`` / ``BF16``, made and cached on first use) or a path."""
-    from bench.llamacpp import f32_gguf
     from engine.loader import default_gguf_path
 
     if not spec:
@@ -232,3 +174,30 @@ def resolve_gguf(spec: str | None) -> Path:
     if spec.upper() in KQUANT_TYPES + HALF_TYPES:
         return kquant_ggufs([spec.upper()])[spec.upper()]
     return Path(spec)
+
+
+# ---- one greedy token per prefix (teacher-forced agreement, bench.agreement) -----------------
+def llama_server_next_token(url: str, timeout_s: float = 120.0) -> Callable[[list[int]], int]:
+    """llama-server's ``/completion``: token-id prompt, one greedy token, its id back."""
+    client = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def next_token(prefix: list[int]) -> int:
+        r = client.post("/completion", json={"prompt": prefix, "n_predict": 1, "temperature": 0.0,
+                                             "ignore_eos": True, "cache_prompt": True, "return_tokens": True,
+                                             "n_probs": 1})
+        r.raise_for_status()
+        return llama_server_token_id(r.json())
+
+    return next_token
+
+
+def llama_server_token_id(body: dict[str, Any]) -> int:
+    """The generated token's id in a non-streamed ``/completion`` answer: ``tokens`` (with
+    ``return_tokens``), else the top entry of ``completion_probabilities``."""
+    tokens = body.get("tokens")
+    if tokens:
+        return int(tokens[0])
+    probs = body.get("completion_probabilities") or []
+    if probs and "id" in probs[0]:
+        return int(probs[0]["id"])
+    raise ValueError(f"no token id in llama-server's answer (keys {sorted(body)})")

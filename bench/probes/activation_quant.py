@@ -1,13 +1,13 @@
 """int8 activations (``--activation-quant int8``) against fp32 activations: agreement and speed.
 
-    python -m bench.activation_quant [quality] [--model PATH.gguf] [--tokens 2000] [--chunks 1 256]
-        Teacher-forced top-1 agreement and mean NLL delta over a fixed text (this repo's
-        bench/common.py, as bench.kv_int8 uses), once per chunk size: chunks of 1 token per
+    python -m bench.probes.activation_quant [quality] [--model PATH.gguf] [--tokens 2000] [--chunks 1 256]
+        Teacher-forced top-1 agreement and mean NLL delta over a fixed text
+        (``bench/probes/fixed_text.txt``, as bench.probes.kv_int8 uses), once per chunk size: chunks of 1 token per
         step are decode (every matmul call has one row and takes the int8 kernel where the flag
         is on, the same kernel as the native decode path; they differ only in fp32 summation
         order); chunks of 256 are prefill, which takes the int8 kernel too where BlockLinear's
         max_rows allows (AVX512-VNNI CPUs, Q4_1 and Q8_0), and fp32 activations elsewhere.
-    python -m bench.activation_quant speed [--model PATH.gguf] [--streams 1 16] [--steps 48]
+    python -m bench.probes.activation_quant speed [--model PATH.gguf] [--streams 1 16] [--steps 48]
         Decode steps of both engines in lockstep (one step each, in turn, so machine load hits
         them alike): median ms per all-decode step for each stream count.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.kv_int8 import compare, teacher_forced
+from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
 from kvtypes.sampling_params import SamplingParams
 
 MODES = ("none", "int8")
@@ -40,7 +40,7 @@ def _engine(mode: str, model: str | None, num_threads: int | None, num_blocks: i
 
 
 def quality(args) -> None:
-    text = open(__file__.replace("activation_quant.py", "common.py")).read() * 4
+    text = FIXED_TEXT.read_text() * 4
     results: dict[tuple[str, int], torch.Tensor] = {}
     tokens: list[int] = []
     for mode in MODES:

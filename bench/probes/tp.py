@@ -1,4 +1,4 @@
-"""TP=2 vs TP=1 decode on CPU, with the communication cost shown (``python -m bench.tp``).
+"""TP=2 vs TP=1 decode on CPU, with the communication cost shown (``python -m bench.probes.tp``).
 
 A random Llama large enough for the split to matter (by default hidden 1024, 16 layers,
 16 query / 4 KV heads, MLP 2816, vocabulary 32000; SmolLM2's 9 heads do not split in two).
@@ -60,7 +60,7 @@ def run(hf, tp: int, batch: int, prompt_len: int, max_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.tp", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.probes.tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16)

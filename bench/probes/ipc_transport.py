@@ -3,7 +3,7 @@
 The engine core sends one message per step: each running request's new token ids and
 finish state plus one stats snapshot. This measures the echo round trip of such a message
 (32 requests) for the candidate transports, so the choice in ``engine/core/client.py`` is
-made on numbers: ``python -m bench.ipc_transport`` (pyzmq and msgspec are optional; a
+made on numbers: ``python -m bench.probes.ipc_transport`` (pyzmq and msgspec are optional; a
 transport whose package is missing is skipped).
 """
 from __future__ import annotations

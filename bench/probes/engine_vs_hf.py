@@ -14,113 +14,22 @@ bandwidth measured in this run (a ``sum`` over 1 GiB) divided by the weight byte
 token streams (all layer weights + LM head): dense fp32 for transformers, the GGUF blocks
 for kvserve where its decode matmuls read them (``linear_backend: gguf``).
 
-    python -m bench.engine_vs_hf            # default model, full run (~1-2 min)
-    python -m bench.engine_vs_hf --quick    # fewer tokens, smoke test
+    python -m bench.probes.engine_vs_hf            # default model, full run (~1-2 min)
+    python -m bench.probes.engine_vs_hf --quick    # fewer tokens, smoke test
 """
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any, Sequence
 
-import torch
-
-from bench.common import (CpuMonitor, chat_prompts, load_default_pair, machine_info, memory_bandwidth_gbs,
-                          hf_weight_bytes_per_decode_token, print_table, ratio, verdict, wait_for_quiet,
-                          weight_bytes_per_decode_token,
-                          write_results)
-from kvtypes.sampling_params import SamplingParams
+from bench.engine_runs import kvserve_batch, kvserve_single, load_default_pair, weight_bytes_per_decode_token
+from bench.machine import CpuMonitor, machine_info, memory_bandwidth_gbs, wait_for_quiet
+from bench.peers.transformers import hf_batch, hf_single, hf_weight_bytes_per_decode_token
+from bench.report import print_table, ratio, verdict, write_results
+from bench.workload import chat_prompts
 
 SINGLE_TARGET = 1.5  # kvserve / HF, single-stream decode tokens/s
 BATCH_TARGET = 2.0  # kvserve / HF, batched output tokens/s
-
-
-def _params(n: int) -> SamplingParams:
-    # min_tokens masks EOS (and only EOS) until n tokens exist, as HF's min_new_tokens does.
-    return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
-
-
-def kvserve_single(engine: Any, prompt: Sequence[int], new_tokens: int,
-                   params: SamplingParams | None = None) -> dict[str, Any]:
-    """One request through ``engine.step()``; times the first token and the decode after it.
-    ``params`` defaults to greedy with EOS masked until ``new_tokens`` (as HF's min_new_tokens)."""
-    engine.add_request(list(prompt), params or _params(new_tokens))
-    tokens: list[int] = []
-    start = time.perf_counter()
-    first = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-        if first is None and tokens:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return {"tokens": tokens, "ttft_s": first - start, "decode_s": end - first}
-
-
-class _TimingStreamer:
-    """transformers streamer that records when each new token arrives (batch size 1)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:  # generate() first hands over the prompt
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def hf_single(model: Any, prompt: Sequence[int], new_tokens: int) -> dict[str, Any]:
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
-    streamer = _TimingStreamer()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, use_cache=True, streamer=streamer,
-                             pad_token_id=_pad_id(model))
-    end = time.perf_counter()
-    return {"tokens": out[0, ids.shape[1]:].tolist(), "ttft_s": streamer.times[0] - start,
-            "decode_s": end - streamer.times[0]}
-
-
-def kvserve_batch(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    results = engine.generate([list(p) for p in prompts], _params(new_tokens))
-    elapsed = time.perf_counter() - start
-    return {"tokens": [r.token_ids for r in results], "elapsed_s": elapsed,
-            "cached_prompt_tokens": sum(r.num_cached_tokens for r in results)}
-
-
-def hf_batch(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
-    """One left-padded batched ``generate`` call."""
-    pad = _pad_id(model)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(list(p))
-        mask[i, width - len(p):] = 1
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, use_cache=True, pad_token_id=pad)
-    elapsed = time.perf_counter() - start
-    return {"tokens": out[:, width:].tolist(), "elapsed_s": elapsed}
-
-
-def _pad_id(model: Any) -> int:
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "pad_token_id", None), getattr(model.config, "pad_token_id", None),
-                  getattr(gen, "eos_token_id", None)):
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
 
 
 def run_engine_vs_hf(engine: Any, hf_model: Any, single_prompts: Sequence[Sequence[int]],
@@ -238,7 +147,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_vs_hf", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.engine_vs_hf", description=__doc__.split("\n")[0])
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: available cores)")
     parser.add_argument("--single-prompts", type=int, default=3)
     parser.add_argument("--single-tokens", type=int, default=128)

@@ -1,21 +1,21 @@
-"""llama.cpp as a peer, through the npm package ``node-llama-cpp`` (it ships a prebuilt CPU llama.cpp).
+"""llama.cpp as an in-process peer, through the npm package ``node-llama-cpp`` (it ships a
+prebuilt CPU llama.cpp). llama.cpp's own HTTP server is the other llama.cpp peer
+(``bench.peers.llama_server``).
 
-* ``f32_gguf()`` writes the default model's weights as an all-F32 GGUF (every quantized tensor
-  of the shipped Q4_1 file dequantized with ``gguf.quants.dequantize``, metadata copied), so
-  that llama.cpp runs exactly the numbers kvserve and transformers run. Cached under
-  ``~/.cache/kvserve-bench/`` (``KVSERVE_BENCH_CACHE`` moves it), keyed by the source's hash.
-* ``ensure_node_llama_cpp()`` installs the package with ``npm install`` into that cache dir
-  (never into the repo) once; every later run works offline.
-* ``run_llamacpp()`` runs a request list through ``bench/llamacpp_runner.mjs``: greedy, raw
-  token ids in, a fixed number of output tokens, ``parallel`` sequences of one context
-  batched together by node-llama-cpp; per-request first-token and last-token times come back.
+* ``ensure_node_llama_cpp()`` installs the package with ``npm install`` into the bench cache
+  (``bench.peers.base.cache_dir``, never into the repo) once; every later run works offline.
+* ``run_llamacpp()`` runs a request list through ``node_llama_cpp_runner.mjs`` (beside this
+  file): greedy, raw token ids in, a fixed number of output tokens, ``parallel`` sequences of
+  one context batched together by node-llama-cpp; per-request first-token and last-token
+  times come back. ``run_single`` / ``run_batch`` summarize one such run as the ``peers``
+  scenario's rows (decode tok/s of one stream; output tok/s of a batch).
+* The all-F32 file it can run instead of the shipped Q4_1 one is ``bench.peers.gguf_files.f32_gguf``.
 
 Any failure raises ``PeerUnavailable`` with the reason, so the caller can report the peer
 as skipped (never silently dropped).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,80 +25,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-RUNNER = Path(__file__).resolve().parent / "llamacpp_runner.mjs"
+from bench.peers.base import PeerUnavailable, cache_dir
+
+RUNNER = Path(__file__).resolve().parent / "node_llama_cpp_runner.mjs"
 PACKAGE = "node-llama-cpp"
 MIN_NODE_MAJOR = 20
 
 
-class PeerUnavailable(RuntimeError):
-    """A peer that cannot be installed or run here; the message is the reason."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_BENCH_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvserve-bench"
-
-
-# ---- weights ----------------------------------------------------------------------------------
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def f32_gguf(source: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> Path:
-    """The all-F32 copy of ``source`` (default: the shipped SmolLM2 Q4_1 GGUF); written once."""
-    if source is None:
-        from engine.loader import default_gguf_path
-
-        source = default_gguf_path()
-    source = Path(source)
-    out_dir = Path(out_dir) if out_dir else cache_dir()
-    out = out_dir / f"{source.stem.replace('.Q4_1', '')}-F32-{_file_sha256(source)[:12]}.gguf"
-    if out.exists():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    convert_to_f32(source, tmp)
-    tmp.replace(out)
-    return out
-
-
-def convert_to_f32(source: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """Copy every metadata KV pair and tensor of ``source`` into ``dest``, all tensors as F32."""
-    import gguf
-    import numpy as np
-    from gguf.quants import dequantize
-
-    reader = gguf.GGUFReader(source, "r")
-    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    arch = arch_field.contents() if arch_field is not None else "llama"
-    writer = gguf.GGUFWriter(dest, arch=arch)  # writes general.architecture itself
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in (gguf.Keys.General.ARCHITECTURE,
-                                                            gguf.Keys.General.FILE_TYPE):
-            continue  # header fields, re-derived by the writer; the file type changes below
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for tensor in reader.tensors:
-        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
-            data = np.asarray(tensor.data, dtype=np.float32)
-        else:
-            data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        # numpy order is the reverse of GGUF's ne[] order; the writer reverses it back.
-        data = data.reshape([int(d) for d in reversed(tensor.shape)])
-        writer.add_tensor(tensor.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-# ---- node ---------------------------------------------------------------------------------------
 def node_dir() -> Path:
     return cache_dir() / "node"
 
@@ -175,3 +108,22 @@ def run_llamacpp(model_path: str | os.PathLike, requests: Sequence[Any], paralle
     result["process_wall_s"] = wall
     result["package_version"] = installed_version(folder)
     return result
+
+
+def run_single(gguf: str | os.PathLike, requests: Sequence[Any], threads: int, install: bool) -> dict[str, Any]:
+    """``requests`` one at a time: decode tok/s of the stream (prefill left out), median TTFT."""
+    out = run_llamacpp(gguf, requests, parallel=1, threads=threads, install=install)
+    reqs = out["requests"]
+    return {"decode_tps": round(sum(len(r["tokens"]) - 1 for r in reqs) / sum(r["decode_s"] for r in reqs), 3),
+            "ttft_ms": round(1000 * sorted(r["ttft_s"] for r in reqs)[len(reqs) // 2], 2),
+            "output_tokens": sum(len(r["tokens"]) for r in reqs), "load_s": round(out["load_s"], 2),
+            "version": out.get("package_version"), "llama_cpp_release": out.get("llama_cpp_release")}
+
+
+def run_batch(gguf: str | os.PathLike, requests: Sequence[Any], parallel: int, threads: int,
+              install: bool) -> dict[str, Any]:
+    """``requests`` as ``parallel`` sequences of one context: output tok/s over the run."""
+    out = run_llamacpp(gguf, requests, parallel=parallel, threads=threads, install=install)
+    tokens = sum(len(r["tokens"]) for r in out["requests"])
+    return {"tps": round(tokens / out["elapsed_s"], 3), "elapsed_s": round(out["elapsed_s"], 3),
+            "output_tokens": tokens, "parallel": out["parallel"]}

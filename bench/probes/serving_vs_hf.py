@@ -14,183 +14,25 @@ throughput counts only those requested tokens:
   ``ContinuousBatchingManager`` from ``init_continuous_batching``, which takes a per-request
   ``max_new_tokens``). If it cannot run here it is reported as skipped, with the reason.
 
-    python -m bench.serving_vs_hf            # 64 requests
-    python -m bench.serving_vs_hf --quick    # 12 short requests, smoke test
+    python -m bench.probes.serving_vs_hf            # 64 requests
+    python -m bench.probes.serving_vs_hf --quick    # 12 short requests, smoke test
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import random
-import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
-
-from bench.common import (CpuMonitor, load_default_pair, machine_info, print_table, ratio, verdict, wait_for_quiet,
-                          write_results)
-from kvtypes.sampling_params import SamplingParams
+from bench.engine_runs import load_default_pair, run_kvserve
+from bench.machine import CpuMonitor, machine_info, wait_for_quiet
+from bench.peers.transformers import ContinuousTimeout, run_hf_continuous, run_hf_static
+from bench.report import print_table, ratio, verdict, write_results
+from bench.workload import BenchRequest, make_requests
 
 STATIC_TARGET = 2.0  # kvserve / HF static batched generate
 CB_TARGET = 1.5  # kvserve / HF continuous batching
 
 
-class ContinuousTimeout(TimeoutError):
-    """transformers' continuous batching did not finish the workload within the time limit."""
-
-    def __init__(self, finished: int, count: int, timeout_s: float) -> None:
-        super().__init__(f"continuous batching finished {finished}/{count} requests in {timeout_s:.0f} s")
-        self.finished, self.timeout_s = finished, timeout_s
-
-
-@dataclass
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
-def make_requests(num_requests: int = 64, prompt_len: tuple[int, int] = (50, 1000),
-                  output_len: tuple[int, int] = (16, 256), vocab_size: int = 49152, seed: int = 0,
-                  low_token_id: int = 100) -> list[BenchRequest]:
-    """Deterministic mixed workload: uniform prompt and output lengths, random token ids."""
-    rng = random.Random(seed)
-    low = min(low_token_id, vocab_size - 1)
-    requests = []
-    for _ in range(num_requests):
-        n = rng.randint(*prompt_len)
-        requests.append(BenchRequest([rng.randrange(low, vocab_size) for _ in range(n)], rng.randint(*output_len)))
-    return requests
-
-
-# ---- kvserve ---------------------------------------------------------------------------------
-def run_kvserve(engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    """All requests through the in-process engine client at once; returns elapsed time, tokens and TTFTs."""
-    from engine.core.client import InprocEngineClient
-
-    async_engine = InprocEngineClient(engine)
-    async_engine.start()
-    try:
-        return asyncio.run(_kvserve_requests(async_engine, requests))
-    finally:
-        async_engine.shutdown()
-
-
-async def _kvserve_requests(async_engine: Any, requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    async def one(req: BenchRequest) -> tuple[int, float, str | None]:
-        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-        sent = time.perf_counter()
-        first = None
-        count = 0
-        error = None
-        async for out in async_engine.generate(req.prompt_token_ids, params):
-            if out.new_token_ids and first is None:
-                first = time.perf_counter()
-            count += len(out.new_token_ids)
-            error = out.error or error
-        return count, (first or time.perf_counter()) - sent, error
-
-    start = time.perf_counter()
-    done = await asyncio.gather(*(one(r) for r in requests))
-    elapsed = time.perf_counter() - start
-    errors = [e for _, _, e in done if e]
-    if errors:
-        raise RuntimeError(f"kvserve request failed: {errors[0]}")
-    ttfts = sorted(t for _, t, _ in done)
-    return {"elapsed_s": elapsed, "output_tokens": sum(c for c, _, _ in done),
-            "ttft_median_s": ttfts[len(ttfts) // 2], "steps": async_engine.num_steps}
-
-
-# ---- transformers static batching ------------------------------------------------------------
-def run_hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int = 16) -> dict[str, Any]:
-    pad = _pad_id(model)
-    useful = generated = 0
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        new = max(r.output_len for r in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, r in enumerate(batch):
-            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[j, width - len(r.prompt_token_ids):] = 1
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, use_cache=True, pad_token_id=pad)
-        generated += (out.shape[1] - width) * len(batch)
-        useful += sum(min(r.output_len, out.shape[1] - width) for r in batch)
-    return {"elapsed_s": time.perf_counter() - start, "output_tokens": useful, "generated_tokens": generated,
-            "batch_size": batch_size}
-
-
-# ---- transformers continuous batching ----------------------------------------------------------
-def run_hf_continuous(model: Any, requests: Sequence[BenchRequest], timeout_s: float = 600.0,
-                      max_batch_tokens: int | None = None) -> dict[str, Any]:
-    """transformers' continuous batching (the manager behind ``generate_batch``), greedy, EOS off.
-
-    ``generate_batch`` itself takes one ``max_new_tokens`` for all requests, so the same
-    manager is driven directly with each request's own length.
-    """
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
-                                  eos_token_id=-1, pad_token_id=_pad_id(model))
-    # Size the paged cache for this workload (all requests resident at once, as kvserve's pool
-    # allows): left to itself the manager claims most of the free RAM, which takes tens of
-    # seconds to allocate here and starves everything else on the machine.
-    page = ContinuousBatchingConfig().page_size
-    num_blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // page) for r in requests) + 4
-    cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
-    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
-    manager.start()
-    try:
-        # The manager's first step sizes its cache and may warm up; keep that out of the timing
-        # by running one short request first.
-        manager.add_request(requests[0].prompt_token_ids[:16], request_id="warmup", max_new_tokens=2)
-        _collect(manager, 1, timeout_s)
-        start = time.perf_counter()
-        for i, r in enumerate(requests):
-            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len)
-        results = _collect(manager, len(requests), timeout_s)
-        elapsed = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
-        destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
-        if destroy is not None:
-            destroy()
-    tokens = sum(len(r.generated_tokens) for r in results.values())
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "num_blocks": num_blocks, "page_size": page,
-            "max_batch_tokens": max_batch_tokens}
-
-
-def _collect(manager: Any, count: int, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    results: dict[str, Any] = {}
-    while len(results) < count:
-        if time.monotonic() > deadline:
-            raise ContinuousTimeout(len(results), count, timeout_s)
-        result = manager.get_result(timeout=1.0)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("the continuous batching manager stopped before finishing")
-            continue
-        if getattr(result, "error", None):
-            raise RuntimeError(f"continuous batching request failed: {result.error}")
-        if result.is_finished():
-            results[result.request_id] = result
-    return results
-
-
-def _pad_id(model: Any) -> int:
-    from bench.engine_vs_hf import _pad_id as pad_id
-
-    return pad_id(model)
-
-
-# ---- the benchmark ---------------------------------------------------------------------------
 def run_serving_vs_hf(engine: Any, hf_model: Any, requests: Sequence[BenchRequest], hf_batch_size: int = 16,
                       continuous: bool = True, quiet_wait_s: float = 0.0, warmup: bool = True,
                       cb_timeout_s: float = 600.0) -> dict[str, Any]:
@@ -293,7 +135,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving_vs_hf", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.serving_vs_hf", description=__doc__.split("\n")[0])
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: available cores)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(50, 1000), metavar=("MIN", "MAX"))

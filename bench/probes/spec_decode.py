@@ -17,8 +17,8 @@ Greedy output is the model's own argmax at every position; it can differ from on
 decode only where a near-tie flips between a k+1-row matmul and a 1-row one (reported as
 ``token_match`` against the plain engine).
 
-    python -m bench.spec_decode                 # default model, chat prompts, k = 4
-    python -m bench.spec_decode --k 6 --tokens 128
+    python -m bench.probes.spec_decode                 # default model, chat prompts, k = 4
+    python -m bench.probes.spec_decode --k 6 --tokens 128
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.common import (CpuMonitor, chat_prompts, load_default_pair, machine_info, print_table, ratio,
-                          wait_for_quiet, write_results)
-from bench.engine_vs_hf import kvserve_single
+from bench.engine_runs import kvserve_single, load_default_pair
+from bench.machine import CpuMonitor, machine_info, wait_for_quiet
+from bench.report import print_table, ratio, write_results
+from bench.workload import chat_prompts
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
@@ -155,7 +156,7 @@ def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: i
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.spec_decode", description=__doc__.split("\n")[0])
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
