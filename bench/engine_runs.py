@@ -24,7 +24,8 @@ def load_default_pair(num_threads: int | None = None, max_model_len: int = 2048,
     """kvserve's LLMEngine and transformers' model on the same dense weights of the default model."""
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     threads = set_threads(num_threads)

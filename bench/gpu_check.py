@@ -117,7 +117,8 @@ def build_engine(args: argparse.Namespace, config: dict[str, Any]) -> Any:
     from cache import CacheConfig
     from engine.model.arch import ModelArch
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from engine.loader import LoadedModel
     from scheduler.config import SchedulerConfig
 
@@ -188,7 +189,7 @@ def phase_http(engine: Any, requests: Sequence[BenchRequest], concurrency: int) 
     # This script is an entry point (like kvserve.cli): it composes the served app itself, through
     # the composition root, around the engine it already built (the core as a thread of it).
     from engine.config import EngineCoreConfig
-    from engine.llm_engine import EngineConfig
+    from engine.config import EngineConfig
     from kvserve.compose import build_service
     from server.config import ServerConfig
 

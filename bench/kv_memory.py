@@ -42,7 +42,8 @@ def build_engine(max_model_len: int, budget_tokens: int, block_size: int = 16, n
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 512) -> Any:
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     return LLMEngine(EngineConfig(

@@ -49,7 +49,8 @@ def build_engine(folder: str, prompt_tokens: int, block_size: int = 16, num_thre
     ``tensor_parallel_size`` > 1 splits it over ranks (the tier copies gather every rank's heads)."""
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     num_blocks = -(-(prompt_tokens + 64) // block_size)

@@ -20,9 +20,9 @@ from typing import Sequence
 
 from cache.tiers import KVTier, tier_members
 from engine.builder import EngineParts, build_engine_parts
-from engine.config import EngineConfig  # noqa: F401 (re-export: callers build engines from it)
+from engine.config import EngineConfig
 from engine.core.output_processor import OutputProcessor
-from engine.core.protocol import EngineCoreOutput, EngineInfo, PinSnapshot, PromptTooLongError, StepStats  # noqa: F401 (re-export)
+from engine.core.protocol import EngineCoreOutput, StepStats
 from engine.loader import LoadedModel
 from engine.model.runner import SampledToken
 from engine.sampling.structured_output import RequestGrammar

@@ -70,7 +70,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def build_engine_config(args: argparse.Namespace, extra_sections: set[str] = frozenset()) -> Any:
     from cache import CacheConfig
     from engine.config import EngineCoreConfig, ModelConfig
-    from engine.llm_engine import EngineConfig
+    from engine.config import EngineConfig
     from scheduler.config import SchedulerConfig
 
     profile = read_profile(args.config)

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.core.client import EngineClient, InprocEngineClient
 from engine.core.process_client import MPEngineClient
-from engine.llm_engine import EngineConfig
+from engine.config import EngineConfig
 from server.app import build_app
 from server.config import ServerConfig
 from server import metrics_compat

@@ -19,7 +19,8 @@ def default_engine():
     """LLMEngine on SmolLM2-135M-Instruct (converted once to the kvserve cache folder)."""
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     config = EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),

@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cache import CacheConfig
 from engine.model.arch import ModelArch
 from engine.config import ModelConfig
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from scheduler.config import SchedulerConfig
 

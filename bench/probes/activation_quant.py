@@ -31,7 +31,8 @@ MODES = ("none", "int8")
 def _engine(mode: str, model: str | None, num_threads: int | None, num_blocks: int) -> Any:
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     return LLMEngine(EngineConfig(

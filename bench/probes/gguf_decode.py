@@ -43,7 +43,8 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
 
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from kvtypes.sampling_params import SamplingParams
     from scheduler.config import SchedulerConfig
 

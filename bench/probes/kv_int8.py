@@ -150,7 +150,8 @@ def _engine(kv: str, backend: str, num_threads: int | None, num_blocks: int | No
             budget_gib: float | None = None, max_num_seqs: int = 256, loaded=None):
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from engine.loader import load_model
     from scheduler.config import SchedulerConfig
 

@@ -31,7 +31,8 @@ from typing import Callable, Sequence
 
 from engine.core.protocol import (AbortRequests, AddRequest, CoreReady, EngineCoreOutput, EngineCoreOutputs,
                                   Shutdown, Unpin, pipe_poller)
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from scheduler.request import RequestStatus
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ def _engine(hf, tokenizer, num_blocks=256):
 def server(hf, tokenizer):
     from bench.server import start_inprocess
 
-    from engine.llm_engine import EngineConfig
+    from engine.config import EngineConfig
     from kvserve.compose import build_service
     from server.config import ServerConfig
 

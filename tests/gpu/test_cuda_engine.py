@@ -13,7 +13,8 @@ import torch
 from cache import CacheConfig
 from engine.model.arch import ModelArch
 from engine.config import ModelConfig
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig

@@ -165,7 +165,7 @@ def live_server():
 
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig
+    from engine.config import EngineConfig
     from kvserve.compose import build_service
     from scheduler.config import SchedulerConfig
     from server.config import ServerConfig

@@ -18,7 +18,7 @@ from tests.server.conftest import SERVER_START_TIMEOUT_S, free_port, is_idle, pa
 def flaky_server():
     import uvicorn
 
-    from engine.llm_engine import EngineConfig
+    from engine.config import EngineConfig
     from kvserve.compose import build_service
     from server.config import ServerConfig
 

@@ -12,7 +12,8 @@ from cache.config import CacheConfig
 from engine.model.arch import ModelArch
 from engine.attention.base import resolve_backend
 from engine.config import ModelConfig
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from kvtypes.sampling_params import SamplingParams
 from tests.engine.kv.test_int8_kv import against_fp32_kv, native_and_torch_decode

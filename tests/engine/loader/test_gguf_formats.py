@@ -160,7 +160,8 @@ def cache_dir(tmp_path_factory):
 def gguf_engine(path, resident: str = "blocks", linear_backend: str = "auto"):
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     return LLMEngine(EngineConfig(

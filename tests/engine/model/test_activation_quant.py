@@ -282,7 +282,8 @@ def test_flag_is_validated():
 def _engine(path, mode: str):
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     return LLMEngine(EngineConfig(

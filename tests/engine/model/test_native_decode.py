@@ -109,7 +109,8 @@ def test_int8_blocks_only_native_decode_takes_more_than_16_rows(cache_dir, tmp_p
     activations that differ in fp32 summation order, so a code can round the other way)."""
     from cache import CacheConfig
     from engine.config import ModelConfig
-    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     shape, formats = GGUF_CASES["llama-Q4_K_M-mix"]

@@ -15,7 +15,8 @@ import torch
 from cache import CacheConfig
 from engine.config import ModelConfig
 from engine.kv.int8 import Int8KV
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.model.arch import ModelArch
 from engine.parallel.tensor_parallel import shard_arch, shard_state_dict
