@@ -65,7 +65,11 @@ def test_the_wheel_holds_every_package_module_and_kernel_file(wheel_names):
     assert not missing, f"modules left out of the wheel: {missing}"
     missing = [k for k in KERNEL_FILES if k not in wheel_names]
     assert not missing, f"kernel sources/headers left out of the wheel: {missing}"
-    assert "configs/cpu.yaml" in wheel_names and "configs/gpu.yaml" in wheel_names
+    # every other file a package holds is read at run time too (profiles, the peer's runner, ...)
+    data = [f for f in tracked_files() if f.split("/")[0] in TOP_LEVEL and not f.endswith(".py")]
+    assert "configs/cpu.yaml" in data and "bench/peers/node_llama_cpp_runner.mjs" in data
+    missing = [f for f in data if f not in wheel_names]
+    assert not missing, f"package data left out of the wheel: {missing}"
 
 
 @pytest.mark.parametrize("dockerfile", sorted(DOCKERFILES))
