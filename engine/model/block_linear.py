@@ -13,6 +13,7 @@ same weights and differ only in summation order, like any two fp32 matmul kernel
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
