@@ -92,7 +92,7 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
 
 def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int],
                      min_s: float = 0.3) -> dict[str, Any]:
-    from engine.model.llama import PackedLinear
+    from engine.model.linear import PackedLinear
     from engine.model.block_linear import BlockLinear
 
     results = []

@@ -19,96 +19,10 @@ from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.config import ACTIVATION_QUANTS
 from engine.loader.gguf.blocks import BlockFormat, BlockMatrix, GGUFMatrix
 from engine.model.block_linear import BlockLinear
+from engine.model.linear import dense_linear, onednn_linear_available
+from engine.model.rope import apply_rope_signed, rope_cos_sin, signed_sin
 
 logger = logging.getLogger(__name__)
-
-
-def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[max_positions, head_dim]`` for every supported RoPE variant.
-
-    The inverse frequencies come from transformers' own RoPE initialisers (default, llama3,
-    linear, yarn, ...), so scaled variants match the reference implementation exactly.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    positions = torch.arange(max_positions, dtype=torch.float)
-    inv_freq = inv_freq.to(positions.device)  # the initialisers build on the CPU; the model may be elsewhere
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, d]``, cos/sin ``[T, 1, d]`` (rotate-half convention, as HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated, for :func:`apply_rope_signed`."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rope` in three ops instead of five, bit for bit the same result.
-
-    rotate_half(x) * sin = [-x2, x1] * [s1, s2] = [x2, x1] * [-s1, s2] exactly (negation is
-    exact in IEEE arithmetic), so the sign moves into a precomputed table and the rotation is
-    a plain half swap; the products and the final sum are the same operations as HF's.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed)
-    return (x * cos).add_(swapped)  # in place: two [T, heads, d] temporaries instead of four
-
-
-def onednn_linear_available() -> bool:
-    ops = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
-
-
-class PackedLinear:
-    """``F.linear`` that sends calls of ``min_rows`` rows or more through oneDNN, with the
-    weight reordered once into oneDNN's blocked layout; smaller calls stay on ``F.linear``.
-
-    Measured on this project's 2-core CPU (30 layers of SmolLM2-135M, fp32): from 4 rows up
-    the packed kernels run the matmuls 15-35% faster than ``F.linear`` (MKL repacks the
-    weight on every call), and they degrade far less when another process shares the
-    cores; at 1-3 rows MKL's gemv streams the weights faster, so a single stream keeps it
-    (and stays bit-identical to transformers). Packed results differ from ``F.linear`` only
-    in summation order (relative differences around 1e-7). The packed copy doubles the
-    memory of the weights it covers.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 16,
-                 min_rows: int = 4) -> None:
-        self.dense = weight
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        self.min_rows = min_rows
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < self.min_rows:
-            return F.linear(x, self.dense, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
-                 batch_hint: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``F.linear`` on ``weight`` for ``aten``, through oneDNN's packed layout for ``onednn``."""
-    if backend == "onednn":
-        return PackedLinear(weight, bias, batch_hint)
-    return lambda x: F.linear(x, weight, bias)
 
 
 class DecoderLayer(nn.Module):

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from engine.model.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
 from engine.kv.int8 import Int8KV
-from engine.model.llama import LlamaForCausalLM, apply_rope_signed
+from engine.model.llama import LlamaForCausalLM
+from engine.model.rope import apply_rope_signed
 from engine.parallel.block_copy import (RankBlockCopier, assemble, local_bytes, pool_tensors, read_local,
                                        split_payloads, write_local)
 from engine.parallel.comm import Group, backend_for
