@@ -44,7 +44,7 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
     """Each matrix kind of the default model, one packed copy per layer (the LM head once)."""
     from engine.model.arch import ModelArch
     from engine.loader import default_gguf_path, resolve_model_dir
-    from engine.model.llama import DecoderLayer
+    from engine.model.decoder_layer import DecoderLayer
     from engine.loader.gguf.tensors import read_gguf_blocks
     from transformers import AutoConfig
 
@@ -67,7 +67,7 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
     import gguf
     import numpy as np
 
-    from engine.model.llama import DecoderLayer
+    from engine.model.decoder_layer import DecoderLayer
     from engine.loader.gguf.blocks import BlockFormat
     from engine.loader.gguf.names import hf_name
 

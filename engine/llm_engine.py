@@ -29,10 +29,10 @@ from engine.platform.host_malloc import limit_malloc_arenas
 from engine.kernels import load_kernels
 from engine.kv.transfer import BlockCopier, KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, configure_linear_layers
+from engine.model.native_decode import configure_decode_path
 from engine.model.runner import ModelRunner, SampledToken, kv_pool_dtype
 from engine.core.output_processor import OutputProcessor
-from engine.loader.gguf.tensors import read_gguf_blocks
 from engine.sampling.structured_output import GrammarCompiler, RequestGrammar
 from engine.tokenizer import encode_prompt
 from kvtypes.outputs import TokenLogprob
@@ -322,39 +322,18 @@ class LLMEngine:
     @staticmethod
     def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
                        dtype: torch.dtype) -> None:
-        """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
-        ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
-        then bind the matmuls. A blocks-only model got its blocks at load."""
-        runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
-        fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
-        if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
-            covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
-            logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
-                        torch.ops.kvserve.gguf_kernel_isa())
-        chosen = model.select_linear_backend(backend)
-        held = model.weight_bytes()
-        logger.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
-                    " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
-        logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
-                    model.decode_weight_bytes() / 1e6)
-        logger.info("Activation quantization: %s", model.describe_activation_quant())
+        """Attach the GGUF blocks where they may run, bind the matmuls, log (engine/model/llama.py)."""
+        configure_linear_layers(model, loaded, backend, device, dtype, logger)
 
     @staticmethod
     def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:
-        """The one place the decode path is chosen (``ModelConfig.decode_path``) and logged."""
-        if not isinstance(model, LlamaForCausalLM) or int8_kv:
-            why = "tensor parallel ranks" if not isinstance(model, LlamaForCausalLM) else "an int8 KV pool"
+        """The decode path (``ModelConfig.decode_path``), chosen and logged (engine/model/native_decode.py)."""
+        if not isinstance(model, LlamaForCausalLM):
             if choice == "native":
-                raise ValueError(f"decode_path 'native' cannot run with {why}; use 'auto' or 'python'")
-            logger.info("Decode path: python (the native path does not cover %s)", why)
+                raise ValueError("decode_path 'native' cannot run with tensor parallel ranks; use 'auto' or 'python'")
+            logger.info("Decode path: python (the native path does not cover tensor parallel ranks)")
             return
-        path, reason = model.select_decode_path(choice)
-        if path == "native":
-            most = "any number of them" if model.native_max_rows >= 1 << 30 else f"up to {model.native_max_rows}"
-            logger.info("Decode path: native (a step's decode rows, %s, run every layer in one C++ call; "
-                        "a mixed step's prefill chunks then run in torch)", most)
-        else:
-            logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")
+        configure_decode_path(model, choice, int8_kv, logger)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
