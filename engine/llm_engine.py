@@ -27,7 +27,7 @@ from engine.core.protocol import EngineCoreOutput, EngineInfo, PinSnapshot, Prom
 from engine.kv.budget import profile_kv_budget
 from engine.platform.host_malloc import limit_malloc_arenas
 from engine.kernels import load_kernels
-from engine.kv.transfer import BlockCopier, KVOffloader, model_fingerprint
+from engine.kv.transfer import KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model.llama import LlamaForCausalLM, configure_linear_layers
 from engine.model.native_decode import configure_decode_path
@@ -201,8 +201,7 @@ class LLMEngine:
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
         # With tensor parallelism a block's K/V is spread over the ranks: the copier gathers it.
-        make_copier = getattr(self.runner.model, "block_copier", BlockCopier)
-        copier = make_copier(self.runner.kv_caches)
+        copier = self.runner.model.block_copier(self.runner.kv_caches)
         self.disk_tier = tier
         host = self._make_host_tier(cache_cfg, copier.payload_bytes, device)
         if host is not None:
@@ -290,18 +289,12 @@ class LLMEngine:
                 self.offloader.offload([(block.block_id, block_hash, 0.0) for block_hash, block in cached])
             self.offloader.close()
             self.offloader = None
-        close_model = getattr(self.runner.model, "close", None)  # tensor parallelism: stop the other ranks
-        if close_model is not None:
-            close_model()
+        self.runner.model.close()  # tensor parallelism: stop the other ranks
 
     def watch_ranks(self, on_lost) -> bool:  # noqa: ANN001 - Callable[[int, int | None], None]
         """With tensor parallelism, call ``on_lost(rank, exitcode)`` when another rank dies (the
         engine cannot step any more); False (and nothing watched) with a single rank."""
-        watch = getattr(self.runner.model, "watch_ranks", None)
-        if watch is None:
-            return False
-        watch(on_lost)
-        return True
+        return self.runner.model.watch_ranks(on_lost)
 
     @staticmethod
     def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
@@ -328,11 +321,6 @@ class LLMEngine:
     @staticmethod
     def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:
         """The decode path (``ModelConfig.decode_path``), chosen and logged (engine/model/native_decode.py)."""
-        if not isinstance(model, LlamaForCausalLM):
-            if choice == "native":
-                raise ValueError("decode_path 'native' cannot run with tensor parallel ranks; use 'auto' or 'python'")
-            logger.info("Decode path: python (the native path does not cover tensor parallel ranks)")
-            return
         configure_decode_path(model, choice, int8_kv, logger)
 
     # ---- requests -------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 The model: the embedding, the stack of ``DecoderLayer`` (engine/model/decoder_layer.py), the
 final norm and the LM head, with GGUF block attachment and weight accounting. The forward takes
 a flat batch of tokens from many sequences (no padding) and returns hidden states;
-``compute_logits`` runs the LM head only on the rows that sample.
+``compute_logits`` runs the LM head only on the rows that sample. One class for one rank and
+for each rank of a tensor-parallel group: with a ``ModelShard`` its matmuls are the rank's
+(engine/model/parallel_linear.py), and ``ranks`` (engine/model/ranks.py) is how rank 0 drives
+the others.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.kernels import load_kernels
+from engine.kv.transfer import BlockCopier
 from engine.loader import LoadedModel
 from engine.loader.gguf.blocks import BlockMatrix, GGUFMatrix
 from engine.loader.gguf.tensors import read_gguf_blocks
@@ -24,17 +28,21 @@ from engine.model.block_linear import BlockLinear
 from engine.model.decoder_layer import DecoderLayer
 from engine.model.linear import check_activation_quant, choose_linear, dense_linear, describe_activation_quant
 from engine.model.native_decode import NativeDecoder, decide_decode_path, rebind_native_decoder
+from engine.model.parallel_linear import ModelShard
+from engine.model.ranks import ModelRanks
 from engine.model.rope import rope_cos_sin, signed_sin
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: Any, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, hf_config: Any, max_positions: int, shard: ModelShard | None = None) -> None:
+        """``arch`` is this rank's (``engine.parallel.tensor_parallel.shard_arch`` with a ``shard``)."""
         super().__init__()
         self.arch = arch
+        self.shard = shard
         self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, shard) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = self.embed if arch.tie_word_embeddings else nn.Parameter(
             torch.empty(arch.vocab_size, arch.hidden_size))
@@ -44,6 +52,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.attn: AttentionBackend = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
+        if shard is not None:
+            self.lm_head_mm = shard.lm_head(self.lm_head_mm)
         self.lm_head_blocks: BlockMatrix | None = None
         self.lm_head_blocks_only = False
         self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
@@ -51,6 +61,20 @@ class LlamaForCausalLM(nn.Module):
         self.native: NativeDecoder | None = None  # the native decode path when it runs (select_decode_path)
         # "none" | "int8" (ModelConfig.activation_quant): read by select_linear_backend
         self.activation_quant = "none"
+        self.ranks = ModelRanks()  # rank 0 of a tensor-parallel group: TensorParallelRanks
+
+    # ---- the processes (engine/model/ranks.py) --------------------------------------------
+    def block_copier(self, kv_caches: list) -> BlockCopier:
+        """The KV tiers' block copier over every rank's pool."""
+        return self.ranks.block_copier(kv_caches)
+
+    def watch_ranks(self, on_lost: Callable[[int, int | None], None]) -> bool:
+        """Call ``on_lost(rank, exitcode)`` when another rank dies; False with a single rank."""
+        return self.ranks.watch(on_lost)
+
+    def close(self) -> None:
+        """Stop the other ranks, if any (idempotent)."""
+        self.ranks.close()
 
     # ---- kernels (engine/model/linear.py, engine/model/native_decode.py) -------------------
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
@@ -68,6 +92,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_mm = dense_linear(self.lm_head, None, choice.dense, batch_hint)
             if choice.use_blocks and self.lm_head_blocks is not None:
                 self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm, int8)
+        if self.shard is not None:
+            self.lm_head_mm = self.shard.lm_head(self.lm_head_mm)
         self.linear_backend = choice.backend
         rebind_native_decoder(self)  # its arguments name the matmuls just bound
         return choice.backend
@@ -180,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = self.embed
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is not None:  # vocab-parallel: this rank's rows, then an all-reduce
+            return self.shard.embed(input_ids, self.embed)
         b = self.embed_blocks
         if b is None:
             return F.embedding(input_ids, self.embed)
@@ -219,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
+        self.ranks.announce_forward(input_ids, positions, meta, kv_caches)
         x = self.embed_tokens(input_ids)
         decodes = self.native.rows(meta, kv_caches) if self.native is not None else 0
         if decodes == x.shape[0]:
@@ -242,6 +271,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.ranks.announce_logits(hidden)
         return self.lm_head_mm(hidden)
 
     @torch.no_grad()

@@ -11,7 +11,8 @@ fp32 summation order.
 This module is the one place that decides whether the path runs (``decide_decode_path``, once,
 when the model is built, with the reason when it cannot) and binds it (``NativeDecoder``). It
 needs the CPU, float32, the kernels and an attention backend whose numerics it shares
-(``AttentionBackend.supports_native_decode``); it does not cover int8 KV pools. Per step, the model only asks ``NativeDecoder.rows``: is this an all-decode step (or
+(``AttentionBackend.supports_native_decode``); it does not cover tensor-parallel ranks or int8
+KV pools. Per step, the model only asks ``NativeDecoder.rows``: is this an all-decode step (or
 a mixed one whose decode rows can go first) of at most ``max_rows`` rows.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine.loader.gguf.blocks import BlockFormat
 from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
 from engine.model.decoder_layer import DecoderLayer
+from engine.model.parallel_linear import ModelShard
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class DecodingModel(Protocol):
     layers: Sequence[DecoderLayer]
     embed: torch.Tensor
     norm: torch.Tensor
+    shard: ModelShard | None
     native: "NativeDecoder | None"
 
 
@@ -89,6 +92,8 @@ def layer_unavailable(layer: DecoderLayer) -> str | None:
 
 def not_covered(model: DecodingModel, int8_kv: bool) -> str | None:
     """A setting the native path does not cover at all (as opposed to a check that failed), or None."""
+    if model.shard is not None:
+        return "tensor parallel ranks"
     if int8_kv:
         return "an int8 KV pool"
     return None
