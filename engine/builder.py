@@ -28,11 +28,11 @@ from engine.core.protocol import EngineInfo
 from engine.kernels import load_kernels
 from engine.kv.budget import profile_kv_budget
 from engine.kv.pool import kv_bytes_per_token
-from engine.kv.transfer import BlockCopier, KVOffloader, model_fingerprint
+from engine.kv.transfer import KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
-from engine.loader.gguf.tensors import read_gguf_blocks
 from engine.model.arch import ModelArch
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, configure_linear_layers
+from engine.model.native_decode import configure_decode_path
 from engine.model.runner import ModelRunner
 from engine.platform.host_malloc import limit_malloc_arenas
 from engine.sampling.structured_output import GrammarCompiler
@@ -137,9 +137,9 @@ def build_ranked_model(config: EngineConfig, loaded: LoadedModel, max_len: int, 
     if config.model.activation_quant != "none":
         raise ValueError("activation_quant 'int8' runs on GGUF blocks, which tensor parallel ranks do not "
                          "use; use activation_quant 'none'")
-    from engine.parallel.tensor_parallel import TensorParallelModel
+    from engine.parallel.tensor_parallel import launch
 
-    model = TensorParallelModel.launch(
+    model = launch(
         loaded.arch, loaded.hf_config, loaded.state_dict, config.model.tensor_parallel_size, max_len,
         attention_backend, config.model.linear_backend, dtype,
         config.model.num_threads or available_cores(), device, cache_cfg.block_size)
@@ -307,8 +307,7 @@ class _EngineBuild:
             logger.info("Decode steps replay CUDA graphs (batch sizes up to %d)", sched.max_num_seqs)
 
         # With tensor parallelism a block's K/V is spread over the ranks: the copier gathers it.
-        make_copier = getattr(self.runner.model, "block_copier", BlockCopier)
-        copier = make_copier(self.runner.kv_caches)
+        copier = self.runner.model.block_copier(self.runner.kv_caches)
         host, arena = make_host_tier(cache_cfg, copier.payload_bytes, device)
         tier = chain_tiers(host, disk)
         kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
@@ -343,36 +342,10 @@ def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
 
 def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
                    dtype: torch.dtype) -> None:
-    """Attach the GGUF blocks when the gguf backend may run (CPU, fp32, kernels built; for
-    ``auto`` also the kernel's AVX2 path, its portable loop being slower than dense fp32),
-    then bind the matmuls. A blocks-only model got its blocks at load."""
-    runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
-    fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
-    if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
-        covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
-        logger.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
-                    torch.ops.kvserve.gguf_kernel_isa())
-    chosen = model.select_linear_backend(backend)
-    held = model.weight_bytes()
-    logger.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
-                " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
-    logger.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
-                model.decode_weight_bytes() / 1e6)
-    logger.info("Activation quantization: %s", model.describe_activation_quant())
+    """Attach the GGUF blocks where they may run, bind the matmuls, log (engine/model/linear.py)."""
+    configure_linear_layers(model, loaded, backend, device, dtype, logger)
 
 
 def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:
-    """The one place the decode path is chosen (``ModelConfig.decode_path``) and logged."""
-    if not isinstance(model, LlamaForCausalLM) or int8_kv:
-        why = "tensor parallel ranks" if not isinstance(model, LlamaForCausalLM) else "an int8 KV pool"
-        if choice == "native":
-            raise ValueError(f"decode_path 'native' cannot run with {why}; use 'auto' or 'python'")
-        logger.info("Decode path: python (the native path does not cover %s)", why)
-        return
-    path, reason = model.select_decode_path(choice)
-    if path == "native":
-        most = "any number of them" if model.native_max_rows >= 1 << 30 else f"up to {model.native_max_rows}"
-        logger.info("Decode path: native (a step's decode rows, %s, run every layer in one C++ call; "
-                    "a mixed step's prefill chunks then run in torch)", most)
-    else:
-        logger.info("Decode path: python%s", f" (native unavailable: {reason})" if reason else "")
+    """The decode path (``ModelConfig.decode_path``), chosen and logged (engine/model/native_decode.py)."""
+    configure_decode_path(model, choice, int8_kv, logger)

@@ -91,18 +91,12 @@ class LLMEngine:
             self.offloader.spill(cached, self.disk_tier)
             self.offloader.close()
             self.offloader = None
-        close_model = getattr(self.runner.model, "close", None)  # tensor parallelism: stop the other ranks
-        if close_model is not None:
-            close_model()
+        self.runner.model.close()  # tensor parallelism: stop the other ranks
 
     def watch_ranks(self, on_lost) -> bool:  # noqa: ANN001 - Callable[[int, int | None], None]
         """With tensor parallelism, call ``on_lost(rank, exitcode)`` when another rank dies (the
         engine cannot step any more); False (and nothing watched) with a single rank."""
-        watch = getattr(self.runner.model, "watch_ranks", None)
-        if watch is None:
-            return False
-        watch(on_lost)
-        return True
+        return self.runner.model.watch_ranks(on_lost)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

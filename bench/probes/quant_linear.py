@@ -45,7 +45,7 @@ def default_model_matrices() -> dict[str, list[PackedMatrix]]:
     """Each matrix kind of the default model, one packed copy per layer (the LM head once)."""
     from engine.model.arch import ModelArch
     from engine.loader import default_gguf_path, resolve_model_dir
-    from engine.model.llama import DecoderLayer
+    from engine.model.decoder_layer import DecoderLayer
     from engine.loader.gguf.tensors import read_gguf_blocks
     from transformers import AutoConfig
 
@@ -68,7 +68,7 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
     import gguf
     import numpy as np
 
-    from engine.model.llama import DecoderLayer
+    from engine.model.decoder_layer import DecoderLayer
     from engine.loader.gguf.blocks import BlockFormat
     from engine.loader.gguf.names import hf_name
 
@@ -93,7 +93,7 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
 
 def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int],
                      min_s: float = 0.3) -> dict[str, Any]:
-    from engine.model.llama import PackedLinear
+    from engine.model.linear import PackedLinear
     from engine.model.block_linear import BlockLinear
 
     results = []

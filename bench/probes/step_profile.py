@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 PIECES = (  # (label, owner attribute path, method)
     ("model forward", "runner.model", "forward"),
-    ("  native layers", "runner.model", "_native_decode"),
+    ("  native layers", "runner.model", "native_decode"),
     ("  embedding", "runner.model", "embed_tokens"),
     ("LM head", "runner.model", "compute_logits"),
     ("sampler", "runner", "sampler"),

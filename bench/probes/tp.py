@@ -46,7 +46,7 @@ def run(hf, tp: int, batch: int, prompt_len: int, max_tokens: int) -> dict:
     prompts = [[3 + (7 * i + j) % 1000 for j in range(prompt_len)] for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-    group = getattr(engine.runner.model, "group", None)
+    group = getattr(engine.runner.model.ranks, "group", None)  # rank 0 of a group: TensorParallelRanks
     comm0 = group.comm_seconds if group else 0.0
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)

@@ -36,6 +36,9 @@ class AttentionBackend(ABC):
     # The ``--kv-cache-dtype`` pools the backend reads: ``auto`` (the model's dtype), ``int8``
     # (``engine.kv.int8.Int8KV``), ``float16`` (fp16 values under a model of another dtype).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    # The model's native decode path (engine/model/native_decode.py) may run under this backend:
+    # its C++ layers attend with the same kernel, so both paths share the backend's numerics.
+    supports_native_decode: ClassVar[bool] = False
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

@@ -19,6 +19,7 @@ class NativeAttention(TorchAttention):
 
     name = "native"
     reads_lengths_in_place = True
+    supports_native_decode = True  # decode_layer.cpp attends through this kernel (paged_attention.h)
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

@@ -1,237 +1,48 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
 
-Weights are fused at load (q/k/v into one matrix, gate/up into another) so a layer is five
-matmuls. The forward takes a flat batch of tokens from many sequences (no padding) and
-returns hidden states; ``compute_logits`` runs the LM head only on the rows that sample.
+The model: the embedding, the stack of ``DecoderLayer`` (engine/model/decoder_layer.py), the
+final norm and the LM head, with GGUF block attachment and weight accounting. The forward takes
+a flat batch of tokens from many sequences (no padding) and returns hidden states;
+``compute_logits`` runs the LM head only on the rows that sample. One class for one rank and
+for each rank of a tensor-parallel group: with a ``ModelShard`` its matmuls are the rank's
+(engine/model/parallel_linear.py), and ``ranks`` (engine/model/ranks.py) is how rank 0 drives
+the others.
 """
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.arch import ModelArch
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.config import ACTIVATION_QUANTS
-from engine.loader.gguf.blocks import BlockFormat, BlockMatrix, GGUFMatrix
+from engine.kernels import load_kernels
+from engine.kv.transfer import BlockCopier
+from engine.loader import LoadedModel
+from engine.loader.gguf.blocks import BlockMatrix, GGUFMatrix
+from engine.loader.gguf.tensors import read_gguf_blocks
+from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
+from engine.model.decoder_layer import DecoderLayer
+from engine.model.linear import check_activation_quant, choose_linear, dense_linear, describe_activation_quant
+from engine.model.native_decode import NativeDecoder, decide_decode_path, rebind_native_decoder
+from engine.model.parallel_linear import ModelShard
+from engine.model.ranks import ModelRanks
+from engine.model.rope import rope_cos_sin, signed_sin
 
 logger = logging.getLogger(__name__)
 
 
-def rope_cos_sin(hf_config: Any, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[max_positions, head_dim]`` for every supported RoPE variant.
-
-    The inverse frequencies come from transformers' own RoPE initialisers (default, llama3,
-    linear, yarn, ...), so scaled variants match the reference implementation exactly.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    positions = torch.arange(max_positions, dtype=torch.float)
-    inv_freq = inv_freq.to(positions.device)  # the initialisers build on the CPU; the model may be elsewhere
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, d]``, cos/sin ``[T, 1, d]`` (rotate-half convention, as HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated, for :func:`apply_rope_signed`."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rope` in three ops instead of five, bit for bit the same result.
-
-    rotate_half(x) * sin = [-x2, x1] * [s1, s2] = [x2, x1] * [-s1, s2] exactly (negation is
-    exact in IEEE arithmetic), so the sign moves into a precomputed table and the rotation is
-    a plain half swap; the products and the final sum are the same operations as HF's.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed)
-    return (x * cos).add_(swapped)  # in place: two [T, heads, d] temporaries instead of four
-
-
-def onednn_linear_available() -> bool:
-    ops = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
-
-
-class PackedLinear:
-    """``F.linear`` that sends calls of ``min_rows`` rows or more through oneDNN, with the
-    weight reordered once into oneDNN's blocked layout; smaller calls stay on ``F.linear``.
-
-    Measured on this project's 2-core CPU (30 layers of SmolLM2-135M, fp32): from 4 rows up
-    the packed kernels run the matmuls 15-35% faster than ``F.linear`` (MKL repacks the
-    weight on every call), and they degrade far less when another process shares the
-    cores; at 1-3 rows MKL's gemv streams the weights faster, so a single stream keeps it
-    (and stays bit-identical to transformers). Packed results differ from ``F.linear`` only
-    in summation order (relative differences around 1e-7). The packed copy doubles the
-    memory of the weights it covers.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 16,
-                 min_rows: int = 4) -> None:
-        self.dense = weight
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        self.min_rows = min_rows
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < self.min_rows:
-            return F.linear(x, self.dense, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
-                 batch_hint: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``F.linear`` on ``weight`` for ``aten``, through oneDNN's packed layout for ``onednn``."""
-    if backend == "onednn":
-        return PackedLinear(weight, bias, batch_hint)
-    return lambda x: F.linear(x, weight, bias)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
-        self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
-        self.eps = arch.rms_norm_eps
-        self.input_norm = nn.Parameter(torch.ones(h))
-        self.post_attn_norm = nn.Parameter(torch.ones(h))
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h))
-        self.qkv_bias: nn.Parameter | None = None
-        self.o_proj = nn.Parameter(torch.empty(h, self.q_size))
-        self.o_bias: nn.Parameter | None = None
-        self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h))
-        self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
-        self.blocks: dict[str, BlockMatrix] = {}  # weight name -> the same matrix as GGUF blocks
-        self.blocks_only: set[str] = set()  # weights whose dense copy was dropped (see drop_dense_weights)
-        self.use_linear("aten", use_blocks=False)
-
-    # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
-    MATMULS = (("qkv_mm", "qkv", "qkv_bias"), ("o_mm", "o_proj", "o_bias"),
-               ("gate_up_mm", "gate_up", None), ("down_mm", "down", None))
-    # weight parameter -> the HF modules (under ``model.layers.N.``) whose rows it stacks, in order
-    FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
-             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-
-    def use_linear(self, dense: str, use_blocks: bool, batch_hint: int = 16, int8_activations: bool = False) -> None:
-        """Bind the four matmuls: ``dense`` (``aten`` or ``onednn``, see ``dense_linear``), each
-        wrapped in a BlockLinear where ``use_blocks`` and the weight has blocks; a weight in
-        ``blocks_only`` runs from its blocks alone whatever ``use_blocks`` says."""
-        for attr, weight_name, bias_name in self.MATMULS:
-            weight = getattr(self, weight_name)
-            bias = getattr(self, bias_name) if bias_name else None
-            mm: Callable[[torch.Tensor], torch.Tensor] | None = None
-            if weight_name not in self.blocks_only:
-                mm = dense_linear(weight, bias, dense, batch_hint)
-            if (use_blocks or mm is None) and weight_name in self.blocks:
-                mm = BlockLinear(self.blocks[weight_name], bias, mm, int8_activations)
-            setattr(self, attr, mm)
-
-    # Rows up to which a dense (no blocks) matrix runs in the native decode path: its plain fp32
-    # dot products stream the weight once, as MKL's gemv does at 1-3 rows (see PackedLinear).
-    NATIVE_DENSE_MAX_ROWS = 4
-
-    def native_decode_args(self) -> tuple[tuple, int]:
-        """The layer's constant arguments of ``torch.ops.kvserve.decode_layer`` for the matmuls
-        as bound now (``use_linear``), and the most rows a step may have for that call to
-        compute what ``forward`` computes: a matrix on blocks stays on them up to its
-        ``BlockLinear.max_rows`` (above that ``forward`` switches to the dense copy)."""
-        args: list = [self.input_norm.detach(), self.post_attn_norm.detach(), self.eps]
-        max_rows = 1 << 30
-        for attr, weight_name, bias_name in self.MATMULS:
-            mm = getattr(self, attr)
-            if isinstance(mm, BlockLinear):
-                weights = [data for data, _, _ in mm.parts]
-                rows = [n for _, n, _ in mm.parts]
-                formats = [f for _, _, f in mm.parts]
-                bias = mm.bias
-                max_rows = min(max_rows, mm.max_rows)
-            else:
-                weight = getattr(self, weight_name).detach()
-                weights, rows, formats = [weight], [weight.shape[0]], [-1]
-                bias = getattr(self, bias_name) if bias_name else None
-                max_rows = min(max_rows, self.NATIVE_DENSE_MAX_ROWS)
-            args += [weights, rows, formats]
-            if bias_name:
-                args.append(bias.detach() if bias is not None else None)
-        return tuple(args), max_rows
-
-    def native_decode_unavailable(self) -> str | None:
-        """Why ``decode_layer`` cannot run this layer's matmuls as bound, or None."""
-        for attr, _, _ in self.MATMULS:
-            mm = getattr(self, attr)
-            if isinstance(mm, BlockLinear):
-                offset = 0
-                for _, n, f in mm.parts:
-                    if BlockFormat(f).strips and offset % 8:
-                        return f"a {BlockFormat(f).name} part of {attr[:-3]} starts at row {offset}, not a multiple of 8"
-                    offset += n
-        return None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        """``sin`` is the sign-adjusted table of :func:`signed_sin`.
-
-        Each stage is a method that takes its input as a temporary, so a prefill chunk's
-        intermediates (qkv, the normed rows, the MLP's ``[T, 2 * intermediate]``) are freed as
-        soon as the stage ends rather than when this frame returns: the step's peak memory is
-        one stage's, not the layer's sum."""
-        x = x + self.o_mm(self._attention(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps),
-                                          cos, sin, k_cache, v_cache, meta, attn))
-        return x + self._mlp(F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps))
-
-    def _attention(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        t = y.shape[0]
-        qkv = self.qkv_mm(y)
-        del y
-        # RoPE on q and k together: they are adjacent columns of qkv, so one view covers both.
-        qk = apply_rope_signed(qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
-                                                                           self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        return attn.forward(q, k, v, k_cache, v_cache, meta)
-
-    def _mlp(self, y: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_mm.swiglu(y) if isinstance(self.gate_up_mm, BlockLinear) else None
-        if h is None:
-            gate, up = self.gate_up_mm(y).chunk(2, dim=-1)
-            h = F.silu(gate).mul_(up)
-            del gate, up  # the [T, 2 * intermediate] product goes before down_mm allocates
-        del y
-        return self.down_mm(h)
-
-
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: Any, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, hf_config: Any, max_positions: int, shard: ModelShard | None = None) -> None:
+        """``arch`` is this rank's (``engine.parallel.tensor_parallel.shard_arch`` with a ``shard``)."""
         super().__init__()
         self.arch = arch
+        self.shard = shard
         self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, shard) for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = self.embed if arch.tie_word_embeddings else nn.Parameter(
             torch.empty(arch.vocab_size, arch.hidden_size))
@@ -241,59 +52,51 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.attn: AttentionBackend = TorchAttention()
         self.lm_head_mm: Callable[[torch.Tensor], torch.Tensor] = lambda h: F.linear(h, self.lm_head)
+        if shard is not None:
+            self.lm_head_mm = shard.lm_head(self.lm_head_mm)
         self.lm_head_blocks: BlockMatrix | None = None
         self.lm_head_blocks_only = False
         self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
         self.linear_backend = "aten"
-        self.decode_path = "python"  # see select_decode_path
-        self._native_layers: list[tuple] = []  # decode_layer's constant arguments per layer
-        self._native_stack: Any = None  # those layers bound in one torch.classes.kvserve.DecodeStack
-        self.native_max_rows = 0
+        self.native: NativeDecoder | None = None  # the native decode path when it runs (select_decode_path)
         # "none" | "int8" (ModelConfig.activation_quant): read by select_linear_backend
         self.activation_quant = "none"
+        self.ranks = ModelRanks()  # rank 0 of a tensor-parallel group: TensorParallelRanks
 
+    # ---- the processes (engine/model/ranks.py) --------------------------------------------
+    def block_copier(self, kv_caches: list) -> BlockCopier:
+        """The KV tiers' block copier over every rank's pool."""
+        return self.ranks.block_copier(kv_caches)
+
+    def watch_ranks(self, on_lost: Callable[[int, int | None], None]) -> bool:
+        """Call ``on_lost(rank, exitcode)`` when another rank dies; False with a single rank."""
+        return self.ranks.watch(on_lost)
+
+    def close(self) -> None:
+        """Stop the other ranks, if any (idempotent)."""
+        self.ranks.close()
+
+    # ---- kernels (engine/model/linear.py, engine/model/native_decode.py) -------------------
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
-        """Bind the matmul kernels once the weights are loaded; return the backend in use.
-
-        ``aten``: ``F.linear`` (MKL). ``onednn``: calls of 4+ rows through oneDNN on a second,
-        packed copy of each weight (see PackedLinear); ``aten`` where oneDNN cannot run (not
-        fp32 on a CPU). ``gguf``: the matrices that have GGUF blocks (see ``attach_blocks``)
-        run calls of up to ``BlockLinear.MAX_ROWS`` rows from the blocks, everything else as
-        ``onednn``; an error when no blocks are attached. ``auto``: ``gguf`` when blocks are
-        attached, else ``onednn``. Call it again after reloading weights.
-        """
-        if backend not in ("auto", "gguf", "onednn", "aten"):
-            raise ValueError(f"linear backend must be auto, gguf, onednn or aten, got {backend!r}")
-        if self.holds_blocks_only() and backend not in ("auto", "gguf"):
-            raise ValueError(f"linear backend {backend!r} needs dense weights, and this model keeps only "
-                             "GGUF blocks (weights_resident: blocks)")
+        """Bind the matmul kernels once the weights are loaded (``linear.choose_linear`` decides
+        which); return the backend in use. Call it again after reloading weights."""
         has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
-        if backend == "gguf" and not has_blocks:
-            raise ValueError("linear backend 'gguf' needs a GGUF checkpoint with block-format weights, a CPU "
-                             "in float32 and the native kernels; use 'auto'")
-        if backend == "auto":
-            backend = "gguf" if has_blocks else "onednn"
-        onednn_ok = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32 and onednn_linear_available()
-        dense = "onednn" if backend in ("gguf", "onednn") and onednn_ok else "aten"
-        if backend == "onednn":
-            backend = dense
-        use_blocks = backend == "gguf"
-        if self.activation_quant == "int8" and not use_blocks:
-            raise ValueError("activation_quant 'int8' needs the gguf linear backend (a GGUF model's blocks on the "
-                             f"CPU in float32), and the backend is {backend!r}; use activation_quant 'none'")
+        choice = choose_linear(backend, has_blocks, self.holds_blocks_only(), self.embed.device, self.embed.dtype,
+                               self.activation_quant)
         int8 = self.activation_quant == "int8"
         for layer in self.layers:
-            layer.use_linear(dense, use_blocks, batch_hint, int8)
+            layer.use_linear(choice.dense, choice.use_blocks, batch_hint, int8)
         if self.lm_head_blocks_only:
             self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, None, int8)
         else:
-            self.lm_head_mm = dense_linear(self.lm_head, None, dense, batch_hint)
-            if use_blocks and self.lm_head_blocks is not None:
+            self.lm_head_mm = dense_linear(self.lm_head, None, choice.dense, batch_hint)
+            if choice.use_blocks and self.lm_head_blocks is not None:
                 self.lm_head_mm = BlockLinear(self.lm_head_blocks, None, self.lm_head_mm, int8)
-        self.linear_backend = backend
-        if self.decode_path == "native":  # its arguments name the matmuls just bound
-            self._bind_native_decode()
-        return backend
+        if self.shard is not None:
+            self.lm_head_mm = self.shard.lm_head(self.lm_head_mm)
+        self.linear_backend = choice.backend
+        rebind_native_decoder(self)  # its arguments name the matmuls just bound
+        return choice.backend
 
     def block_linears(self) -> list[BlockLinear]:
         """The matmuls bound to GGUF blocks now (layers', then the LM head's)."""
@@ -304,114 +107,36 @@ class LlamaForCausalLM(nn.Module):
     def set_activation_quant(self, mode: str) -> None:
         """Switch ``activation_quant`` on the matmuls as bound (cheap: no weight is touched; the
         benches alternate steps between the modes). The gguf backend must be in use for int8."""
-        if mode not in ACTIVATION_QUANTS:
-            raise ValueError(f"activation_quant must be none or int8, got {mode!r}")
-        if mode == "int8" and self.linear_backend != "gguf":
-            raise ValueError("activation_quant 'int8' needs the gguf linear backend")
+        check_activation_quant(mode, self.linear_backend)
         self.activation_quant = mode
         for mm in self.block_linears():
             mm.use_int8_activations(mode == "int8")
-        if self.decode_path == "native":  # native_max_rows follows the kernels' max_rows
-            self._bind_native_decode()
+        rebind_native_decoder(self)  # max_rows follows the kernels' max_rows
 
     def describe_activation_quant(self) -> str:
         """``activation_quant`` as bound: which block matrices multiply int8 activations."""
-        if self.activation_quant != "int8":
-            return "none (fp32 activations)"
-        parts = [(f, op is torch.ops.kvserve.gguf_linear_q8)
-                 for mm in self.block_linears() for op, (_, _, f) in zip(mm.kernels, mm.parts)]
-        int8 = sorted({BlockFormat(f).name for f, q in parts if q})
-        fp32 = sorted({BlockFormat(f).name for f, q in parts if not q})
-        # calls over INT8_MAX_ROWS rows (prefill) stay on the int8 kernel where max_rows is unbounded
-        unbounded = [mm.max_rows == sys.maxsize for mm in self.block_linears()]
-        prefill = ("int8 as well" if unbounded and all(unbounded) else
-                   f"int8 for {sum(unbounded)} of {len(unbounded)} matmuls, fp32 for the rest" if any(unbounded)
-                   else "fp32 activations")
-        return (f"int8 for {sum(q for _, q in parts)} of {len(parts)} block matrices "
-                f"({', '.join(int8) or 'no format with an int8 kernel on this CPU'}); "
-                f"fp32 activations for {', '.join(fp32) or 'none'} and dense matmuls; prefill: {prefill}")
+        return describe_activation_quant(self.activation_quant, self.block_linears())
 
-    DECODE_PATHS = ("auto", "native", "python")
+    @property
+    def decode_path(self) -> str:
+        """``native`` or ``python``: how decode rows run (see ``select_decode_path``)."""
+        return "python" if self.native is None else "native"
 
-    def native_decode_unavailable(self) -> str | None:
-        """Why the native decode path cannot run this model, or None (see select_decode_path)."""
-        from engine.kernels import has_op
+    def select_decode_path(self, choice: str = "auto", int8_kv: bool = False) -> tuple[str, str | None]:
+        """How decode rows run (``engine.model.native_decode``, where it is decided); returns
+        (path, why not native or None). ``int8_kv``: the pool is int8 (the native path does not
+        cover it)."""
+        decided = decide_decode_path(self, choice, int8_kv)
+        return decided.path, decided.reason
 
-        if self.embed.device.type != "cpu" or self.norm.dtype != torch.float32:
-            return "it runs on the CPU in float32 only"
-        if not has_op("decode_layer"):
-            return "the native kernels could not be built"
-        if self.arch.intermediate_size % 8:
-            return "the intermediate size is not a multiple of 8"
-        if self.attn.name != "native":
-            return f"it attends as the native attention backend does, and {self.attn.name!r} is in use"
-        return next(filter(None, (layer.native_decode_unavailable() for layer in self.layers)), None)
-
-    def select_decode_path(self, choice: str = "auto") -> tuple[str, str | None]:
-        """How decode rows run; returns (path, why not native or None).
-
-        ``native``: the single-new-token rows of a step, at most ``native_max_rows`` of them, over
-        a float32 or float16 pool, run every layer in ONE ``DecodeStack`` call
-        (engine/kernels/cpu/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per layer,
-        each with its own fork/join); a mixed step's prefill chunks then run
-        ``DecoderLayer.forward``, as do larger batches and int8 pools. Needs the CPU, float32, the kernels and
-        the native attention backend (whose numerics it shares). ``python``: always
-        ``DecoderLayer.forward``. ``auto``: ``native`` where it can run. Both paths compute the
-        same function, differing only in fp32 summation order.
-        """
-        if choice not in self.DECODE_PATHS:
-            raise ValueError(f"decode_path must be one of {', '.join(self.DECODE_PATHS)}, got {choice!r}")
-        reason = None if choice == "python" else self.native_decode_unavailable()
-        if choice == "native" and reason:
-            raise ValueError(f"decode_path 'native' cannot run: {reason}; use 'auto' or 'python'")
-        self.decode_path = "python" if choice == "python" or reason else "native"
-        self._bind_native_decode()
-        return self.decode_path, reason
-
-    def _bind_native_decode(self) -> None:
-        if self.decode_path != "native":
-            self._native_layers, self.native_max_rows, self._native_stack = [], 0, None
-            return
-        bound = [layer.native_decode_args() for layer in self.layers]
-        self._native_layers = [args for args, _ in bound]
-        self.native_max_rows = min(rows for _, rows in bound)
-        a = self.arch
-        self._native_stack = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
-        for args in self._native_layers:
-            self._native_stack.add_layer(*args)
-        self._native_stack.set_final_norm(self.norm, self.arch.rms_norm_eps)
-
-    def _native_rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
-        """How many of this step's rows the native decode path takes (see select_decode_path):
-        the decode rows, which come first, when they are one group of at most native_max_rows
-        over float pools; else 0. In a mixed step they run before the prefill chunks, so not
-        when one of them reads a block a chunk fills in this step (a prefix hit on a block
-        computed in the same step: the scheduler shares those)."""
-        if (self.decode_path != "native" or len(meta.decode_groups) != 1 or meta.paged is not None
-                or type(kv_caches[0][0]) is not torch.Tensor):
-            return 0
-        group = meta.decode_groups[0]
-        if group.start != 0 or group.end > self.native_max_rows:
-            return 0
-        if meta.prefills:
-            filled = meta.slot_mapping[group.end:] // kv_caches[0][0].shape[1]
-            if torch.isin(group.block_ids, filled).any():
-                return 0
-        return group.end
-
-    def _native_decode(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], final_norm: bool = False) -> torch.Tensor:
+    def native_decode(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], final_norm: bool = False) -> torch.Tensor:
         """The decode rows through every layer natively, in place; with ``final_norm`` also the
         model's final RMSNorm (the hidden states the LM head reads)."""
-        group = meta.decode_groups[0]
-        cos, sin = self.rope_cos[positions], self.rope_sin_signed[positions]
-        table, lens = group.block_table.contiguous(), group.context_lens
-        # every layer in one call and one OpenMP region (decode_layer.cpp DecodeStack): the
-        # same arithmetic as one torch.ops.kvserve.decode_layer call per layer
-        self._native_stack.run(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
-                               table, lens, self.arch.head_dim ** -0.5, self.activation_quant == "int8", final_norm)
-        return x
+        return self.native.run(x, self.rope_cos[positions], self.rope_sin_signed[positions], meta, kv_caches,
+                               self.activation_quant == "int8", final_norm)
 
+    # ---- weights --------------------------------------------------------------------------
     @torch.no_grad()
     def attach_blocks(self, blocks: dict[str, GGUFMatrix]) -> int:
         """Keep GGUF blocks (HF-named, see ``engine.loader.gguf.blocks.read_gguf_blocks``) for the fused
@@ -440,12 +165,6 @@ class LlamaForCausalLM(nn.Module):
 
     def holds_blocks_only(self) -> bool:
         return self.lm_head_blocks_only or any(layer.blocks_only for layer in self.layers)
-
-    def blocked_dense_bytes(self) -> int:
-        """fp32 bytes of the dense weights that have blocks attached (what dropping them frees)."""
-        total = sum(getattr(layer, n).numel() * 4 for layer in self.layers for n in layer.blocks)
-        untied_head = self.lm_head_blocks is not None and not self.arch.tie_word_embeddings
-        return total + (self.lm_head.numel() * 4 if untied_head else 0)
 
     @torch.no_grad()
     def _take_blocks(self, blocks: dict[str, GGUFMatrix], sd: dict[str, torch.Tensor]) -> None:
@@ -487,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = self.embed
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is not None:  # vocab-parallel: this rank's rows, then an all-reduce
+            return self.shard.embed(input_ids, self.embed)
         b = self.embed_blocks
         if b is None:
             return F.embedding(input_ids, self.embed)
@@ -506,31 +227,6 @@ class LlamaForCausalLM(nn.Module):
         heads = {id(b): b.nbytes for b in (self.lm_head_blocks, self.embed_blocks) if b is not None}
         return {"dense": dense, "blocks": blocks + sum(heads.values())}
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
-        x = self.embed_tokens(input_ids)
-        decodes = self._native_rows(meta, kv_caches)
-        if decodes == x.shape[0]:
-            # the final norm too, inside the layers' parallel region: after the layers have swept
-            # the caches, F.rms_norm's first call ran cold (~0.1 ms, 3% of a one-row step)
-            return self._native_decode(x.contiguous(), positions, meta, kv_caches, final_norm=True)
-        if decodes:
-            # A mixed step: the decode rows natively, then the prefill chunks on DecoderLayer.forward.
-            # _native_rows made sure no decode row reads a block a chunk fills in this step; a chunk
-            # may read one a decode row fills (a prefix hit), so the decode rows go first.
-            decode_meta, meta = meta.split_decodes()
-            head = self._native_decode(x[:decodes].contiguous(), positions[:decodes], decode_meta, kv_caches)
-            x, positions = x[decodes:], positions[decodes:]
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin_signed[positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, k_cache, v_cache, meta, self.attn)
-        if decodes:
-            x = torch.cat([head, x])
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
-
     def decode_weight_bytes(self) -> int:
         """Weight bytes one single-row decode step streams with the kernels in use: every
         layer, the final norm and the LM head, counted as blocks where the ``gguf`` backend
@@ -546,8 +242,36 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head_blocks if gguf else None
         return total + (head.nbytes if head is not None else nbytes(self.lm_head))
 
+    # ---- the forward pass -------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids/positions ``[T]`` -> final hidden states ``[T, hidden]``."""
+        self.ranks.announce_forward(input_ids, positions, meta, kv_caches)
+        x = self.embed_tokens(input_ids)
+        decodes = self.native.rows(meta, kv_caches) if self.native is not None else 0
+        if decodes == x.shape[0]:
+            # the final norm too, inside the layers' parallel region: after the layers have swept
+            # the caches, F.rms_norm's first call ran cold (~0.1 ms, 3% of a one-row step)
+            return self.native_decode(x.contiguous(), positions, meta, kv_caches, final_norm=True)
+        if decodes:
+            # A mixed step: the decode rows natively, then the prefill chunks on DecoderLayer.forward.
+            # NativeDecoder.rows made sure no decode row reads a block a chunk fills in this step; a
+            # chunk may read one a decode row fills (a prefix hit), so the decode rows go first.
+            decode_meta, meta = meta.split_decodes()
+            head = self.native_decode(x[:decodes].contiguous(), positions[:decodes], decode_meta, kv_caches)
+            x, positions = x[decodes:], positions[decodes:]
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin_signed[positions].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer.forward(x, cos, sin, k_cache, v_cache, meta, self.attn)
+        if decodes:
+            x = torch.cat([head, x])
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.ranks.announce_logits(hidden)
         return self.lm_head_mm(hidden)
 
     @torch.no_grad()
@@ -590,3 +314,24 @@ class LlamaForCausalLM(nn.Module):
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
+
+
+def configure_linear_layers(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,
+                            dtype: torch.dtype, log: logging.Logger = logger) -> None:
+    """The engine's binding of a loaded model's matmuls, logged (on ``log``): attach the GGUF
+    blocks when the gguf backend may run (CPU, fp32, kernels built; for ``auto`` also the
+    kernel's AVX2 path, its portable loop being slower than dense fp32), then bind the matmuls.
+    A blocks-only model got its blocks at load."""
+    runnable = loaded.gguf_path is not None and device.type == "cpu" and dtype == torch.float32 and load_kernels()
+    fast = runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
+    if loaded.blocks is None and ((backend == "gguf" and runnable) or (backend == "auto" and fast)):
+        covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
+        log.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
+                 torch.ops.kvserve.gguf_kernel_isa())
+    chosen = model.select_linear_backend(backend)
+    held = model.weight_bytes()
+    log.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
+             " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
+    log.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
+             model.decode_weight_bytes() / 1e6)
+    log.info("Activation quantization: %s", model.describe_activation_quant())

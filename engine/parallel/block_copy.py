@@ -97,20 +97,20 @@ def write_local(tensors: list[torch.Tensor], block_ids: list[int], flat: torch.T
 
 class RankBlockCopier:
     """``BlockCopier``'s interface (``payload_bytes``, ``read_block(s)``, ``write_block(s)``)
-    over the pools of every tensor-parallel rank; ``model`` is rank 0's ``TensorParallelModel``."""
+    over the pools of every tensor-parallel rank; ``ranks`` is rank 0's ``TensorParallelRanks``."""
 
-    def __init__(self, model, kv_caches: list) -> None:  # noqa: ANN001 - TensorParallelModel (no import cycle)
-        self.model = model
+    def __init__(self, ranks, kv_caches: list) -> None:  # noqa: ANN001 - TensorParallelRanks (no import cycle)
+        self.ranks = ranks
         self.kv_caches = kv_caches
         self.tensors = pool_tensors(kv_caches)
-        self.payload_bytes = sum(full_block_bytes(self.tensors, model.group.world_size))
+        self.payload_bytes = sum(full_block_bytes(self.tensors, ranks.group.world_size))
 
     def read_block(self, block_id: int) -> bytes:
         return self.read_blocks([block_id])[0]
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """One broadcast and one gather for all of ``block_ids``."""
-        return self.model.read_kv_blocks(self.kv_caches, list(block_ids))
+        return self.ranks.read_kv_blocks(self.kv_caches, list(block_ids))
 
     def write_block(self, block_id: int, payload: bytes) -> None:
         self.write_blocks([block_id], [payload])
@@ -120,4 +120,4 @@ class RankBlockCopier:
         for payload in payloads:
             if len(payload) != self.payload_bytes:
                 raise ValueError(f"block payload has {len(payload)} bytes, expected {self.payload_bytes}")
-        self.model.write_kv_blocks(self.kv_caches, list(block_ids), list(payloads))
+        self.ranks.write_kv_blocks(self.kv_caches, list(block_ids), list(payloads))

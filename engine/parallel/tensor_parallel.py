@@ -19,21 +19,24 @@ The split (Megatron-style), for ``N`` ranks, rank ``r``:
   ranks' head slices to offload blocks and scatters each rank its heads of restored ones
   (``block_copy.py``).
 
-Rank 0 is the engine process: scheduler, KV cache manager and sampler run there only. Its
-model is a :class:`TensorParallelModel`, which broadcasts each step's inputs (token ids,
-positions, attention metadata: slot mapping and block tables) to ranks 1..N-1 before running
-its own shard. Those ranks (:func:`_worker`, spawned processes) run the same forward on
-theirs, so prefix caching and preemption need nothing on the workers: they only ever see
-block ids. The collectives run on process groups of the engine's own (``comm.Group``): gloo on the CPU;
-on CUDA, NCCL for the model's all-reduces and all-gathers with rank ``r`` on ``cuda:r``, plus a
+Every rank's model is a ``LlamaForCausalLM`` built with a ``ModelShard``
+(engine/model/parallel_linear.py): the same decoder layer as one rank's, its o_proj and down
+all-reducing, its embedding and LM head vocab-parallel. Rank 0 is the engine process:
+scheduler, KV cache manager and sampler run there only. Its model's ``ranks`` is a
+:class:`TensorParallelRanks`, which broadcasts each step's inputs (token ids, positions,
+attention metadata: slot mapping and block tables) to ranks 1..N-1 before the model runs its
+own shard. Those ranks (:func:`_worker`, spawned processes) run the same forward on theirs, so
+prefix caching and preemption need nothing on the workers: they only ever see block ids. The
+collectives run on process groups of the engine's own (``comm.Group``): gloo on the CPU; on
+CUDA, NCCL for the model's all-reduces and all-gathers with rank ``r`` on ``cuda:r``, plus a
 gloo group for the step broadcasts. CUDA graphs are off with more than one rank (each step
 starts with a host-side broadcast that a graph replay would skip).
 
 Processes: in the served (process) mode the engine core process is rank 0 and spawns the
 other ranks. They die with it (``_die_with_parent``: the kernel's parent-death signal, and a
 ``getppid`` poll), so a killed core leaves no orphan; a rank that dies makes the core exit
-(``watch_ranks``, installed by ``engine.core.loop.run_core_process``), and the core's client then
-starts a new core, which spawns a new group.
+(``LlamaForCausalLM.watch_ranks``, installed by ``engine.core.loop.run_core_process``), and the
+core's client then starts a new core, which spawns a new group.
 """
 from __future__ import annotations
 
@@ -51,12 +54,13 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from engine.model.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
 from engine.kv.int8 import Int8KV
-from engine.model.llama import LlamaForCausalLM, apply_rope_signed
+from engine.model.llama import LlamaForCausalLM
+from engine.model.parallel_linear import ModelShard
+from engine.model.ranks import ModelRanks
 from engine.parallel.block_copy import (RankBlockCopier, assemble, local_bytes, pool_tensors, read_local,
                                        split_payloads, write_local)
 from engine.parallel.comm import Group, backend_for
@@ -105,42 +109,12 @@ def shard_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch, rank: int, wo
     return out
 
 
-# ---- the forward pass of one rank -------------------------------------------------------------
-@torch.inference_mode()
-def tp_forward(model: LlamaForCausalLM, group: Group, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``LlamaForCausalLM.forward`` on a shard, with the all-reduces of the row-parallel matmuls."""
-    vocab = model.arch.vocab_size
-    local = input_ids - group.rank * vocab
-    inside = (local >= 0) & (local < vocab)
-    x = F.embedding(local.clamp(0, vocab - 1), model.embed) * inside.unsqueeze(1).to(model.embed.dtype)
-    group.all_reduce(x)
-    cos = model.rope_cos[positions].unsqueeze(1)
-    sin = model.rope_sin_signed[positions].unsqueeze(1)
-    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-        t = x.shape[0]
-        y = F.rms_norm(x, (x.shape[-1],), layer.input_norm, layer.eps)
-        qkv = layer.qkv_mm(y)
-        qk = apply_rope_signed(qkv[:, :layer.q_size + layer.kv_size].view(t, layer.num_heads + layer.num_kv_heads,
-                                                                            layer.head_dim), cos, sin)
-        q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
-        v = qkv[:, layer.q_size + layer.kv_size:].view(t, layer.num_kv_heads, layer.head_dim)
-        x = x + group.all_reduce(layer.o_mm(model.attn.forward(q, k, v, k_cache, v_cache, meta)))
-        y = F.rms_norm(x, (x.shape[-1],), layer.post_attn_norm, layer.eps)
-        gate, up = layer.gate_up_mm(y).chunk(2, dim=-1)
-        x = x + group.all_reduce(layer.down_mm(F.silu(gate).mul_(up)))
-    return F.rms_norm(x, (x.shape[-1],), model.norm, model.arch.rms_norm_eps)
-
-
-@torch.inference_mode()
-def tp_logits(model: LlamaForCausalLM, group: Group, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return group.all_gather_cat(model.compute_logits(hidden), dim=-1)[:, :vocab_size]
-
-
+# ---- one rank's model ------------------------------------------------------------------------
 def build_shard(arch: ModelArch, hf_config: Any, max_len: int, shard_sd: dict[str, torch.Tensor],
-                attention_backend: str, linear_backend: str, dtype: torch.dtype,
+                attention_backend: str, linear_backend: str, dtype: torch.dtype, group: Group, vocab_size: int,
                 device: torch.device = torch.device("cpu"), block_size: int = 16) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(arch, hf_config, max_len).to(dtype)
+    """Rank ``group.rank``'s model: ``arch`` is the rank's (``shard_arch``), ``vocab_size`` the full one."""
+    model = LlamaForCausalLM(arch, hf_config, max_len, ModelShard(group, vocab_size)).to(dtype)
     model.load_hf_state_dict(shard_sd)
     model = model.to(device)
     model.attn = select_attention(attention_backend, device, dtype, block_size)
@@ -224,20 +198,20 @@ def _worker(rank: int, world: int, port: int, arch: ModelArch, hf_config: Any, m
     device = rank_device(device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build_shard(arch, hf_config, max_len, shard_sd, attention_backend, linear_backend, dtype, device)
+    group = Group.create(rank, world, port, backend=backend_for(device))  # the model's collectives use it
+    model = build_shard(arch, hf_config, max_len, shard_sd, attention_backend, linear_backend, dtype, group,
+                        vocab_size, device)
     del shard_sd
-    group = Group.create(rank, world, port, backend=backend_for(device))
     group.store.set(f"ready/{rank}", "1")  # rank 0 waits for this before it builds the groups
     group.connect()
-    _serve(rank, group, model, arch, dtype, device, vocab_size)
+    _serve(group, model, arch, dtype, device)
     # Nothing to flush: skip the interpreter's teardown (seconds of torch and gloo destructors on a
     # loaded machine, which rank 0's ``close`` would wait for).
     sys.stderr.flush()
     os._exit(0)
 
 
-def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dtype: torch.dtype,
-           device: torch.device, vocab_size: int) -> None:
+def _serve(group: Group, model: LlamaForCausalLM, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
     """Run rank 0's broadcast steps until ``stop`` or until rank 0 is gone."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     while True:
@@ -257,7 +231,7 @@ def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dt
                 kv_caches = []
                 kv_caches = [allocate_kv_pair(kv_shape, int8_kv, dtype, device) for _ in range(arch.num_layers)]
             if kind == "forward":
-                tp_forward(model, group, msg[1], msg[2], msg[3], kv_caches)
+                model(msg[1], msg[2], msg[3], kv_caches)
             elif kind == "kv_read":
                 group.gather_cpu(read_local(pool_tensors(kv_caches), msg[1]))
             else:
@@ -265,7 +239,7 @@ def _serve(rank: int, group: Group, model: LlamaForCausalLM, arch: ModelArch, dt
                 like = torch.empty(local_bytes(tensors, len(msg[1])), dtype=torch.uint8)
                 write_local(tensors, msg[1], group.scatter_cpu(None, like))
         elif kind == "logits":
-            tp_logits(model, group, to_device(msg[1], device), vocab_size)
+            model.compute_logits(to_device(msg[1], device))
 
 
 def allocate_kv_pair(shape: tuple[int, ...], int8_kv: bool, dtype: torch.dtype,
@@ -298,89 +272,88 @@ def wait_for_ranks(store: Any, procs: list, timeout_s: float) -> None:
             time.sleep(READY_POLL_S)
 
 
-class TensorParallelModel:
-    """Rank 0's model, as the ModelRunner sees it: ``arch`` (the per-rank numbers, so the
-    runner's KV pool holds this rank's heads), ``attn``, ``__call__`` and ``compute_logits``.
+def launch(arch: ModelArch, hf_config: Any, state_dict: dict[str, torch.Tensor], world: int, max_len: int,
+           attention_backend: str, linear_backend: str, dtype: torch.dtype, num_threads: int, device: torch.device,
+           block_size: int = 16, startup_timeout_s: float = 600) -> LlamaForCausalLM:
+    """Shard ``state_dict``, spawn ranks 1..world-1, build rank 0's shard, connect the group;
+    return rank 0's model (its ``arch`` the per-rank numbers, so the runner's KV pool holds this
+    rank's heads; its ``ranks`` a :class:`TensorParallelRanks`).
+
+    CPU: gloo, every rank on the CPU. CUDA: NCCL, rank ``r`` on ``cuda:r`` (this process is
+    rank 0 and uses ``cuda:0``); needs ``world`` visible GPUs.
+    """
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor_parallel_size > 1 runs on cpu (gloo) or cuda (NCCL), not {device.type}")
+    if linear_backend == "gguf":
+        raise ValueError("linear_backend 'gguf' does not shard; use 'auto', 'onednn' or 'aten' with "
+                         "tensor_parallel_size > 1")
+    if device.type == "cuda":
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, torch sees "
+                             f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)")
+        device = rank_device("cuda", 0)
+        torch.cuda.set_device(device)
+    local = shard_arch(arch, world)
+    linear = "aten" if linear_backend == "aten" or device.type == "cuda" else "onednn"
+    backend = backend_for(device)
+    group = Group.create(0, world, backend=backend)
+    ctx = mp.get_context("spawn")
+    arm = threading.current_thread() is threading.main_thread()
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=_worker, name=f"kvserve-tp{rank}", daemon=True,
+                        args=(rank, world, group.port, local, hf_config, max_len,
+                              shard_state_dict(state_dict, arch, rank, world), attention_backend, linear, dtype,
+                              num_threads, arch.vocab_size, os.getpid(), arm, device.type))
+        p.start()
+        procs.append(p)
+    try:
+        model = build_shard(local, hf_config, max_len, shard_state_dict(state_dict, arch, 0, world),
+                            attention_backend, linear, dtype, group, arch.vocab_size, device, block_size)
+        wait_for_ranks(group.store, procs, startup_timeout_s)
+        group.connect()
+    except BaseException:
+        for p in procs:  # no half-started group left behind
+            p.kill()
+            p.join(5)
+        raise
+    logger.info("Tensor parallel: %d ranks over %s (this process is rank 0 on %s; %d query heads, %d KV heads "
+                "and %d vocabulary rows per rank; rank pids %s)", world, backend, device, local.num_heads,
+                local.num_kv_heads, local.vocab_size, [p.pid for p in procs])
+    ranks = TensorParallelRanks(group, procs, device)
+    model.ranks = ranks
+    ref = weakref.ref(ranks)
+    atexit.register(lambda: (r := ref()) is not None and r.close())  # stop the workers cleanly
+    return model
+
+
+class TensorParallelRanks(ModelRanks):
+    """Rank 0's handle on the group: it announces each step and LM-head call to ranks 1..N-1
+    (which run the same on their shards), copies the tiers' blocks across every rank's pool, and
+    owns the rank processes.
 
     Lifecycle: ``close`` stops the other ranks (also at interpreter exit); they end on their own
-    when this process dies (``_die_with_parent``). ``watch_ranks`` reports a rank that died while
-    the group was open: the group is then broken for good (every collective fails), so the owner
+    when this process dies (``_die_with_parent``). ``watch`` reports a rank that died while the
+    group was open: the group is then broken for good (every collective fails), so the owner
     must end this engine (the core process exits and its client starts a new core and group).
     """
 
-    def __init__(self, shard: LlamaForCausalLM, group: Group, vocab_size: int, procs: list,
-                 device: torch.device) -> None:
-        self.shard = shard
-        self.arch = shard.arch
-        self.attn = shard.attn
+    def __init__(self, group: Group, procs: list, device: torch.device) -> None:
         self.group = group
-        self.vocab_size = vocab_size
         self.procs = procs
         self.device = device
-        self.linear_backend = shard.linear_backend
         self._closed = False
-
-    @classmethod
-    def launch(cls, arch: ModelArch, hf_config: Any, state_dict: dict[str, torch.Tensor], world: int, max_len: int,
-               attention_backend: str, linear_backend: str, dtype: torch.dtype, num_threads: int,
-               device: torch.device, block_size: int = 16,
-               startup_timeout_s: float = 600) -> "TensorParallelModel":
-        """Shard ``state_dict``, spawn ranks 1..world-1, build rank 0's shard, connect the group.
-
-        CPU: gloo, every rank on the CPU. CUDA: NCCL, rank ``r`` on ``cuda:r`` (this process is
-        rank 0 and uses ``cuda:0``); needs ``world`` visible GPUs.
-        """
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"tensor_parallel_size > 1 runs on cpu (gloo) or cuda (NCCL), not {device.type}")
-        if linear_backend == "gguf":
-            raise ValueError("linear_backend 'gguf' does not shard; use 'auto', 'onednn' or 'aten' with "
-                             "tensor_parallel_size > 1")
-        if device.type == "cuda":
-            if torch.cuda.device_count() < world:
-                raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, torch sees "
-                                 f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)")
-            device = rank_device("cuda", 0)
-            torch.cuda.set_device(device)
-        local = shard_arch(arch, world)
-        linear = "aten" if linear_backend == "aten" or device.type == "cuda" else "onednn"
-        backend = backend_for(device)
-        group = Group.create(0, world, backend=backend)
-        ctx = mp.get_context("spawn")
-        arm = threading.current_thread() is threading.main_thread()
-        procs = []
-        for rank in range(1, world):
-            p = ctx.Process(target=_worker, name=f"kvserve-tp{rank}", daemon=True,
-                            args=(rank, world, group.port, local, hf_config, max_len,
-                                  shard_state_dict(state_dict, arch, rank, world), attention_backend, linear, dtype,
-                                  num_threads, arch.vocab_size, os.getpid(), arm, device.type))
-            p.start()
-            procs.append(p)
-        try:
-            shard = build_shard(local, hf_config, max_len, shard_state_dict(state_dict, arch, 0, world),
-                                attention_backend, linear, dtype, device, block_size)
-            wait_for_ranks(group.store, procs, startup_timeout_s)
-            group.connect()
-        except BaseException:
-            for p in procs:  # no half-started group left behind
-                p.kill()
-                p.join(5)
-            raise
-        logger.info("Tensor parallel: %d ranks over %s (this process is rank 0 on %s; %d query heads, %d KV heads "
-                    "and %d vocabulary rows per rank; rank pids %s)", world, backend, device, local.num_heads,
-                    local.num_kv_heads, local.vocab_size, [p.pid for p in procs])
-        model = cls(shard, group, arch.vocab_size, procs, device)
-        ref = weakref.ref(model)
-        atexit.register(lambda: (m := ref()) is not None and m.close())  # stop the workers cleanly
-        return model
 
     def _broadcast(self, msg: tuple) -> None:
         # Control messages travel as pickled bytes over gloo: CUDA tensors go to the CPU first.
         self.group.broadcast_object(msg if self.device.type == "cpu" else to_device(msg, torch.device("cpu")))
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def announce_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                         kv_caches: list) -> None:
         self._broadcast(("forward", input_ids, positions, meta, *self._pool_layout(kv_caches)))
-        return tp_forward(self.shard, self.group, input_ids, positions, meta, kv_caches)
+
+    def announce_logits(self, hidden: torch.Tensor) -> None:
+        self._broadcast(("logits", hidden))
 
     @staticmethod
     def _pool_layout(kv_caches: list) -> tuple[tuple[int, ...], bool]:
@@ -404,15 +377,7 @@ class TensorParallelModel:
         """The tiers' block copier over every rank's pool."""
         return RankBlockCopier(self, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._broadcast(("logits", hidden))
-        return tp_logits(self.shard, self.group, hidden, self.vocab_size)
-
-    @property
-    def rank_pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def watch_ranks(self, on_lost: Callable[[int, int | None], None]) -> threading.Thread:
+    def watch(self, on_lost: Callable[[int, int | None], None]) -> bool:
         """Call ``on_lost(rank, exitcode)`` (from a daemon thread) when a rank process ends while
         the group is open; nothing after ``close``."""
         from multiprocessing.connection import wait
@@ -425,9 +390,8 @@ class TensorParallelModel:
             rank = sentinels[ready[0]]
             on_lost(rank, self.procs[rank - 1].exitcode)
 
-        thread = threading.Thread(target=watch, name="kvserve-tp-watch", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=watch, name="kvserve-tp-watch", daemon=True).start()
+        return True
 
     def close(self) -> None:
         if self._closed:

@@ -63,8 +63,8 @@ def test_tp2_nccl_equals_tp1(hf):
     two = engine(hf, 2)
     model = two.runner.model
     try:
-        assert model.group.backend == "nccl" and isinstance(model.group.pg, torch.distributed.ProcessGroupNCCL)
-        assert model.device == torch.device("cuda", 0) and model.shard.embed.device == torch.device("cuda", 0)
+        assert model.ranks.group.backend == "nccl" and isinstance(model.ranks.group.pg, torch.distributed.ProcessGroupNCCL)
+        assert model.ranks.device == torch.device("cuda", 0) and model.embed.device == torch.device("cuda", 0)
         assert two.runner.kv_caches[0][0].device.type == "cuda" and two.runner.kv_caches[0][0].shape[2] == 1
         assert two.runner.graphs is None  # no CUDA graphs with more than one rank
         got = two.generate(ps, PARAMS)
@@ -73,7 +73,7 @@ def test_tp2_nccl_equals_tp1(hf):
         assert two.kv_cache.usage == 0
     finally:
         two.close()
-    assert all(not p.is_alive() for p in model.procs)
+    assert all(not p.is_alive() for p in model.ranks.procs)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")

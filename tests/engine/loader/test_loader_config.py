@@ -17,7 +17,7 @@ from engine.model.arch import ModelArch
 from engine.loader.gguf.tensors import gguf_config_dir
 from engine.loader import default_gguf_path, load_model
 from engine.loader.checkpoint import read_config
-from engine.model.llama import rope_cos_sin
+from engine.model.rope import rope_cos_sin
 
 REPO = Path(__file__).resolve().parents[3]
 TEXTS = ["Hello, world!", "  leading spaces and ünïcödé\n\ttabs", "<|im_start|>user\nhi<|im_end|>", ""]

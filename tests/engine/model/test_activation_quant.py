@@ -309,9 +309,9 @@ def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypa
         model = engine.runner.model
         assert model.decode_path == "native" and model.activation_quant == mode
         seen, calls = [], [0]
-        compute, native = model.compute_logits, model._native_decode
+        compute, native = model.compute_logits, model.native_decode
         model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]
-        model._native_decode = lambda *a, f=native, **kw: calls.__setitem__(0, calls[0] + 1) or f(*a, **kw)
+        model.native_decode = lambda *a, f=native, **kw: calls.__setitem__(0, calls[0] + 1) or f(*a, **kw)
         out = engine.generate([[5, 6, 7], [9, 3, 4, 8], [11]], SamplingParams(temperature=0, max_tokens=6,
                                                                              ignore_eos=True))
         logits[mode] = (seen, [o.token_ids for o in out])

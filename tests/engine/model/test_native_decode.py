@@ -42,14 +42,14 @@ class PathComparer:
 
     def __call__(self, input_ids, positions, meta, kv_caches):
         m = self.model
-        decodes = m._native_rows(meta, kv_caches)
+        decodes = m.native.rows(meta, kv_caches) if m.native is not None else 0
         if not decodes:
             return self.inner(input_ids, positions, meta, kv_caches)
-        m.decode_path = "python"
+        native, m.native = m.native, None  # the Python path for the reference run
         try:
             want = m.compute_logits(self.inner(input_ids, positions, meta, kv_caches))
         finally:
-            m.decode_path = "native"
+            m.native = native
         hidden = self.inner(input_ids, positions, meta, kv_caches)
         got = m.compute_logits(hidden)
         try:
@@ -120,7 +120,7 @@ def test_int8_blocks_only_native_decode_takes_more_than_16_rows(cache_dir, tmp_p
         cache=CacheConfig(block_size=4, num_blocks=256),
         scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=24)))
     model = engine.runner.model
-    assert model.native_max_rows > 16
+    assert model.native.max_rows > 16
     comparer = PathComparer(model, rtol=1e-3)
     prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(3 + i % 5)] for i in range(20)]
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -138,7 +138,7 @@ def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
     engine = tiny_engine(tiny_hf_model(tiny_llama_config(num_key_value_heads=heads)), block_size=4,
                          kv_cache_dtype=kv_cache_dtype)
     assert engine.runner.kv_caches[0][0].dtype == (torch.float16 if kv_cache_dtype == "float16" else torch.float32)
-    assert engine.runner.model.linear_backend != "gguf" and engine.runner.model.native_max_rows == 4
+    assert engine.runner.model.linear_backend != "gguf" and engine.runner.model.native.max_rows == 4
     assert run_and_compare(engine, [6]) == [1] * 8
     assert max(run_and_compare(engine, RAGGED)) == 4
 
@@ -168,7 +168,7 @@ def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
 
 
 def test_larger_batches_fall_back_to_python():
-    """A step of more rows than native_max_rows runs DecoderLayer.forward, and still serves."""
+    """A step of more rows than native.max_rows runs DecoderLayer.forward, and still serves."""
     engine = tiny_engine(tiny_hf_model(), block_size=4)
     steps = run_and_compare(engine, [3, 4, 5, 6, 7, 8], tokens=4)
     assert steps == []  # six rows > 4: every decode step on the Python path
@@ -196,7 +196,7 @@ def test_bad_arguments_are_clear_errors():
         ModelConfig(decode_path="fast")
     engine = tiny_engine(tiny_hf_model(), block_size=4)
     model = engine.runner.model
-    args = list(model._native_layers[0])
+    args = list(model.native.layers[0])
     k_cache, v_cache = engine.runner.kv_caches[0]
     x, rope = torch.zeros(1, 64), torch.zeros(1, 16)
     table, lens = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long)
@@ -243,7 +243,7 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
     the summation order)."""
     shape, formats = GGUF_CASES[case]
     model = gguf_engine(write_gguf(tmp_path / f"{case}.gguf", shape, formats, seed=3), "blocks").runner.model
-    assert model.decode_path == "native" and model._native_stack.num_layers() == len(model.layers)
+    assert model.decode_path == "native" and model.native.stack.num_layers() == len(model.layers)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -252,17 +252,17 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
             want_x, want_k, want_v = x.clone(), [k.clone() for k in ks], [v.clone() for v in vs]
             scale = model.arch.head_dim ** -0.5
-            for args, k, v in zip(model._native_layers, want_k, want_v):
+            for args, k, v in zip(model.native.layers, want_k, want_v):
                 torch.ops.kvserve.decode_layer(want_x, *args, cos, sin, k, v, slots, table, lens,
                                                model.arch.num_heads, scale, int8)
-            model._native_stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False)
+            model.native.stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False)
             assert torch.equal(x, want_x), (rows, int8)
             assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
             assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
             fresh_k = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)[3]
             assert not all(torch.equal(a, b) for a, b in zip(ks, fresh_k))  # and wrote their new keys
             normed, _, _, ks2, vs2, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
-            model._native_stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True)
+            model.native.stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True)
             want_normed = F.rms_norm(want_x, (want_x.shape[-1],), model.norm, model.arch.rms_norm_eps)
             torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-6)
             assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
@@ -275,20 +275,20 @@ def test_decode_stack_rejects_mismatched_caches():
     model = engine.runner.model
     x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, 2, 5, 4, seed=0)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        model._native_stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False)
     bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model._native_stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False)
     mixed = ks[:1] + [ks[1].half()] + ks[2:]  # one layer's pool fp16, the others fp32
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model._native_stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False)
     with pytest.raises(RuntimeError, match="contiguous float32 or float16"):
-        model._native_stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        model._native_stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False)
     a = model.arch
     bare = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
-    for args in model._native_layers:
+    for args in model.native.layers:
         bare.add_layer(*args)
     with pytest.raises(RuntimeError, match="needs set_final_norm"):
         bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True)

@@ -19,6 +19,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.model.arch import ModelArch
+from engine.model.llama import LlamaForCausalLM
+from engine.model.parallel_linear import RowParallelLinear
 from engine.parallel.tensor_parallel import shard_arch, shard_state_dict
 from kvtypes.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
@@ -76,6 +78,14 @@ def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
     expected = one.generate(ps, PARAMS)
     two = engine(hf, 2)
     try:
+        # One model class and one decoder layer: rank 0's model is the single-rank one, its
+        # row-parallel matmuls all-reducing (engine/model/parallel_linear.py).
+        model = two.runner.model
+        assert type(model) is type(one.runner.model) is LlamaForCausalLM
+        assert all(isinstance(layer.o_mm, RowParallelLinear) and isinstance(layer.down_mm, RowParallelLinear)
+                   for layer in model.layers)
+        assert not isinstance(one.runner.model.layers[0].o_mm, RowParallelLinear)
+        assert model.decode_path == "python"  # the native path does not cover tensor parallel ranks
         got = two.generate(ps, PARAMS)
         # Rank 0's pool holds its own KV head only.
         assert two.runner.kv_caches[0][0].shape[2] == 1 and one.runner.kv_caches[0][0].shape[2] == 2
@@ -94,7 +104,7 @@ def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
         lost: list[tuple[int, int | None]] = []
         heard = threading.Event()
         assert two.watch_ranks(lambda rank, code: (lost.append((rank, code)), heard.set()))
-        proc = two.runner.model.procs[0]
+        proc = two.runner.model.ranks.procs[0]
         os.kill(proc.pid, signal.SIGKILL)
         assert heard.wait(10) and lost[0][0] == 1
         # While a killed rank is still exiting, is_alive() can say True after its sentinel is
@@ -102,13 +112,13 @@ def test_tp2_equals_tp1_with_prefix_caching_and_preemption(hf):
         # had blocked a full suite run for good).
         sent: list[tuple] = []
         proc.is_alive = lambda: True
-        two.runner.model._broadcast = sent.append
+        two.runner.model.ranks._broadcast = sent.append
         two.close()
         del proc.is_alive
         assert sent == []
     finally:
         two.close()
-    assert all(not p.is_alive() for p in two.runner.model.procs)
+    assert all(not p.is_alive() for p in two.runner.model.ranks.procs)
     assert not one.watch_ranks(lambda rank, code: None)  # a single rank: nothing to watch
 
 

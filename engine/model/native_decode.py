@@ -1,0 +1,214 @@
+"""The native decode path: every decoder layer of an all-decode step in ONE C++ call.
+
+``native``: the single-new-token rows of a step, at most ``NativeDecoder.max_rows`` of them,
+over a float32 or float16 pool, run every layer in one ``torch.classes.kvserve.DecodeStack``
+call (engine/kernels/cpu/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per
+layer, each with its own fork/join); a mixed step's prefill chunks then run
+``DecoderLayer.forward``, as do larger batches. ``python``: always ``DecoderLayer.forward``.
+``auto``: ``native`` where it can run. Both paths compute the same function, differing only in
+fp32 summation order.
+
+This module is the one place that decides whether the path runs (``decide_decode_path``, once,
+when the model is built, with the reason when it cannot) and binds it (``NativeDecoder``). It
+needs the CPU, float32, the kernels and an attention backend whose numerics it shares
+(``AttentionBackend.supports_native_decode``); it does not cover tensor-parallel ranks or int8
+KV pools. Per step, the model only asks ``NativeDecoder.rows``: is this an all-decode step (or
+a mixed one whose decode rows can go first) of at most ``max_rows`` rows.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.loader.gguf.blocks import BlockFormat
+from engine.model.arch import ModelArch
+from engine.model.block_linear import BlockLinear
+from engine.model.decoder_layer import DecoderLayer
+from engine.model.parallel_linear import ModelShard
+
+logger = logging.getLogger(__name__)
+
+DECODE_PATHS = ("auto", "native", "python")
+# Rows up to which a dense (no blocks) matrix runs in the native decode path: its plain fp32
+# dot products stream the weight once, as MKL's gemv does at 1-3 rows (see linear.PackedLinear).
+DENSE_MAX_ROWS = 4
+UNBOUNDED = 1 << 30
+
+
+class DecodingModel(Protocol):
+    """What the native path reads of the model (``LlamaForCausalLM``)."""
+
+    arch: ModelArch
+    attn: AttentionBackend
+    layers: Sequence[DecoderLayer]
+    embed: torch.Tensor
+    norm: torch.Tensor
+    shard: ModelShard | None
+    native: "NativeDecoder | None"
+
+
+def layer_arguments(layer: DecoderLayer) -> tuple[tuple, int]:
+    """The layer's constant arguments of ``torch.ops.kvserve.decode_layer`` for the matmuls as
+    bound now (``DecoderLayer.use_linear``), and the most rows a step may have for that call to
+    compute what ``forward`` computes: a matrix on blocks stays on them up to its
+    ``BlockLinear.max_rows`` (above that ``forward`` switches to the dense copy)."""
+    args: list = [layer.input_norm.detach(), layer.post_attn_norm.detach(), layer.eps]
+    max_rows = UNBOUNDED
+    for attr, weight_name, bias_name in layer.MATMULS:
+        mm = getattr(layer, attr)
+        if isinstance(mm, BlockLinear):
+            weights = [data for data, _, _ in mm.parts]
+            rows = [n for _, n, _ in mm.parts]
+            formats = [f for _, _, f in mm.parts]
+            bias = mm.bias
+            max_rows = min(max_rows, mm.max_rows)
+        else:
+            weight = getattr(layer, weight_name).detach()
+            weights, rows, formats = [weight], [weight.shape[0]], [-1]
+            bias = getattr(layer, bias_name) if bias_name else None
+            max_rows = min(max_rows, DENSE_MAX_ROWS)
+        args += [weights, rows, formats]
+        if bias_name:
+            args.append(bias.detach() if bias is not None else None)
+    return tuple(args), max_rows
+
+
+def layer_unavailable(layer: DecoderLayer) -> str | None:
+    """Why ``decode_layer`` cannot run this layer's matmuls as bound, or None."""
+    for attr, _, _ in layer.MATMULS:
+        mm = getattr(layer, attr)
+        if isinstance(mm, BlockLinear):
+            offset = 0
+            for _, n, f in mm.parts:
+                if BlockFormat(f).strips and offset % 8:
+                    return f"a {BlockFormat(f).name} part of {attr[:-3]} starts at row {offset}, not a multiple of 8"
+                offset += n
+    return None
+
+
+def not_covered(model: DecodingModel, int8_kv: bool) -> str | None:
+    """A setting the native path does not cover at all (as opposed to a check that failed), or None."""
+    if model.shard is not None:
+        return "tensor parallel ranks"
+    if int8_kv:
+        return "an int8 KV pool"
+    return None
+
+
+def unavailable(model: DecodingModel) -> str | None:
+    """Why the native decode path cannot run this model as bound now, or None."""
+    from engine.kernels import has_op
+
+    if model.embed.device.type != "cpu" or model.norm.dtype != torch.float32:
+        return "it runs on the CPU in float32 only"
+    if not has_op("decode_layer"):
+        return "the native kernels could not be built"
+    if model.arch.intermediate_size % 8:
+        return "the intermediate size is not a multiple of 8"
+    if not model.attn.supports_native_decode:
+        return f"it attends as the native attention backend does, and {model.attn.name!r} is in use"
+    return next(filter(None, (layer_unavailable(layer) for layer in model.layers)), None)
+
+
+class NativeDecoder:
+    """The model's layers bound in one ``DecodeStack`` (their matmuls as bound when it was built:
+    rebuild it after rebinding them, see ``rebind_native_decoder``), with the final norm."""
+
+    def __init__(self, layers: Sequence[DecoderLayer], final_norm: torch.Tensor, arch: ModelArch) -> None:
+        bound = [layer_arguments(layer) for layer in layers]
+        self.layers: list[tuple] = [args for args, _ in bound]  # decode_layer's constant arguments per layer
+        self.max_rows = min(rows for _, rows in bound)
+        self.scale = arch.head_dim ** -0.5
+        self.stack = torch.classes.kvserve.DecodeStack(arch.hidden_size, arch.num_heads, arch.num_kv_heads,
+                                                       arch.head_dim)
+        for args in self.layers:
+            self.stack.add_layer(*args)
+        self.stack.set_final_norm(final_norm, arch.rms_norm_eps)
+
+    def rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
+        """How many of this step's rows the native path takes: the decode rows, which come first,
+        when they are one group of at most ``max_rows``; else 0. In a mixed step they run before
+        the prefill chunks, so not when one of them reads a block a chunk fills in this step (a
+        prefix hit on a block computed in the same step: the scheduler shares those)."""
+        if len(meta.decode_groups) != 1:
+            return 0
+        group = meta.decode_groups[0]
+        if group.start != 0 or group.end > self.max_rows:
+            return 0
+        if meta.prefills:
+            filled = meta.slot_mapping[group.end:] // kv_caches[0][0].shape[1]
+            if torch.isin(group.block_ids, filled).any():
+                return 0
+        return group.end
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8_activations: bool,
+            final_norm: bool) -> torch.Tensor:
+        """The decode rows ``x`` (contiguous, at their positions' cos / signed sin) through every
+        layer, in place; with ``final_norm`` also the model's final RMSNorm."""
+        group = meta.decode_groups[0]
+        table, lens = group.block_table.contiguous(), group.context_lens
+        # every layer in one call and one OpenMP region (decode_layer.cpp DecodeStack): the
+        # same arithmetic as one torch.ops.kvserve.decode_layer call per layer
+        self.stack.run(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+                       table, lens, self.scale, int8_activations, final_norm)
+        return x
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """What ``decide_decode_path`` decided: ``path`` (``native`` or ``python``) and, for
+    ``python``, why not native (None when ``python`` was chosen); ``covered`` is False when the
+    reason is a setting the native path does not cover (``not_covered``)."""
+
+    path: str
+    reason: str | None = None
+    covered: bool = True
+    max_rows: int = 0
+
+    def describe(self) -> str:
+        """The startup log line's text after ``Decode path: ``."""
+        if self.path == "native":
+            most = "any number of them" if self.max_rows >= UNBOUNDED else f"up to {self.max_rows}"
+            return (f"native (a step's decode rows, {most}, run every layer in one C++ call; "
+                    "a mixed step's prefill chunks then run in torch)")
+        if not self.covered:
+            return f"python (the native path does not cover {self.reason})"
+        return "python" + (f" (native unavailable: {self.reason})" if self.reason else "")
+
+
+def decide_decode_path(model: DecodingModel, choice: str = "auto", int8_kv: bool = False) -> DecodePath:
+    """Decide how decode rows run (``ModelConfig.decode_path``) and bind ``model.native``
+    accordingly; ValueError when ``choice`` is unknown, or ``native`` and it cannot run."""
+    if choice not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, got {choice!r}")
+    outside = not_covered(model, int8_kv)
+    if outside is not None:
+        if choice == "native":
+            raise ValueError(f"decode_path 'native' cannot run with {outside}; use 'auto' or 'python'")
+        model.native = None
+        return DecodePath("python", outside, covered=False)
+    reason = None if choice == "python" else unavailable(model)
+    if choice == "native" and reason:
+        raise ValueError(f"decode_path 'native' cannot run: {reason}; use 'auto' or 'python'")
+    if choice == "python" or reason:
+        model.native = None
+        return DecodePath("python", reason)
+    model.native = NativeDecoder(model.layers, model.norm, model.arch)
+    return DecodePath("native", max_rows=model.native.max_rows)
+
+
+def rebind_native_decoder(model: DecodingModel) -> None:
+    """After the model's matmuls were rebound (linear backend, activation quantization): the
+    native path, if it runs, over the new bindings (``max_rows`` follows the kernels')."""
+    if model.native is not None:
+        model.native = NativeDecoder(model.layers, model.norm, model.arch)
+
+
+def configure_decode_path(model: DecodingModel, choice: str, int8_kv: bool, log: logging.Logger = logger) -> None:
+    """The engine's one decision of the decode path, logged (on ``log``) as it was decided."""
+    log.info("Decode path: %s", decide_decode_path(model, choice, int8_kv).describe())
