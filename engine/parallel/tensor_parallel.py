@@ -58,6 +58,7 @@ import torch
 from engine.model.arch import ModelArch
 from engine.attention import AttentionMetadata, select_attention
 from engine.kv.int8 import Int8KV
+from engine.kv.pool import allocate_kv_pair
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel_linear import ModelShard
 from engine.model.ranks import ModelRanks
@@ -229,7 +230,8 @@ def _serve(group: Group, model: LlamaForCausalLM, arch: ModelArch, dtype: torch.
                     or isinstance(kv_caches[0][0], Int8KV) != int8_kv):
                 # First use, or rank 0 reallocated its pool (CUDA sizes it after a profiling run).
                 kv_caches = []
-                kv_caches = [allocate_kv_pair(kv_shape, int8_kv, dtype, device) for _ in range(arch.num_layers)]
+                kv_caches = [allocate_kv_pair(kv_shape, "int8" if int8_kv else "auto", dtype, device)
+                             for _ in range(arch.num_layers)]
             if kind == "forward":
                 model(msg[1], msg[2], msg[3], kv_caches)
             elif kind == "kv_read":
@@ -240,15 +242,6 @@ def _serve(group: Group, model: LlamaForCausalLM, arch: ModelArch, dtype: torch.
                 write_local(tensors, msg[1], group.scatter_cpu(None, like))
         elif kind == "logits":
             model.compute_logits(to_device(msg[1], device))
-
-
-def allocate_kv_pair(shape: tuple[int, ...], int8_kv: bool, dtype: torch.dtype,
-                     device: torch.device) -> tuple[torch.Tensor | Int8KV, torch.Tensor | Int8KV]:
-    """One layer's zeroed K and V pools of a rank, in the layout rank 0's runner chose: float
-    tensors of the model's dtype, or ``Int8KV`` (codes + per-token-per-head scales) for int8."""
-    if int8_kv:
-        return Int8KV.zeros(shape, dtype, device), Int8KV.zeros(shape, dtype, device)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 # ---- rank 0 -------------------------------------------------------------------------------------
