@@ -17,16 +17,15 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.client import EngineClient, EngineDeadError
 from engine.core.protocol import PromptTooLongError
-from kvtypes.outputs import RequestOutput, TokenLogprob
+from kvtypes.outputs import RequestOutput
 from kvtypes.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
@@ -35,61 +34,9 @@ from server.errors import APIError, bad_request, sse_error_frame
 from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.runs import (ChatRun, Choice, EngineRequestError, Job, cancel_on_disconnect, checked, prompt_lengths,
+                         usage, with_seed)
 from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
-
-# JSON has no -inf; a sampled token can have zero probability under the raw logits only in
-# theory, but a top-k alternative easily can.
-
-
-class EngineRequestError(RuntimeError):
-    """The engine failed (500) or, shutting down, aborted (503) this request after it was accepted."""
-
-    def __init__(self, message: str, status: int = 500, code: str = "engine_error") -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-    @property
-    def type(self) -> str:
-        return "service_unavailable_error" if self.status == 503 else "internal_server_error"
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt_index: int
-    text: str = ""
-    num_output_tokens: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_cache_write_tokens: int = 0
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs on /v1/completions
-    echo: str | None = None  # the prompt text, when echo is asked
-    echoed: bool = False  # streaming: the echo went out with the first chunk
-
-
-@dataclass
-class Job:
-    """One engine request of an HTTP request."""
-
-    choice: Choice
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-
-
-def _usage(choices: Sequence[Choice], prompt_lengths: Sequence[int]) -> dict[str, Any]:
-    prompt_tokens = sum(prompt_lengths)
-    completion = sum(c.num_output_tokens for c in choices)
-    # Counted once per prompt (its first choice), like prompt_tokens.
-    firsts = [c for c in choices if c.index == c.prompt_index * (len(choices) // len(prompt_lengths))]
-    cached = sum(c.num_cached_tokens for c in firsts)
-    written = sum(c.num_cache_write_tokens for c in choices)  # tokens written into retained cache
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written}}
-
 
 class OpenAIServing:
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
@@ -168,6 +115,16 @@ class OpenAIServing:
 
     # ---- endpoints --------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        run = await self.prepare_chat(body)
+        if body.stream:
+            return self._sse(self._chat_stream(run.request_id, run.jobs, body, run.plan))
+        return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan))
+
+    async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+        """Validate a chat request, render and tokenize it, and plan its jobs (one per choice):
+        everything before the engine runs. Other chat-shaped APIs (Responses, Messages) translate
+        their requests into a ``ChatCompletionRequest`` and run it through here, so they share
+        the scheduler, prefix cache, grammars and tools with chat completions."""
         self.check_model(body.model)
         body.check_unsupported()
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -195,11 +152,8 @@ class OpenAIServing:
         params = with_policy(params, chat_cache_policy(body, self.tokenizer, messages, prompt_ids,
                                                        has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = self._jobs(request_id, [prompt_ids], params, body.n)
-        if body.stream:
-            return self._sse(self._chat_stream(request_id, jobs, body, plan))
-        return await _cancel_on_disconnect(raw, self._chat_full(request_id, jobs, body, plan))
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        return ChatRun(request_id, self._jobs(request_id, [prompt_ids], params, body.n), plan)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
@@ -237,7 +191,7 @@ class OpenAIServing:
                 job.choice.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         if body.stream:
             return self._sse(self._completion_stream(request_id, jobs, body))
-        return await _cancel_on_disconnect(raw, self._completion_full(request_id, jobs, body))
+        return await cancel_on_disconnect(raw, self._completion_full(request_id, jobs, body))
 
     def _check_n(self, n: int) -> None:
         if n > self.config.max_n:
@@ -249,7 +203,7 @@ class OpenAIServing:
             for k in range(n):
                 # Distinct seeds per choice, or n seeded choices would all be the same text.
                 seed = None if params.seed is None else params.seed + k
-                choice_params = params if seed == params.seed else _with_seed(params, seed)
+                choice_params = params if seed == params.seed else with_seed(params, seed)
                 choice = Choice(index=p * n + k, prompt_index=p, num_prompt_tokens=len(ids))
                 jobs.append(Job(choice, ids, choice_params, f"{request_id}-{p * n + k}"))
         return jobs
@@ -267,7 +221,7 @@ class OpenAIServing:
                 async with contextlib.aclosing(self.engine.generate(job.prompt_token_ids, job.params, job.request_id,
                                                                     cache_salt)) as outputs:
                     async for out in outputs:
-                        yield job.choice, _checked(job.choice, out)
+                        yield job.choice, checked(job.choice, out)
             except (EngineDeadError, ValueError) as exc:
                 raise EngineRequestError(str(exc)) from None
             return
@@ -292,7 +246,7 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise EngineRequestError(str(item))
                 else:
-                    yield choice, _checked(choice, item)
+                    yield choice, checked(choice, item)
         finally:
             for task in tasks:
                 task.cancel()
@@ -319,7 +273,7 @@ class OpenAIServing:
                              "finish_reason": finish_reason})
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-            "choices": rendered, "usage": _usage(choices, _prompt_lengths(jobs)),
+            "choices": rendered, "usage": usage(choices, prompt_lengths(jobs)),
         })
 
     async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
@@ -351,7 +305,7 @@ class OpenAIServing:
                 yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": finish_reason}])
             if usage_on:
-                yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
+                yield chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))
         except EngineRequestError as exc:
             yield sse_error_frame(str(exc), exc.type, exc.code)
         yield "data: [DONE]\n\n"
@@ -366,7 +320,7 @@ class OpenAIServing:
             "choices": [{"index": c.index, "text": (c.echo or "") + c.text,
                          "logprobs": self._echoed_logprobs(c, jobs) if body.logprobs is not None else None,
                          "finish_reason": c.finish_reason} for c in choices],
-            "usage": _usage(choices, _prompt_lengths(jobs)),
+            "usage": usage(choices, prompt_lengths(jobs)),
         })
 
     async def _completion_stream(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> AsyncIterator[str]:
@@ -394,7 +348,7 @@ class OpenAIServing:
                 yield chunk([{"index": choice.index, "text": text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason if out.finished else None}])
             if usage_on:
-                yield chunk([], _usage([j.choice for j in jobs], _prompt_lengths(jobs)))
+                yield chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))
         except EngineRequestError as exc:
             yield sse_error_frame(str(exc), exc.type, exc.code)
         yield "data: [DONE]\n\n"
@@ -420,32 +374,6 @@ def _validate_spec_cached(spec: Any) -> None:
     validate_spec(spec)
 
 
-def _checked(choice: Choice, out: RequestOutput) -> RequestOutput:
-    """``out`` applied to its choice; an engine error or abort raises EngineRequestError."""
-    if out.finish_reason == "error":
-        raise EngineRequestError(out.error or "engine error")
-    if out.finish_reason == "abort":
-        # Only the engine stopping aborts a request someone still listens to (a client that
-        # left is not listening); "abort" is no OpenAI finish_reason.
-        raise EngineRequestError(out.error or "the request was aborted: the server is shutting down",
-                                 503, "server_shutting_down")
-    _apply(choice, out)
-    return out
-
-
-def _apply(choice: Choice, out: RequestOutput) -> None:
-    if out.prompt_logprobs is not None:
-        choice.prompt_logprobs = out.prompt_logprobs
-    choice.text += out.text
-    choice.num_output_tokens = out.num_output_tokens
-    choice.num_cached_tokens = out.num_cached_tokens
-    choice.num_cache_write_tokens = out.num_cache_write_tokens
-    if out.logprobs:
-        choice.logprobs.extend(out.logprobs)
-    if out.finished:
-        choice.finish_reason = out.finish_reason
-
-
 def _chunk_writer(request_id: str, object_name: str, model: str,
                   usage_on: bool) -> Callable[..., str]:
     """SSE frame builder for one stream; with ``include_usage`` every chunk carries ``usage`` (null until the last)."""
@@ -459,39 +387,3 @@ def _chunk_writer(request_id: str, object_name: str, model: str,
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     return chunk
-
-
-def _prompt_lengths(jobs: list[Job]) -> list[int]:
-    seen: dict[int, int] = {}
-    for job in jobs:
-        seen.setdefault(job.choice.prompt_index, len(job.prompt_token_ids))
-    return list(seen.values())
-
-
-def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, seed=seed)
-
-
-async def _cancel_on_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
-    """Run a non-streaming handler, cancelling it (and so aborting its engine requests) if the client leaves."""
-    task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return Response(status_code=499)
