@@ -1,7 +1,20 @@
 """HTTP-side configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ResponseStoreConfig:
+    """The bounded in-memory store of finished ``/v1/responses`` (least recently used evicted
+    first when either cap is reached; an evicted id answers 404 like an unknown one)."""
+
+    max_responses: int = 1024
+    max_bytes: int = 64 * 1024 * 1024  # of the stored JSON (responses and their conversations)
+
+    def __post_init__(self) -> None:
+        if self.max_responses < 0 or self.max_bytes < 0:
+            raise ValueError("response_store caps must be >= 0 (0 stores nothing)")
 
 
 @dataclass
@@ -18,6 +31,7 @@ class ServerConfig:
     shutdown_grace_s: float = 20.0  # SIGTERM: in-flight requests may finish for this long
     log_stats_interval_s: float = 10.0  # periodic throughput/KV log line while busy; 0 disables
     metrics_compat: str | None = None  # "vllm": also export the vLLM metric names routers read
+    response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -30,5 +44,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.metrics_compat not in (None, "vllm"):
             raise ValueError(f"metrics_compat must be 'vllm' or null, got {self.metrics_compat!r}")
+        if isinstance(self.response_store, dict):  # from a YAML profile's server section
+            self.response_store = ResponseStoreConfig(**self.response_store)
         if self.api_key == "":
             self.api_key = None

@@ -1,0 +1,148 @@
+"""``POST /v1/responses``: a Responses request run as a chat request, its result as a Response
+object or as typed SSE events; ``GET`` and ``DELETE`` on the stored ones.
+
+The engine work is the chat path's: ``OpenAIServing.prepare_chat`` (validation, template,
+tokenizing, tool plan, jobs) and ``OpenAIServing._merged`` (the outputs as they come). A
+streamed response's last event carries the same Response the non-streamed call returns.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from server.errors import APIError
+from server.responses.output import OutputBuilder, as_input_items, new_id, response_object, response_usage
+from server.responses.protocol import ResponsesRequest
+from server.responses.store import ResponseStore
+from server.responses.translate import Translation, translate
+from server.runs import ChatRun, EngineRequestError, cancel_on_disconnect, prompt_lengths, usage
+from server.serving import OpenAIServing
+from server.tools import ToolPlan, ToolStreamer, finish_message
+
+logger = logging.getLogger(__name__)
+
+DROPPED_TOOLS_HEADER = "x-kvserve-dropped-tools"
+# A chat error's param, renamed to the Responses field it came from.
+_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No response with id '{response_id}' found (unknown, deleted or evicted from the "
+                         "store).", "invalid_request_error", param, "response_not_found")
+
+
+class ResponsesServing:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
+        self.serving = serving
+        self.store = store
+
+    # ---- routes -------------------------------------------------------------------------------
+    async def create(self, body: ResponsesRequest, raw: Request) -> Response:
+        body.check_unsupported()
+        history: list[Any] = []
+        if body.previous_response_id is not None:
+            previous = self.store.get(body.previous_response_id)
+            if previous is None:
+                raise not_found(body.previous_response_id, "previous_response_id")
+            history = previous.conversation
+        translation = translate(body, history)
+        headers = {}
+        if translation.dropped:
+            logger.info("responses: tools not offered to the model (kvserve cannot run them): %s",
+                        ", ".join(translation.dropped))
+            headers[DROPPED_TOOLS_HEADER] = ",".join(translation.dropped)
+        try:
+            run = await self.serving.prepare_chat(translation.chat, id_prefix="resp")
+        except APIError as exc:
+            exc.param = _PARAMS.get(exc.param or "", exc.param)
+            raise
+        conversation = [*history, *body.items()]
+        if body.stream:
+            return StreamingResponse(self._stream(body, translation, run, conversation), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        response = await cancel_on_disconnect(raw, self._full(body, translation, run, conversation))
+        response.headers.update(headers)
+        return response
+
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return entry.response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        if not self.store.delete(response_id):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    # ---- running ------------------------------------------------------------------------------
+    async def _full(self, body: ResponsesRequest, translation: Translation, run: ChatRun,
+                    conversation: list[Any]) -> Response:
+        created = int(time.time())
+        try:
+            async for _ in self.serving._merged(run.jobs, translation.chat.cache_salt):
+                pass
+        except EngineRequestError as exc:
+            raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
+        choice = run.jobs[0].choice
+        message, _ = finish_message(run.plan, choice.text, choice.finish_reason)
+        builder = OutputBuilder()
+        for _ in builder.feed({"content": message.get("content"), "tool_calls": message.get("tool_calls")}):
+            pass
+        incomplete = choice.finish_reason == "length"
+        for _ in builder.finish(incomplete):
+            pass
+        return JSONResponse(self._finished(body, translation, run, created, builder, conversation))
+
+    async def _stream(self, body: ResponsesRequest, translation: Translation, run: ChatRun,
+                      conversation: list[Any]) -> AsyncIterator[str]:
+        created = int(time.time())
+        response_id = new_id("resp")
+        sequence = 0
+
+        def event(kind: str, payload: dict[str, Any]) -> str:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence, **payload}
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        start = response_object(response_id, created, self.serving.model_name, body, translation.tools,
+                                "in_progress", [], None)
+        yield event("response.created", {"response": start})
+        yield event("response.in_progress", {"response": start})
+        builder = OutputBuilder()
+        streamer = ToolStreamer(run.plan or ToolPlan("none", []))
+        choice = run.jobs[0].choice
+        try:
+            async for _, out in self.serving._merged(run.jobs, translation.chat.cache_salt):
+                for kind, payload in builder.feed(streamer.delta(out.text)):
+                    yield event(kind, payload)
+                if out.finished:
+                    tail, _ = streamer.final(choice.finish_reason)
+                    for kind, payload in builder.feed(tail):
+                        yield event(kind, payload)
+        except EngineRequestError as exc:
+            yield event("error", {"code": exc.code, "message": str(exc), "param": None})
+            return
+        incomplete = choice.finish_reason == "length"
+        for kind, payload in builder.finish(incomplete):
+            yield event(kind, payload)
+        final = self._finished(body, translation, run, created, builder, conversation, response_id)
+        yield event("response.incomplete" if incomplete else "response.completed", {"response": final})
+
+    def _finished(self, body: ResponsesRequest, translation: Translation, run: ChatRun, created: int,
+                  builder: OutputBuilder, conversation: list[Any], response_id: str | None = None) -> dict[str, Any]:
+        """The finished Response (stored unless ``store`` is false)."""
+        choice = run.jobs[0].choice
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        response = response_object(response_id or new_id("resp"), created, self.serving.model_name, body,
+                                   translation.tools, status, builder.output,
+                                   response_usage(usage([choice], prompt_lengths(run.jobs))))
+        if body.store is not False:
+            self.store.put(response, [*conversation, *as_input_items(builder.output)])
+        return response
