@@ -32,8 +32,10 @@ _PARAMS = {"messages": "input", "response_format": "text.format", "max_completio
 
 
 def not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"No response with id '{response_id}' found (unknown, deleted or evicted from the "
-                         "store).", "invalid_request_error", param, "response_not_found")
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    return APIError(404, f"{what} with id '{response_id}' not found (unknown, deleted, or evicted from the "
+                         "store).", "invalid_request_error", param,
+                    "previous_response_not_found" if param else "response_not_found")
 
 
 class ResponsesServing:
