@@ -100,6 +100,9 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
         return {"version": __version__}
 
     add_cache_routes(app, engine, authorized)
+    # Anthropic's Messages API (its own auth headers and error shape)
+    from server.messages.routes import add_messages_routes
+    add_messages_routes(app, serving)
     if metrics is not None:
         app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False)
     return app
