@@ -14,12 +14,12 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server.errors import APIError
 from server.messages.errors import sse_error_event
 from server.messages.protocol import CountTokensRequest, MessagesRequest
 from server.messages.translate import translate
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect
 from server.serving import OpenAIServing
-from server.errors import APIError
 from server.tools import ToolPlan, ToolStreamer, finish_message
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from server.errors import bad_request
-from server.messages.protocol import (CountTokensRequest, CustomTool, MediaBlock, MessagesRequest, RedactedThinkingBlock,
-                                      TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock, join_text)
+from server.messages.protocol import (CountTokensRequest, CustomTool, MediaBlock, MessagesRequest,
+                                      RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
 from server.protocol import ChatCompletionRequest
 
 

@@ -212,7 +212,8 @@ def test_translation_of_turns_tools_and_breakpoints():
 
     body = MessagesRequest.model_validate({
         "model": "m", "max_tokens": 9, "stop_sequences": ["END"], "top_k": 5,
-        "system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B", "cache_control": {"type": "ephemeral"}}],
+        "system": [{"type": "text", "text": "A"},
+                   {"type": "text", "text": "B", "cache_control": {"type": "ephemeral"}}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}, {"type": "bash_20250124", "name": "bash"}],
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "messages": [{"role": "user", "content": "hi"},
