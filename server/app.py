@@ -22,6 +22,7 @@ from server.errors import install_error_handlers
 from server.metrics import Metrics
 from server.middleware import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.messages.routes import add_messages_routes
 from server.responses.routes import add_responses_routes
 from server.serving import OpenAIServing
 from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -102,6 +103,7 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
 
     add_cache_routes(app, engine, authorized)
     app.state.responses = add_responses_routes(app, serving, config, authorized)  # OpenAI's Responses API
+    add_messages_routes(app, serving)  # Anthropic's Messages API (its own auth headers and error shape)
     if metrics is not None:
         app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False)
     return app

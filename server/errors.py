@@ -1,9 +1,13 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+Routes of another API (Anthropic's ``/v1/messages``) register their own body shape with
+``add_error_shape``; every handler here then answers those paths in it, validation errors included.
+"""
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,13 +69,33 @@ def sse_error_frame(message: str, type: str = "internal_server_error", code: str
     return f"data: {json.dumps(error_body(message, type, None, code))}\n\n"
 
 
+# (status, message, type, param, code) -> (status, body): another API's error shape
+ErrorShape = Callable[[int, str, str, "str | None", "str | None"], tuple[int, dict[str, Any]]]
+
+
+def add_error_shape(app: FastAPI, path_prefix: str, shape: ErrorShape) -> None:
+    """Answer errors on paths starting with ``path_prefix`` in ``shape`` instead of OpenAI's."""
+    if not hasattr(app.state, "error_shapes"):
+        app.state.error_shapes = []
+    app.state.error_shapes.append((path_prefix, shape))
+
+
+def _respond(request: Request, status: int, message: str, type: str, param: str | None = None,
+             code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    for prefix, shape in getattr(request.app.state, "error_shapes", ()):
+        if request.url.path.startswith(prefix):
+            status, body = shape(status, message, type, param, code)
+            return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _respond(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the parameter.
         errors = exc.errors()
         first = errors[0] if errors else {}
@@ -87,17 +111,15 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = f"invalid value for '{param}': {first.get('msg', 'invalid')}" if param else \
                 str(first.get("msg", "invalid request"))
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return _respond(request, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
-        return JSONResponse(error_body(str(exc.detail), type_, None, code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return _respond(request, exc.status_code, str(exc.detail), type_, None, code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_server_error"),
-                            status_code=500)
+        return _respond(request, 500, f"internal error: {type(exc).__name__}", "internal_server_error")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -120,11 +121,16 @@ class OpenAIServing:
             return self._sse(self._chat_stream(run.request_id, run.jobs, body, run.plan))
         return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan))
 
-    async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+    async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
+                           clamp_max_tokens: bool = False) -> ChatRun:
         """Validate a chat request, render and tokenize it, and plan its jobs (one per choice):
         everything before the engine runs. Other chat-shaped APIs (Responses, Messages) translate
         their requests into a ``ChatCompletionRequest`` and run it through here, so they share
-        the scheduler, prefix cache, grammars and tools with chat completions."""
+        the scheduler, prefix cache, grammars and tools with chat completions.
+
+        ``clamp_max_tokens``: a ``max_tokens`` beyond the context's room (the context length, or
+        the KV pool when smaller, minus the prompt) is lowered to it instead of refused
+        (Anthropic clients send 32000)."""
         self.check_model(body.model)
         body.check_unsupported()
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -149,6 +155,12 @@ class OpenAIServing:
             prompt_ids = await self._off_loop(lambda: encode_chat(self.tokenizer, messages, tools=tools))
         except TemplateError as exc:
             raise bad_request(str(exc), "messages") from None
+        if clamp_max_tokens and params.max_tokens is not None:
+            info = getattr(self.engine, "info", None)  # the pool may hold less than a context
+            room = min(self.engine.max_model_len, getattr(info, "num_tokens", None) or self.engine.max_model_len) \
+                - len(prompt_ids)
+            if 0 < room < params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=room)
         params = with_policy(params, chat_cache_policy(body, self.tokenizer, messages, prompt_ids,
                                                        has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")

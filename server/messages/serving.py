@@ -1,0 +1,176 @@
+"""Running a Messages request: the chat pipeline's run, formatted as Anthropic's ``message`` or SSE events.
+
+Usage is counted as Anthropic counts it, the three input counts disjoint: ``cache_read_input_tokens``
+are the prompt tokens served from the prefix cache, ``cache_creation_input_tokens`` those this
+request wrote into retained cache (a ``cache_control`` pin) beyond what it read, and
+``input_tokens`` the rest; the three add up to the prompt (what ``count_tokens`` answers).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from server.errors import APIError
+from server.messages.errors import sse_error_event
+from server.messages.protocol import CountTokensRequest, MessagesRequest
+from server.messages.translate import translate
+from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect
+from server.serving import OpenAIServing
+from server.tools import ToolPlan, ToolStreamer, finish_message
+
+logger = logging.getLogger(__name__)
+
+DROPPED_TOOLS_HEADER = "x-kvserve-dropped-tools"
+
+
+def usage(choice: Choice) -> dict[str, int]:
+    prompt = choice.num_prompt_tokens
+    read = min(choice.num_cached_tokens, prompt)
+    written = max(0, min(choice.num_cache_write_tokens, prompt) - read)
+    return {"input_tokens": prompt - read - written, "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": read, "output_tokens": choice.num_output_tokens}
+
+
+def stop_reason(finish_reason: str | None, stopped_on: Any, stop_sequences: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice (its chat finish_reason after tool parsing)."""
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(stopped_on, str) and stopped_on in stop_sequences:
+        return "stop_sequence", stopped_on
+    return "end_turn", None
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat ``message`` (content, tool_calls) as Messages content blocks."""
+    blocks: list[dict[str, Any]] = []
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        blocks.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
+                       "input": json.loads(call["function"]["arguments"])})
+    return blocks
+
+
+def _event(type_: str, data: dict[str, Any]) -> str:
+    return f"event: {type_}\ndata: {json.dumps({'type': type_, **data}, ensure_ascii=False)}\n\n"
+
+
+class BlockWriter:
+    """Chat deltas (``content`` / ``tool_calls``, from a ToolStreamer) as content-block events:
+    a text block while text comes, a new ``tool_use`` block at each call's first delta."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" | "tool_use"
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.open = block["type"]
+        return events + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def feed(self, delta: dict[str, Any]) -> list[str]:
+        events: list[str] = []
+        if delta.get("content"):
+            if self.open != "text":
+                events += self._start({"type": "text", "text": ""})
+            events.append(_event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "text_delta", "text": delta["content"]}}))
+        for call in delta.get("tool_calls") or []:
+            if "id" in call:
+                events += self._start({"type": "tool_use", "id": tool_use_id(call["id"]),
+                                       "name": call["function"]["name"], "input": {}})
+            arguments = call.get("function", {}).get("arguments")
+            if arguments:
+                events.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "input_json_delta", "partial_json": arguments}}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+
+class MessagesServing:
+    """``/v1/messages`` and its ``count_tokens`` on an ``OpenAIServing`` (its checks, tokenizer, engine)."""
+
+    def __init__(self, chat: OpenAIServing) -> None:
+        self.chat = chat
+
+    async def _prepare(self, body: CountTokensRequest) -> tuple[ChatRun, dict[str, str]]:
+        translation = translate(body, self.chat.config.max_stop)
+        headers = {}
+        if translation.dropped_tools:
+            names = ", ".join(translation.dropped_tools)
+            logger.info("/v1/messages: server tools not offered to the model (kvserve cannot run them): %s", names)
+            headers[DROPPED_TOOLS_HEADER] = names
+        run = await self.chat.prepare_chat(translation.chat, "msg", clamp_max_tokens=True)
+        return run, headers
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        run, _ = await self._prepare(body)
+        return {"input_tokens": len(run.jobs[0].prompt_token_ids)}
+
+    async def create(self, body: MessagesRequest, raw: Request) -> Response:
+        run, headers = await self._prepare(body)
+        message_id = "msg_" + run.request_id.split("-", 1)[1]
+        if body.stream:
+            return StreamingResponse(self._stream(message_id, run, body), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        response = await cancel_on_disconnect(raw, self._full(message_id, run, body))
+        response.headers.update(headers)
+        return response
+
+    def _message(self, message_id: str, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
+                 choice: Choice) -> dict[str, Any]:
+        return {"id": message_id, "type": "message", "role": "assistant", "model": self.chat.model_name,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(choice)}
+
+    async def _full(self, message_id: str, run: ChatRun, body: MessagesRequest) -> Response:
+        stopped_on = None
+        try:
+            async for _, out in self.chat._merged(run.jobs, None):
+                if out.finished:
+                    stopped_on = out.stop_reason
+        except EngineRequestError as exc:
+            raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
+        choice = run.jobs[0].choice
+        message, finish_reason = finish_message(run.plan, choice.text, choice.finish_reason)
+        reason, sequence = stop_reason(finish_reason, stopped_on, body.stop_sequences or [])
+        return JSONResponse(self._message(message_id, content_blocks(message), reason, sequence, choice))
+
+    async def _stream(self, message_id: str, run: ChatRun, body: MessagesRequest) -> AsyncIterator[str]:
+        choice = run.jobs[0].choice
+        streamer = ToolStreamer(run.plan or ToolPlan("none", []))
+        blocks = BlockWriter()
+        started = False
+        try:
+            async for _, out in self.chat._merged(run.jobs, None):
+                if not started:  # after the prefill: the cache counts are known
+                    started = True
+                    yield _event("message_start", {"message": self._message(message_id, [], None, None, choice)})
+                    yield _event("ping", {})
+                for event in blocks.feed(streamer.delta(out.text)):
+                    yield event
+                if out.finished:
+                    tail, finish_reason = streamer.final(choice.finish_reason)
+                    for event in blocks.feed(tail) + blocks.close():
+                        yield event
+                    reason, sequence = stop_reason(finish_reason, out.stop_reason, body.stop_sequences or [])
+                    yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                   "usage": usage(choice)})
+                    yield _event("message_stop", {})
+        except EngineRequestError as exc:
+            yield sse_error_event(exc.status, str(exc))
