@@ -145,3 +145,59 @@ def test_python_decode_path_too(hf_model):
     plain = tiny_engine(hf_model, attention_backend="torch").generate(ps, GREEDY)
     engine = spec_engine(hf_model, attention_backend="torch")
     assert [r.token_ids for r in engine.generate(ps, GREEDY)] == [r.token_ids for r in plain]
+
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
+           "trimmed the wick and polished the great lens until it shone.")
+
+
+@pytest.fixture
+def default_spec(default_engine):
+    """The session's default-model engine with speculation switched on for one test."""
+    config = default_engine.scheduler.config
+    config.speculative_config = SPEC
+    try:
+        yield default_engine
+    finally:
+        config.speculative_config = None
+
+
+def test_default_model_copy_prompt_with_a_stop_string_inside_an_accepted_run(default_spec):
+    from engine.tokenizer import encode_chat
+
+    engine = default_spec
+    prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": f"Repeat exactly:\n\n{PASSAGE}"}])
+    runs = {}
+    for name, params in [("free", SamplingParams(temperature=0.0, max_tokens=48)),
+                         ("stop", SamplingParams(temperature=0.0, max_tokens=48, stop=["wound the"]))]:
+        before = engine.scheduler.stats.spec_accepted_tokens
+        engine.scheduler.config.speculative_config = SPEC
+        spec = engine.generate([prompt], params)[0]
+        accepted = engine.scheduler.stats.spec_accepted_tokens - before
+        engine.scheduler.config.speculative_config = None
+        engine.kv_cache.reset_prefix_cache()
+        plain = engine.generate([prompt], params)[0]
+        assert (spec.token_ids, spec.text, spec.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+        runs[name] = (spec, accepted)
+    free, accepted = runs["free"]
+    assert "wound the" in free.text and accepted > 0  # the copy accepted drafts
+    stopped = runs["stop"][0]
+    assert stopped.finish_reason == "stop" and "wound the" not in stopped.text
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_output_processor_cuts_a_multi_token_output_at_its_stop_string(default_engine):
+    from engine.core.output_processor import OutputProcessor
+    from engine.core.protocol import EngineCoreOutput
+
+    tok = default_engine.tokenizer
+    ids = tok("one two three four five", add_special_tokens=False)["input_ids"]
+    processor = OutputProcessor(tok)
+    processor.add_request("r", [1], SamplingParams(stop=[" three"]), 0.0)
+    outs, stopped = processor.process([EngineCoreOutput(request_id="r", new_token_ids=ids, finish_reason=None)])
+    assert stopped == ["r"]
+    out = outs[0]
+    assert out.finish_reason == "stop" and out.text == "one two"
+    cut = next(i for i in range(1, len(ids) + 1) if " three" in tok.decode(ids[:i]))
+    assert out.new_token_ids == ids[:cut] and out.num_output_tokens == cut

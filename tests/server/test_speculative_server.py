@@ -117,3 +117,12 @@ def test_copy_prompt_accepts_drafts(spec_server, live_server):
     assert tokens > 20
     # One chunk per engine step that produced text: accepted drafts give several tokens per chunk.
     assert len(chunks) < tokens * 0.8, (len(chunks), tokens)
+
+
+def test_stop_string_inside_a_speculative_run(spec_server, http, live_server):
+    spec_http, _ = spec_server
+    payload = body(live_server.model, PROMPTS[3], stop=["polished the"])
+    plain = chat(http, payload)
+    spec = chat(spec_http, payload)
+    assert spec == plain and plain[2] == "stop"
+    assert streamed(spec_http, payload) == plain[0]
