@@ -20,8 +20,8 @@ Pins (``cache_control``) and expiries are applied at the start of each plan; whe
 pressure cannot be relieved by preemption, pins are demoted before a request would starve.
 
 ``update()`` applies the sampled tokens (for a draft: the accepted run, its rejected slots
-rolled back) and finishes requests on EOS, stop token ids, ``max_tokens`` or the context length. Every finish path (including ``abort``) frees the
-request's blocks immediately.
+rolled back) and finishes requests on EOS, stop token ids, ``max_tokens`` or the context
+length. Every finish path (including ``abort``) frees the request's blocks immediately.
 """
 from __future__ import annotations
 

@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "chat": chat_prompts(engine.tokenizer, args.prompts, offset=1)}
     sets = {name: sets[name] for name in args.classes.split(",")}
     result = run_spec_decode(engine, sets, args.tokens, args.k, args.ngram_min, args.ngram_max, args.quiet_wait)
-    print_table(f"n-gram speculative decoding, single stream, greedy (k={args.k}, ngram {args.ngram_min}..{args.ngram_max})",
+    title = f"n-gram speculative decoding, single stream, greedy (k={args.k}, ngram {args.ngram_min}..{args.ngram_max})"
+    print_table(title,
                 [[name, c["plain_decode_tps"], c["spec_decode_tps"], c["speedup"], c["acceptance_rate"],
                   c["tokens_per_step"], c["token_match"]] for name, c in result["classes"].items()],
                 ["prompts", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/step", "same tokens"])

@@ -8,6 +8,7 @@ table, a rollback that frees a live block or a rejected token left in a hashed b
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -74,6 +75,21 @@ def test_cli_flag_reaches_the_scheduler_config_and_bad_values_fail_at_start(caps
     assert config.scheduler.speculative_config is None
     assert main(["generate", "hi", "--speculative-config", '{"method": "suffix"}']) == 2
     assert "speculative_config.method must be one of ngram, got 'suffix'" in capsys.readouterr().err
+
+
+def test_profile_mapping_builds_the_config(tmp_path):
+    from configs import build_section, read_profile
+
+    path = tmp_path / "p.yaml"
+    path.write_text("scheduler:\n  speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+    cfg = build_section(SchedulerConfig, "scheduler", read_profile(path), {})
+    assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    flag = '{"method": "ngram", "num_speculative_tokens": 6}'  # the flag overrides the profile's key
+    cfg = build_section(SchedulerConfig, "scheduler", read_profile(path), {"speculative_config": flag})
+    assert cfg.speculative_config.num_speculative_tokens == 6
+    for shipped in ("cpu", "gpu"):
+        assert build_section(SchedulerConfig, "scheduler", read_profile(
+            Path(__file__).parents[2] / "configs" / f"{shipped}.yaml"), {}).speculative_config is None
 
 
 # ---- drafts and acceptance ---------------------------------------------------------------------
