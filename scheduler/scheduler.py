@@ -50,6 +50,7 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
 
 
 class Scheduler:
@@ -327,6 +328,10 @@ class Scheduler:
         self.stats.spec_num_drafts += 1
         self.stats.spec_draft_tokens += len(item.draft_token_ids)
         self.stats.spec_accepted_tokens += len(accepted) - 1
+        per_pos = self.stats.spec_accepted_per_pos
+        per_pos.extend([0] * (len(accepted) - 1 - len(per_pos)))
+        for i in range(len(accepted) - 1):
+            per_pos[i] += 1
         appended: list[int] = []
         status = None
         for token in accepted:

@@ -216,6 +216,10 @@ def test_speculation_gives_the_plain_tokens_and_rolls_rejects_back():
     assert [r.output_token_ids for r in reqs] == [plain_run(p, 25) for p in prompts]
     st_ = sim.s.stats
     assert st_.spec_accepted_tokens > 0 and sim.rejected > 0
+    assert st_.spec_draft_tokens == st_.spec_accepted_tokens + sim.rejected
+    per_pos = st_.spec_accepted_per_pos
+    assert sum(per_pos) == st_.spec_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
+    assert per_pos[0] <= st_.spec_num_drafts
     assert steps < 25 + 3  # accepted drafts saved steps
     sim.check_hash_chain([])
     assert sim.kv.num_free_blocks == sim.kv.num_blocks
