@@ -385,6 +385,23 @@ class KVCacheManager:
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Keep only the blocks covering the request's first ``num_tokens`` positions; free the
+        rest, tail first; return how many were freed. Speculative decoding's rollback: the freed
+        blocks hold only rejected draft slots. A block to be freed that carries a hash is an
+        error (nothing changes): only blocks full of known tokens are hashed."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        tail = state.blocks[keep:]
+        if len(state.block_hashes) > keep or any(block.block_hash is not None for block in tail):
+            raise ValueError(f"request {request_id!r}: cannot truncate to {num_tokens} tokens, "
+                             "a block past them is hashed")
+        del state.blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def get_blocks(self, request_id: str) -> list[KVBlock]:
         """The request's blocks in token order ([] for an unknown id); a copy."""
         state = self._requests.get(request_id)

@@ -226,10 +226,13 @@ class LLMEngine:
             plan.scheduled = [s for s in plan.scheduled if s.request.request_id not in failed_ids]
             for request in self.scheduler.finish_requests(list(failed_ids), RequestStatus.FINISHED_ERROR):
                 outputs.append(self._final(request))
-        touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+        touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()},
+                                        {rid: s.verified_token_ids for rid, s in sampled.items()
+                                         if s.verified_token_ids is not None})
         for request in touched:
             rid = request.request_id
-            token = request.output_token_ids[-1]
+            new_tokens = self.scheduler.new_token_ids[rid]  # one, or a speculative run (no grammar, no logprobs)
+            token = new_tokens[-1]
             if request.grammar is not None and not request.status.is_finished:
                 self._advance_grammar(request, token)
             finished = request.status.is_finished
@@ -241,7 +244,7 @@ class LLMEngine:
             if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
                 prompt_logprobs = list(request.prompt_logprobs)
             error = request.grammar.error if request.grammar is not None and finished else None
-            outputs.append(self._output(request, [token], logprobs, prompt_logprobs, error))
+            outputs.append(self._output(request, new_tokens, logprobs, prompt_logprobs, error))
             if finished:
                 self.runner.release(rid)
         if self.offloader is not None:  # write-throughs of requests that just finished

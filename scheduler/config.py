@@ -1,7 +1,61 @@
 """Scheduler knobs, with defaults sized for a 2-core CPU."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Draft-free speculative decoding, in vLLM's ``--speculative-config`` shape.
+
+    ``ngram`` (prompt lookup): a running greedy request proposes up to ``num_speculative_tokens``
+    draft tokens: the tokens that followed the most recent earlier occurrence of its longest
+    trailing n-gram, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long, in its
+    prompt + output. One forward pass verifies them (scheduler/speculative.py).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a flag's JSON text, a profile's mapping, a config or None (off); ValueError names
+        what is wrong (an unknown key, method or value)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a method (one of: " + ", ".join(SPECULATIVE_METHODS) + ")")
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"unknown key(s) in speculative_config: {', '.join(sorted(unknown))} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**value)
 
 
 @dataclass
@@ -11,8 +65,11 @@ class SchedulerConfig:
     max_model_len: int | None = None  # context length (prompt + output); None: resolved from the model
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+    # None: off. A SpeculativeConfig, or its JSON text / mapping (flag, profile), parsed here.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

@@ -9,16 +9,29 @@ from scheduler.request import Request
 
 @dataclass
 class ScheduledRequest:
-    """Run ``num_new_tokens`` tokens of ``request`` starting at ``request.num_computed_tokens``."""
+    """Run ``num_new_tokens`` tokens of ``request`` starting at ``request.num_computed_tokens``.
+
+    With ``draft_token_ids`` (speculative decoding) the run is the request's last known token
+    followed by the draft: ``num_new_tokens == 1 + len(draft_token_ids)``, slots allocated for
+    all of them, and the step returns the model's token after each of them for verification.
+    """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so the next token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+                == self.request.num_tokens)
+
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step runs: known tokens from ``num_computed_tokens`` on, then the draft."""
+        start = self.request.num_computed_tokens
+        known = self.request.all_token_ids[start:start + self.num_new_tokens - len(self.draft_token_ids)]
+        return known + self.draft_token_ids if self.draft_token_ids else known
 
 
 @dataclass

@@ -6,6 +6,9 @@ Each ``schedule()`` call plans one engine step:
    an unfinished prefill, cut to the remaining budget. When the pool cannot supply a
    block, the most recently admitted running request is preempted (its blocks go back to
    the pool, full ones stay in the prefix cache, so recomputing it later is mostly a hit).
+   With ``speculative_config`` a decoding request that may speculate (scheduler/speculative.py)
+   runs its last token plus an n-gram draft instead; the budget counts every draft token, and
+   when the pool cannot hold the draft it decodes one token as usual.
 2. Then, only if nobody was preempted this step, waiting requests in queue order: a
    prefix-cache lookup, then a prefill chunk of what is not cached. When the hash chain
    continues in a lower KV tier (disk), the request instead takes fresh blocks for those
@@ -16,9 +19,9 @@ Each ``schedule()`` call plans one engine step:
 Pins (``cache_control``) and expiries are applied at the start of each plan; when memory
 pressure cannot be relieved by preemption, pins are demoted before a request would starve.
 
-``update()`` applies the sampled tokens and finishes requests on EOS, stop token ids,
-``max_tokens`` or the context length. Every finish path (including ``abort``) frees the
-request's blocks immediately.
+``update()`` applies the sampled tokens (for a draft: the accepted run, its rejected slots
+rolled back) and finishes requests on EOS, stop token ids, ``max_tokens`` or the context
+length. Every finish path (including ``abort``) frees the request's blocks immediately.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from cache import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.speculative import accept_greedy, can_speculate, propose_ngram
 
 
 @dataclass
@@ -42,6 +46,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     tier_queries: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens looked up
     tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens found
+    # Speculative decoding: drafts verified, their tokens, and of those the accepted ones.
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
 
 
 class Scheduler:
@@ -56,6 +65,7 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # waiting on their lower-tier blocks
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.new_token_ids: dict[str, list[int]] = {}  # of the latest update(): request id -> its tokens
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -173,6 +183,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            draft = self._draft(request, budget) if num_new == 1 else []
+            if draft and self.kv_cache.allocate_slots(request, 1 + len(draft)) is not None:
+                out.scheduled.append(ScheduledRequest(request, 1 + len(draft),
+                                                      self.kv_cache.get_block_ids(request.request_id), draft))
+                budget -= 1 + len(draft)
+                index += 1
+                continue
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 if self.running[-1] is request and self._relieve_pressure(request):
                     continue
@@ -248,17 +265,38 @@ class Scheduler:
         self.waiting.extendleft(reversed(blocked))
         return out
 
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """The draft tokens of a decoding request this step ([] when it does not speculate): no
+        more than the budget, ``max_tokens`` and the context length leave room for."""
+        spec = self.config.speculative_config
+        if spec is None or not can_speculate(request):
+            return []
+        room = min(spec.num_speculative_tokens, budget - 1,
+                   request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        if room < 1:
+            return []
+        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     # ---- applying a step's results ------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               verified: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what is done.
 
-        ``sampled`` maps request id -> token for every scheduled request with ``samples``.
-        Returns the requests that received a token this step (finished ones included).
+        ``sampled`` maps request id -> token for every scheduled request with ``samples``;
+        ``verified`` maps each request that ran a draft to the model's token after its last known
+        token and after each draft token (``_apply_draft``). Returns the requests that received
+        tokens this step (finished ones included); ``new_token_ids`` says which.
         """
         touched = []
+        self.new_token_ids = {}
         for item in out.scheduled:
             request = item.request
             if request.status.is_finished:
+                continue
+            if item.draft_token_ids:
+                self._apply_draft(item, (verified or {})[request.request_id])
+                touched.append(request)
                 continue
             prefilling = request.num_computed_tokens < request.num_prompt_tokens
             request.num_computed_tokens += item.num_new_tokens
@@ -269,11 +307,46 @@ class Scheduler:
             token = sampled[request.request_id]
             request.append_output_token(token)
             touched.append(request)
+            self.new_token_ids[request.request_id] = [token]
             status = self._stop_status(request, token)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
         return touched
+
+    def _apply_draft(self, item: ScheduledRequest, targets: list[int]) -> None:
+        """Append the accepted run (up to its first stop), roll the rest back.
+
+        The step computed K/V for the last known token and every draft token; of those, the
+        last known token and the accepted draft tokens are now known tokens with valid K/V, so
+        ``num_computed_tokens`` ends one short of ``num_tokens`` as after a plain decode, and
+        the blocks past it, holding only rejected slots, go back to the pool. Drafts never
+        enter ``all_token_ids`` before acceptance, so no hashed block holds a rejected token.
+        """
+        request = item.request
+        accepted = accept_greedy(item.draft_token_ids, targets)
+        self.stats.spec_num_drafts += 1
+        self.stats.spec_draft_tokens += len(item.draft_token_ids)
+        self.stats.spec_accepted_tokens += len(accepted) - 1
+        per_pos = self.stats.spec_accepted_per_pos
+        per_pos.extend([0] * (len(accepted) - 1 - len(per_pos)))
+        for i in range(len(accepted) - 1):
+            per_pos[i] += 1
+        appended: list[int] = []
+        status = None
+        for token in accepted:
+            request.append_output_token(token)
+            appended.append(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                break
+        self.new_token_ids[request.request_id] = appended
+        request.num_computed_tokens = request.num_tokens - 1
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+        else:
+            self.kv_cache.truncate(request.request_id, request.num_computed_tokens)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -1,178 +1,140 @@
-"""Prototype: greedy prompt-lookup (n-gram) speculative decoding on kvserve's paged model.
+"""Speculative decoding (n-gram prompt lookup, in the scheduler) against plain decode, single stream.
 
-Not wired into the scheduler. One sequence at a time, straight on the engine's model and its
-paged KV pool (slot = position, i.e. blocks 0, 1, 2, ... in order), to measure whether the
-idea pays on this CPU before anyone integrates it:
+Each prompt runs greedy through ``LLMEngine.step()`` twice on the same engine, speculation off
+then on (``scheduler.speculative_config`` switched between the runs, the prefix cache reset
+before each), and reports decode tok/s (after the first token), the acceptance rate (accepted
+draft tokens / draft tokens), tokens per step and whether both runs gave the same tokens.
+Prompt classes: ``copy`` (outputs that copy from the context: repeat a passage with one edit,
+quote a document, edit a function) and ``chat`` (ordinary questions).
 
-1. draft: find the most recent earlier occurrence of the last ``n`` tokens (n = ngram_max
-   down to ngram_min) in prompt + output so far and propose the ``k`` tokens that followed it;
-2. verify: one forward pass over ``[last token, draft...]`` (a chunk with cached context, the
-   same attention path as chunked prefill), logits at every row;
-3. accept the longest prefix of the draft that equals the argmax at each row, plus the
-   model's own token after it (so every step yields at least one token, like plain decode).
-   Rejected draft tokens leave K/V in slots beyond the accepted length; the next pass
-   overwrites them before anything attends to them.
-
-Greedy output is the model's own argmax at every position; it can differ from one-token
-decode only where a near-tie flips between a k+1-row matmul and a 1-row one (reported as
-``token_match`` against the plain engine).
-
-    python -m bench.probes.spec_decode                 # default model, chat prompts, k = 4
-    python -m bench.probes.spec_decode --k 6 --tokens 128
+    python -m bench.probes.spec_decode                 # default model, k = 4, ngram 1..3
+    python -m bench.probes.spec_decode --k 6 --tokens 128 --classes copy
 """
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any, Sequence
-
-import torch
 
 from bench.engine_runs import kvserve_single, load_default_pair
 from bench.machine import CpuMonitor, machine_info, wait_for_quiet
 from bench.report import print_table, ratio, write_results
 from bench.workload import chat_prompts
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, "
+           "trimmed the wick and polished the great lens until it shone. Ships passing the rocky point "
+           "counted on his light, and in forty years it never once failed them. When the storm of 1911 "
+           "tore the roof from the keeper's cottage, he stayed in the tower all night and kept the lamp lit.")
+FUNCTION = '''def moving_average(values, window):
+    """Return the moving averages of values over window items."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            averages.append(total / window)
+    return averages
+'''
+COPY_TASKS = [
+    f"Repeat the following paragraph exactly, but write 'lantern' instead of 'lamp':\n\n{PASSAGE}",
+    f"Document:\n\n{PASSAGE}\n\nQuote the sentence of the document that mentions the storm, word for word, "
+    "then quote the sentence about the ships.",
+    f"Rename the function below to rolling_mean and return the whole function:\n\n{FUNCTION}",
+]
 
 
-def propose(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
-    """Prompt-lookup draft: the ``k`` tokens that followed the latest earlier match of the
-    trailing n-gram (longest n first); [] when nothing matches."""
-    n_hist = len(history)
-    for n in range(min(ngram_max, n_hist - 1), ngram_min - 1, -1):
-        tail = list(history[n_hist - n:])
-        # Scan backwards for the most recent earlier occurrence (not the tail itself).
-        for start in range(n_hist - n - 1, -1, -1):
-            if list(history[start:start + n]) == tail:
-                follow = list(history[start + n:start + n + k])
-                if follow:
-                    return follow
-    return []
+def copy_prompts(tokenizer: Any, vocab_size: int, n: int) -> list[list[int]]:
+    """Prompts whose answers copy from the context (random repeated ids without a tokenizer)."""
+    if tokenizer is None:
+        import random
+
+        rng = random.Random(1)
+        passage = [rng.randrange(3, vocab_size) for _ in range(24)]
+        return [passage * 3 for _ in range(n)]
+    from engine.tokenizer import encode_chat
+
+    return [encode_chat(tokenizer, [{"role": "user", "content": COPY_TASKS[i % len(COPY_TASKS)]}]) for i in range(n)]
 
 
-class PromptLookupDecoder:
-    """Greedy single-sequence decoding with draft verification on the engine's paged model."""
-
-    def __init__(self, engine: Any, k: int = 4, ngram_max: int = 3, ngram_min: int = 1) -> None:
-        if engine.has_unfinished():
-            raise RuntimeError("the prototype writes the KV pool directly; the engine must be idle")
-        self.engine = engine
-        self.model = engine.runner.model
-        self.kv_caches = engine.runner.kv_caches
-        self.block_size = engine.capacity.block_size
-        self.capacity = engine.capacity.num_blocks * self.block_size
-        self.k, self.ngram_max, self.ngram_min = k, ngram_max, ngram_min
-
-    @torch.inference_mode()
-    def _forward(self, tokens: Sequence[int], start: int) -> torch.Tensor:
-        """Run ``tokens`` at positions ``start..``; return argmax token of every row."""
-        n = len(tokens)
-        end = start + n
-        if end > self.capacity:
-            raise ValueError("sequence longer than the KV pool")
-        positions = torch.arange(start, end)
-        blocks = torch.arange(-(-end // self.block_size))  # slot = position: blocks 0, 1, 2, ...
-        if n == 1 and start > 0:  # plain decode step
-            meta = AttentionMetadata(slot_mapping=positions,
-                                     decode_groups=[DecodeGroup(0, 1, end, blocks, None, torch.tensor([end]))],
-                                     prefills=[])
-        elif start == 0:
-            meta = AttentionMetadata(slot_mapping=positions, decode_groups=[],
-                                     prefills=[PrefillChunk(0, n, end, None, None)])
-        else:
-            mask = torch.arange(end)[None, :] <= positions[:, None]
-            meta = AttentionMetadata(slot_mapping=positions, decode_groups=[],
-                                     prefills=[PrefillChunk(0, n, end, blocks, mask)])
-        hidden = self.model(torch.tensor(list(tokens)), positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden).argmax(dim=-1)
-
-    def generate(self, prompt: Sequence[int], new_tokens: int) -> dict[str, Any]:
-        """Greedy ``new_tokens`` tokens (EOS not special: a throughput probe). Times exclude prefill."""
-        history = list(prompt)
-        first = int(self._forward(history, 0)[-1])
-        out = [first]
-        steps = drafted = accepted = 0
-        start = time.perf_counter()
-        while len(out) < new_tokens:
-            pos = len(history) + len(out) - 1  # position of the last token, not yet in the cache
-            room = new_tokens - len(out)
-            draft = propose(history + out, min(self.k, room - 1), self.ngram_max, self.ngram_min) if room > 1 else []
-            preds = self._forward([out[-1]] + draft, pos).tolist()
-            n_ok = 0
-            while n_ok < len(draft) and draft[n_ok] == preds[n_ok]:
-                n_ok += 1
-            out.extend(draft[:n_ok])
-            out.append(preds[n_ok])
-            steps += 1
-            drafted += len(draft)
-            accepted += n_ok
-        elapsed = time.perf_counter() - start
-        return {"tokens": out[:new_tokens], "decode_s": elapsed, "steps": steps, "drafted": drafted,
-                "accepted": accepted}
-
-
-def run_spec_decode(engine: Any, prompts: Sequence[Sequence[int]], new_tokens: int = 128, k: int = 4,
-                    ngram_max: int = 3, quiet_wait_s: float = 0.0, ngram_min: int = 1) -> dict[str, Any]:
-    """Plain kvserve decode vs prompt-lookup decode on the same prompts (greedy, EOS ignored)."""
+def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]], new_tokens: int = 128,
+                    k: int = 4, ngram_min: int = 1, ngram_max: int = 3, quiet_wait_s: float = 0.0) -> dict[str, Any]:
+    """Plain and speculative decode of every prompt, by class (greedy, EOS ends a run)."""
     from kvtypes.sampling_params import SamplingParams
+    from scheduler.config import SpeculativeConfig
 
-    def plain(prompt: Sequence[int]) -> dict[str, Any]:
-        # ignore_eos: the prototype does not stop at EOS either (nor masks it), so both sides
-        # make new_tokens tokens by the same greedy rule.
-        return kvserve_single(engine, prompt, new_tokens,
-                              SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    config = engine.scheduler.config
+    spec = SpeculativeConfig("ngram", k, ngram_min, ngram_max)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    stats = engine.scheduler.stats
 
-    spec = PromptLookupDecoder(engine, k, ngram_max, ngram_min)
-    spec.generate(prompts[0], 8)  # warm-up
-    plain(prompts[0][:8])
-    runs = []
+    def one(prompt: Sequence[int], speculative: bool) -> dict[str, Any]:
+        config.speculative_config = spec if speculative else None
+        engine.kv_cache.reset_prefix_cache()
+        drafted, accepted, drafts = stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_num_drafts
+        run = kvserve_single(engine, prompt, new_tokens, params)
+        run.update(drafted=stats.spec_draft_tokens - drafted, accepted=stats.spec_accepted_tokens - accepted,
+                   drafts=stats.spec_num_drafts - drafts)
+        return run
+
+    first = next(iter(prompt_sets.values()))[0]
+    one(first[:8], False)  # warm-up: kernels, both paths
+    one(first[:8], True)
     if quiet_wait_s > 0:
         wait_for_quiet(quiet_wait_s)
-    with CpuMonitor() as cpu:
-        for prompt in prompts:
-            engine.kv_cache.reset_prefix_cache()
-            base = plain(prompt)
-            engine.kv_cache.reset_prefix_cache()  # the prototype overwrites pool blocks
-            fast = spec.generate(prompt, new_tokens)
-            runs.append((base, fast))
-    engine.kv_cache.reset_prefix_cache()
-    base_tps = sum(len(b["tokens"]) - 1 for b, _ in runs) / sum(b["decode_s"] for b, _ in runs)
-    spec_tps = sum(len(f["tokens"]) - 1 for _, f in runs) / sum(f["decode_s"] for _, f in runs)
-    drafted = sum(f["drafted"] for _, f in runs)
-    accepted = sum(f["accepted"] for _, f in runs)
-    steps = sum(f["steps"] for _, f in runs)
-    return {
-        "benchmark": "spec_decode",
-        "machine": machine_info(),
-        "k": k, "ngram_max": ngram_max, "ngram_min": ngram_min, "prompts": len(prompts), "new_tokens": new_tokens,
-        "plain_decode_tps": round(base_tps, 2), "spec_decode_tps": round(spec_tps, 2),
-        "speedup": ratio(spec_tps, base_tps),
-        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
-        "tokens_per_step": round(sum(len(f["tokens"]) - 1 for _, f in runs) / steps, 3) if steps else 0.0,
-        "draft_tokens_per_step": round(drafted / steps, 3) if steps else 0.0,
-        "token_match": f"{sum(b['tokens'] == f['tokens'] for b, f in runs)}/{len(runs)}",
-        "foreign_cpu_cores": cpu.foreign_cores,
-    }
+    classes = {}
+    try:
+        with CpuMonitor() as cpu:
+            for name, prompts in prompt_sets.items():
+                runs = [(one(p, False), one(p, True)) for p in prompts]
+                base_tok = sum(len(b["tokens"]) - 1 for b, _ in runs)
+                spec_tok = sum(len(s["tokens"]) - 1 for _, s in runs)
+                base_tps = base_tok / max(sum(b["decode_s"] for b, _ in runs), 1e-9)
+                spec_tps = spec_tok / max(sum(s["decode_s"] for _, s in runs), 1e-9)
+                drafted = sum(s["drafted"] for _, s in runs)
+                accepted = sum(s["accepted"] for _, s in runs)
+                classes[name] = {
+                    "prompts": len(prompts), "output_tokens": spec_tok + len(runs),
+                    "plain_decode_tps": round(base_tps, 2), "spec_decode_tps": round(spec_tps, 2),
+                    "speedup": ratio(spec_tps, base_tps),
+                    "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+                    "draft_tokens": drafted, "accepted_tokens": accepted,
+                    # a step with a draft yields accepted + 1 tokens; one without yields 1
+                    "tokens_per_step": round(spec_tok / max(spec_tok - accepted, 1), 3),
+                    "token_match": f"{sum(b['tokens'] == s['tokens'] for b, s in runs)}/{len(runs)}",
+                }
+    finally:
+        config.speculative_config = None
+        engine.kv_cache.reset_prefix_cache()
+    return {"benchmark": "spec_decode", "machine": machine_info(), "k": k, "ngram_min": ngram_min,
+            "ngram_max": ngram_max, "new_tokens": new_tokens, "classes": classes,
+            "foreign_cpu_cores": cpu.foreign_cores}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.probes.spec_decode", description=__doc__.split("\n")[0])
     parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per class")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--ngram-max", type=int, default=3)
     parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--classes", default="copy,chat")
     parser.add_argument("--quiet-wait", type=float, default=30.0)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     engine, _ = load_default_pair(args.num_threads, kv_cache_gib=0.5, with_hf=False)
-    prompts = chat_prompts(engine.tokenizer, args.prompts, offset=1)
-    result = run_spec_decode(engine, prompts, args.tokens, args.k, args.ngram_max, args.quiet_wait, args.ngram_min)
-    print_table("prompt-lookup speculative decoding (single stream, greedy)", [[
-        f"k={result['k']} ngram {result['ngram_min']}..{result['ngram_max']}", result["plain_decode_tps"], result["spec_decode_tps"],
-        result["speedup"], result["acceptance_rate"], result["tokens_per_step"], result["token_match"]]],
-        ["config", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/step", "same tokens"])
+    sets = {"copy": copy_prompts(engine.tokenizer, engine.arch.vocab_size, args.prompts),
+            "chat": chat_prompts(engine.tokenizer, args.prompts, offset=1)}
+    sets = {name: sets[name] for name in args.classes.split(",")}
+    result = run_spec_decode(engine, sets, args.tokens, args.k, args.ngram_min, args.ngram_max, args.quiet_wait)
+    title = f"n-gram speculative decoding, single stream, greedy (k={args.k}, ngram {args.ngram_min}..{args.ngram_max})"
+    print_table(title,
+                [[name, c["plain_decode_tps"], c["spec_decode_tps"], c["speedup"], c["acceptance_rate"],
+                  c["tokens_per_step"], c["token_match"]] for name, c in result["classes"].items()],
+                ["prompts", "plain tok/s", "spec tok/s", "speedup", "accept", "tok/step", "same tokens"])
     print(f"  other processes used {result['foreign_cpu_cores']} cores meanwhile")
     print(f"  results: {write_results('spec_decode', result, args.output)}")
     return result

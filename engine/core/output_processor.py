@@ -60,8 +60,10 @@ class OutputProcessor:
                 continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             detok = state.detokenizer
+            taken = 0  # a stop string ends a speculative run of several tokens where it is found
             for token in out.new_token_ids:
                 state.num_output_tokens += 1
+                taken += 1
                 if detok is not None and detok.add_token(token) is not None:
                     if finish_reason is None:
                         stopped.append(out.request_id)
@@ -69,7 +71,7 @@ class OutputProcessor:
                     break
             finished = finish_reason is not None
             results.append(RequestOutput(
-                request_id=out.request_id, new_token_ids=list(out.new_token_ids),
+                request_id=out.request_id, new_token_ids=list(out.new_token_ids[:taken]),
                 text=detok.take_delta(finished) if detok is not None else "",
                 finished=finished, finish_reason=finish_reason, stop_reason=stop_reason,
                 num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=state.num_output_tokens,

@@ -15,7 +15,7 @@ from engine.model.cuda_graphs import CudaGraphRunner
 from engine.kv.pool import allocate_kv_pool
 from engine.model.llama import LlamaForCausalLM
 from kvtypes.outputs import TokenLogprob
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.sampler import Sampler, SamplingRow, greedy_token_ids
 from kvtypes.sampling_params import SamplingParams
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
@@ -26,6 +26,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # A row that ran a draft: the argmax after its last known token and after each draft token
+    # (token_id is the first of them); the scheduler accepts from these.
+    verified_token_ids: list[int] | None = None
 
 
 def split_by_length(lengths: list[int], group_cost: int) -> list[tuple[int, int]]:
@@ -174,7 +177,7 @@ class ModelRunner:
             start = item.request.num_computed_tokens
             end = start + item.num_new_tokens
             row = len(input_ids)
-            input_ids.extend(item.request.all_token_ids[start:end])
+            input_ids.extend(item.input_token_ids())
             positions.extend(range(start, end))
             block_ids = item.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -233,6 +236,7 @@ class ModelRunner:
                          key=lambda s: s.request.num_computed_tokens) + \
             [s for s in out.scheduled if s.num_new_tokens > 1]
         logits = self._graph_logits(ordered)
+        verifying: list[ScheduledRequest] = []
         if logits is not None:
             sampling = ordered
         else:
@@ -242,24 +246,30 @@ class ModelRunner:
             self._collect_prompt_logprobs(ordered, hidden)
             sampling = []
             last_rows = []
+            verify_rows: list[int] = []  # every row of the draft-carrying items, after last_rows
             row = 0
             for item in ordered:
                 row += item.num_new_tokens
-                if item.samples:
+                if item.draft_token_ids:
+                    verifying.append(item)
+                    verify_rows.extend(range(row - item.num_new_tokens, row))
+                elif item.samples:
                     sampling.append(item)
                     last_rows.append(row - 1)
-            if not sampling:
+            if not sampling and not verifying:
                 return {}
-            if len(last_rows) != hidden.shape[0]:  # some rows are prefill tokens that do not sample
-                hidden = hidden[torch.tensor(last_rows, device=self.device)]
+            rows_needed = last_rows + verify_rows
+            if rows_needed != list(range(hidden.shape[0])):  # prefill rows that do not sample, or reordered
+                hidden = hidden[torch.tensor(rows_needed, device=self.device)]
             logits = self.model.compute_logits(hidden)
         logits = logits.float()
+        sampled = self._verify(verifying, logits[len(sampling):]) if verifying else {}
+        logits = logits[:len(sampling)]
         rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
                             output_token_ids=s.request.output_token_ids, generator=self._generator(s),
                             eos_token_ids=s.request.eos_token_ids, grammar=s.request.grammar)
                 for s in sampling]
         result = self.sampler(logits, rows)
-        sampled = {}
         for i, item in enumerate(sampling):
             sampled[item.request.request_id] = SampledToken(
                 token_id=result.token_ids[i],
@@ -269,6 +279,19 @@ class ModelRunner:
                 item.request.sampling_params.logprobs is not None else None,
             )
         return sampled
+
+    def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
+        """The argmax at every row of each draft-carrying item (their rows follow one another in
+        ``logits``): such requests are plain greedy (scheduler.speculative.can_speculate), so
+        this is the token the sampler would pick at each position."""
+        targets = greedy_token_ids(logits)
+        out = {}
+        first = 0
+        for item in verifying:
+            ids = targets[first:first + item.num_new_tokens]
+            first += item.num_new_tokens
+            out[item.request.request_id] = SampledToken(token_id=ids[0], verified_token_ids=ids)
+        return out
 
     # Logits of this many prompt positions at a time: [256, vocab] floats, not [prompt, vocab].
     _PROMPT_LOGITS_SLICE = 256

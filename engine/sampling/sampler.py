@@ -197,6 +197,11 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def greedy_token_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token, exactly as a plain greedy row is sampled (speculative verification)."""
+    return _argmax(logits).tolist()
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.is_greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(row)

@@ -62,19 +62,17 @@ def test_serving_vs_hf_smoke(pair):
     assert not engine.has_unfinished()
 
 
-def test_spec_decode_prototype_matches_plain_greedy():
-    from bench.probes.spec_decode import PromptLookupDecoder, propose
-    from kvtypes.sampling_params import SamplingParams
+def test_spec_decode_probe_matches_plain_greedy():
+    from bench.probes.spec_decode import copy_prompts, run_spec_decode
 
-    assert propose([5, 6, 7, 1, 5, 6], k=2) == [7, 1]  # the n-gram "5 6" seen before continues "7 1"
     hf = tiny_hf_model()
     engine = tiny_engine(hf, num_blocks=256)
-    prompt = [3, 4, 5, 6] * 6  # repetitive: drafts get proposed and verified
-    plain = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
-    engine.kv_cache.reset_prefix_cache()  # the prototype writes pool blocks directly
-    spec = PromptLookupDecoder(engine, k=3).generate(prompt, 12)
-    assert spec["tokens"] == plain.token_ids
-    assert spec["drafted"] > 0
+    prompts = copy_prompts(None, 128, 2)  # a repeated passage: drafts get proposed and accepted
+    result = run_spec_decode(engine, {"copy": prompts}, new_tokens=16, k=3)
+    copy = result["classes"]["copy"]
+    assert copy["token_match"] == "2/2"
+    assert copy["draft_tokens"] > 0 and copy["accepted_tokens"] > 0
+    assert engine.scheduler.config.speculative_config is None and not engine.has_unfinished()
 
 
 def test_quant_linear_bench_smoke():
