@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 SAFE_INTEGER = 2**53 - 1
-MAX_STRING_CHARS = 80
-MAX_KEY_CHARS = 40
+MAX_STRING_CHARS = 64
+MAX_KEY_CHARS = 32
 MAX_ITEMS = 6
-MAX_PROPERTIES = 8
+MAX_PROPERTIES = 6
 
 
 def _json_object_schema() -> dict[str, Any]:
