@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from server.tools import ToolPlan, finish_message, parse_tool_calls
+from server.tools import ToolPlan, ToolStreamer, finish_message, parse_tool_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -60,6 +60,17 @@ def test_a_cut_output_keeps_its_whole_calls_and_drops_the_cut_one(mode):
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
     assert message["content"] is None  # no raw <tool_call> text
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+def test_a_cut_stream_keeps_its_whole_calls_and_drops_the_cut_one(mode):
+    streamer = ToolStreamer(_plan(mode))
+    text = _block("add", {"a": 1, "b": 2}) + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    sent = [streamer.delta(text[i:i + 7]) for i in range(0, len(text), 7)]
+    assert all(not d.get("content") for d in sent)
+    tail, finish = streamer.final("length")
+    assert finish == "length" and "content" not in tail
+    assert [c["function"]["name"] for c in tail["tool_calls"]] == ["add"]
 
 
 def test_a_cut_call_alone_is_neither_a_call_nor_content():
