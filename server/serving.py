@@ -131,7 +131,9 @@ class OpenAIServing:
         if plan is not None:
             self._check_tool_schemas(plan)
         # auto's lazy call grammar only when the request has no grammar of its own
-        own = (body.response_format is not None and body.response_format.type != "text") or body.guided_spec() is not None
+        own = plan is not None and plan.mode == "auto" and (
+            (body.response_format is not None and body.response_format.type != "text")
+            or body.guided_spec() is not None)
         forced = plan.spec(constrain_auto=not own) if plan is not None else None
         params = body.to_sampling_params(self.config.max_stop, forced)
         self._check_grammar(params, "tools" if forced is not None else "response_format")

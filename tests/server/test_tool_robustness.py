@@ -30,7 +30,8 @@ TOOL_PROMPTS = ["What is the weather in Paris right now?", "Is it raining in Lon
                 "How warm is it in Tokyo today, in fahrenheit?", "What is 17 plus 25?", "Add 3 and 4 for me.",
                 "Weather for Berlin please.", "I am going to Rome tomorrow, what should I wear?", "What's 120 + 7?",
                 "Tell me the temperature in New York.", "Compute the sum of 1000 and 2345."]
-JSON_PROMPTS = ["Give me a JSON object about Paris.", "Describe a cat as JSON.", "Give me a JSON object describing a book.",
+JSON_PROMPTS = ["Give me a JSON object about Paris.", "Describe a cat as JSON.",
+                "Give me a JSON object describing a book.",
                 "Return a JSON object with facts about the Moon.", "Describe your favourite food as a JSON object.",
                 "A JSON object about the planet Mars.", "Give me a JSON object for a user profile.",
                 "Describe a car in JSON.", "Give me a JSON object about the city of Tokyo.", "Describe a dog as JSON."]
@@ -229,3 +230,13 @@ def test_sdk_parse_ends_with_stop(client, live_server):
     for r in _each(parse, JSON_PROMPTS):  # LengthFinishReasonError would raise here
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(r.choices[0].message.parsed, City)
+
+
+@pytest.mark.slow
+def test_auto_with_a_response_format_keeps_that_format(client, live_server):
+    """auto's call grammar gives way to the request's own: no 400, the output is its JSON."""
+    r = _ask(client, live_server, JSON_PROMPTS[0], tools=TOOLS, tool_choice="auto",
+             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+             max_tokens=GENEROUS_JSON)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
