@@ -136,7 +136,11 @@ class OpenAIServing:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         if plan is not None:
             self._check_tool_schemas(plan)
-        forced = plan.spec() if plan is not None else None
+        # auto's lazy call grammar only when the request has no grammar of its own
+        own = plan is not None and plan.mode == "auto" and (
+            (body.response_format is not None and body.response_format.type != "text")
+            or body.guided_spec() is not None)
+        forced = plan.spec(constrain_auto=not own) if plan is not None else None
         params = body.to_sampling_params(self.config.max_stop, forced)
         self._check_grammar(params, "tools" if forced is not None else "response_format")
         self._check_n(body.n)

@@ -1,4 +1,4 @@
-"""Tool calls: rendering tools into the prompt, constraining forced calls, parsing calls out.
+"""Tool calls: rendering tools into the prompt, constraining calls, parsing calls out.
 
 The default format (for chat templates without a tools section, such as SmolLM2's) is
 Hermes-style: the tools are listed as JSON in a system message, and the model answers a call
@@ -7,11 +7,18 @@ as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (one block per c
 Modes (``tool_choice``):
 
 - ``none``: tools are not shown to the model; output is plain content.
-- ``auto``: tools shown; the output is parsed (``parse_tool_calls``): blocks become
-  ``tool_calls`` (finish_reason ``tool_calls``), the rest stays content.
-- ``required``: output constrained to a JSON array of ``{"name", "arguments"}`` objects whose
-  arguments match the named function's schema (one item unless ``parallel_tool_calls``).
+- ``auto``: tools shown; the model may answer in prose, but once it writes ``<tool_call>`` a
+  lazily triggered grammar holds the block to a declared tool's name and arguments schema; the
+  output is parsed: blocks become ``tool_calls`` (finish_reason ``tool_calls``), the rest
+  stays content.
+- ``required``: output constrained to ``<tool_call>`` blocks whose arguments match the named
+  function's schema.
 - named function: output constrained to that function's arguments object.
+
+A turn holds at most :meth:`ToolPlan.max_calls` calls (one without ``parallel_tool_calls``),
+after which the grammar ends the output, so a small model cannot repeat a call until
+``max_tokens``. Only whole calls to declared tools are returned as calls; identical calls are
+returned once; an unfinished last block (output cut by ``max_tokens``) is dropped.
 """
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Collection, Literal
 
+from engine.sampling.json_bounds import bounded
 from kvtypes.structured_spec import JSON_LAYOUT, StructuredOutputSpec
 from server.errors import bad_request
 
@@ -37,6 +45,9 @@ SYSTEM_PROMPT = (
 )
 
 Mode = Literal["none", "auto", "required", "named"]
+
+# The most calls one turn may hold with parallel_tool_calls (besides: one per tool, at least 2).
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass
@@ -66,23 +77,42 @@ class ToolPlan:
     def shows_tools(self) -> bool:
         return self.mode != "none" and bool(self.tools)
 
-    def spec(self) -> StructuredOutputSpec | None:
-        """The grammar of a forced call (required / named); None for none / auto."""
+    @property
+    def max_calls(self) -> int:
+        """How many calls one turn may hold: 1 without ``parallel_tool_calls``, else one per
+        tool (at least 2, so that one tool can serve two questions), at most MAX_PARALLEL_CALLS."""
+        return min(MAX_PARALLEL_CALLS, max(2, len(self.tools))) if self.parallel else 1
+
+    def spec(self, constrain_auto: bool = True) -> StructuredOutputSpec | None:
+        """The grammar of the output: a forced call (required / named), or for ``auto`` (unless
+        ``constrain_auto`` is false, as when the request has a response_format) free text that
+        a ``<tool_call>`` turns into constrained calls; None for none."""
         if self.mode == "named":
             return StructuredOutputSpec.json_schema(_parameters(self._function(self.named)))
+        if self.mode not in ("required", "auto") or not self.tools or (self.mode == "auto" and not constrain_auto):
+            return None
+        # The Hermes blocks themselves, not a JSON array: after a closing tag the model may
+        # stop (EOS) or open another call, which small models do far more sensibly than
+        # choosing between "," and "]". After max_calls blocks the grammar is complete and the
+        # engine ends the output.
+        items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                     "arguments": _parameters(t["function"])},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
+        body = dict(items[0] if len(items) == 1 else {"anyOf": items}, **{"x-guidance": JSON_LAYOUT})
+        more = (f'("\\n{TOOL_CALL_OPEN}" call){{0,{self.max_calls - 1}}} ' if self.max_calls > 1 else "") + '"\\n"?'
         if self.mode == "required":
-            # The Hermes blocks themselves, not a JSON array: after a closing tag the model may
-            # stop (EOS) or open another call, which small models do far more sensibly than
-            # choosing between "," and "]".
-            items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                         "arguments": _parameters(t["function"])},
-                      "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-            body = dict(items[0] if len(items) == 1 else {"anyOf": items}, **{"x-guidance": JSON_LAYOUT})
-            lark = (f"start: call{'+' if self.parallel else ''}\n"
-                    f'call: "{TOOL_CALL_OPEN}\\n" body "\\n{TOOL_CALL_CLOSE}" "\\n"?\n'
-                    f"body: %json {json.dumps(body)}\n")
-            return StructuredOutputSpec("grammar", lark)
-        return None
+            lark = f'start: "{TOOL_CALL_OPEN}" call {more}\n'
+        else:
+            # llguidance's lazy lexeme: the free text ends at the first "<tool_call>", and
+            # from there on the call is held to the grammar (what llama.cpp calls a lazy grammar).
+            lark = ("%llguidance {}\n"
+                    "start: prose | opened call " + more + "\n"
+                    "prose: TEXT\n"
+                    f'opened[lazy]: TEXT "{TOOL_CALL_OPEN}"\n'
+                    "TEXT: /(.|\\n)*/\n")
+        lark += (f'call: "\\n" body "\\n{TOOL_CALL_CLOSE}"\n'
+                 f"body: %json {json.dumps(body)}\n")
+        return StructuredOutputSpec("grammar", lark)
 
     def parameter_specs(self) -> list[tuple[str, StructuredOutputSpec]]:
         """Each function's name and the grammar of its arguments (what a forced call compiles),
@@ -97,7 +127,7 @@ class ToolPlan:
         raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
 
     def calls_from_output(self, text: str) -> list[ToolCall] | None:
-        """The calls in a finished output (None: no call could be read; the text stays content)."""
+        """The whole calls in an output (None: no call could be read; the text stays content)."""
         if self.mode == "named":
             try:
                 json.loads(text)
@@ -105,16 +135,22 @@ class ToolPlan:
                 return None
             return [ToolCall(self.named or "", text)]
         if self.mode in ("required", "auto"):
-            _, calls = parse_tool_calls(text)
-            return calls or None
+            _, calls = parse_tool_calls(text, self.names)
+            return calls[:self.max_calls] or None
         return None
+
+    @property
+    def names(self) -> set[str]:
+        """The declared function names (a call naming any other is not a call)."""
+        return {t["function"]["name"] for t in self.tools}
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     """The function's argument schema for a forced call. Objects that do not say otherwise get
     ``additionalProperties: false`` (as OpenAI's strict mode requires): a forced call carries
-    the declared arguments, and a small model cannot wander off into invented keys."""
-    return _closed(function.get("parameters") or {"type": "object", "properties": {}})
+    the declared arguments, and a small model cannot wander off into invented keys; integers
+    are bounded as every JSON grammar's are (``engine.sampling.json_bounds``)."""
+    return bounded(_closed(function.get("parameters") or {"type": "object", "properties": {}}))
 
 
 def _closed(node: Any) -> Any:
@@ -183,26 +219,39 @@ def _json_or_text(arguments: str) -> Any:
         return arguments
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, declared: Collection[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """Split model output into content and ``<tool_call>`` calls (Hermes format).
 
-    A block whose JSON does not parse, or lacks a string ``name``, stays in the content. An
-    unterminated last block (output cut or EOS before the closing tag) is read if its JSON is
-    whole. Returns (content or None when empty, calls).
+    A closed block whose JSON does not parse, lacks a string ``name`` or (given ``declared``)
+    names an undeclared function stays in the content. An unterminated last block (output cut,
+    or EOS before the closing tag) is read if its JSON is whole and dropped otherwise: an
+    unfinished call is neither a call nor content. A call repeating an earlier one (same name
+    and arguments) is dropped. Returns (content or None when empty, calls).
     """
+    content, calls, _ = _split_calls(text, declared)
+    content = content.strip()
+    return (content or None), calls
+
+
+def _split_calls(text: str, declared: Collection[str] | None) -> tuple[str, list[ToolCall], bool]:
+    """(content, calls, whether any block was taken out of the text)."""
     calls: list[ToolCall] = []
+    seen: set[tuple[str, str]] = set()
     kept: list[str] = []
     pos = 0
     for match in _BLOCK.finditer(text):
         call = _read_call(match.group(1))
-        if call is None:
+        if call is not None and declared is not None and call.name not in declared:
+            call = None
+        if call is None and match.group(0).endswith(TOOL_CALL_CLOSE):
             continue
         kept.append(text[pos:match.start()])
         pos = match.end()
-        calls.append(call)
+        if call is not None and (call.name, call.arguments) not in seen:
+            seen.add((call.name, call.arguments))
+            calls.append(call)
     kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None), calls
+    return "".join(kept), calls, pos > 0
 
 
 def _read_call(body: str) -> ToolCall | None:
@@ -245,12 +294,12 @@ class ToolStreamSplitter:
         self._pending = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep] if keep else text
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content still held back, calls) at the end of the output."""
+    def finish(self, declared: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
+        """(content still held back, calls) at the end of the output (``parse_tool_calls``)."""
         if self._calls_text is None:
             rest, self._pending = self._pending, ""
             return rest, []
-        content, calls = parse_tool_calls(self._calls_text)
+        content, calls = parse_tool_calls(self._calls_text, declared)
         return (content or ""), calls
 
 
@@ -292,36 +341,47 @@ class ToolStreamer:
         if mode == "named":
             return {}, ("tool_calls" if self._named_call is not None and finish_reason == "stop" else finish_reason)
         if mode == "required":
-            calls = self.plan.calls_from_output(self._held) if finish_reason == "stop" else None
-            if not calls:
-                return ({"content": self._held} if self._held else {}), finish_reason
-            return {"tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}, "tool_calls"
+            calls = self.plan.calls_from_output(self._held)
+            if not calls:  # a cut call is dropped, not shown as content
+                return ({"content": self._held} if self._held and finish_reason != "length" else {}), finish_reason
+            return {"tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}, _finish(finish_reason)
         if mode == "auto":
-            content, calls = self._splitter.finish()
-            calls = calls if self.plan.parallel else calls[:1]
+            content, calls = self._splitter.finish(self.plan.names)
+            calls = calls[:self.plan.max_calls]
             delta: dict[str, Any] = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
-                if finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                finish_reason = _finish(finish_reason)
             return delta, finish_reason
         return {}, finish_reason
 
 
+def _finish(finish_reason: str | None) -> str | None:
+    """The finish_reason of a choice that made calls: ``tool_calls``, unless it was cut."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def finish_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """The non-streamed ``message`` (content / tool_calls) and finish_reason of one choice."""
+    """The non-streamed ``message`` (content / tool_calls) and finish_reason of one choice.
+
+    Every whole call to a declared tool is returned, also when ``max_tokens`` cut the output
+    (finish_reason then stays ``length``); an unfinished call is dropped, never left as content.
+    """
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if plan is None or plan.mode == "none":
         return message, finish_reason
-    if plan.mode == "auto":
-        content, calls = parse_tool_calls(text)
-        calls = calls if plan.parallel else calls[:1]
+    if plan.mode == "named":
+        calls = plan.calls_from_output(text) or []
+        if not calls and finish_reason == "length":
+            message["content"] = None  # the arguments of a cut call
     else:
-        calls = (plan.calls_from_output(text) if finish_reason == "stop" else None) or []
-        content = None if calls else text
+        content, calls, changed = _split_calls(text, plan.names)
+        calls = calls[:plan.max_calls]
+        if changed:
+            message["content"] = content.strip() or None
     if calls:
-        message["content"] = content
+        if plan.mode == "named":
+            message["content"] = None
         message["tool_calls"] = [c.as_openai() for c in calls]
-        if finish_reason == "stop":
-            finish_reason = "tool_calls"
+        finish_reason = _finish(finish_reason)
     return message, finish_reason

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.sampling.json_bounds import JSON_OBJECT_SCHEMA, bounded
 from kvtypes.structured_spec import JSON_LAYOUT, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def grammar_definition(spec: StructuredOutputSpec) -> str:
 
     if spec.kind in ("json_schema", "json_object"):
         if spec.kind == "json_object":
-            schema: Any = {"type": "object"}
+            schema: Any = JSON_OBJECT_SCHEMA
         else:
             try:
                 schema = json.loads(spec.value)
@@ -51,7 +52,7 @@ def grammar_definition(spec: StructuredOutputSpec) -> str:
             schema = {}
         if not isinstance(schema, dict):
             raise GrammarError("the JSON schema must be an object")
-        schema = dict(schema)
+        schema = bounded(schema)  # so that the value ends (json_bounds says how)
         schema["x-guidance"] = {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}
         return json.dumps({"grammars": [{"json_schema": schema}]})
     if spec.kind == "regex":
