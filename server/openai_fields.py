@@ -5,7 +5,9 @@ feature, gets a 400 naming it), docs/api.md (its field table is generated from t
 test keeps them equal), and the tests (each rejected row is sent with its ``example``).
 
 Fields outside OpenAI's API (vLLM's extras such as ``top_k``, ``ignore_eos``, ``guided_json``,
-which load generators send) are not in the table and stay accepted.
+which load generators send) are not in the table and stay accepted. The extras whose meaning a
+client must know (``chat_template_kwargs``, the reasoning budgets kvserve refuses) are in a
+second table, ``EXTRAS``, checked and documented the same way.
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ CHAT_FIELDS: list[FieldRule] = [
     _supported("prompt_cache_retention", "`in_memory` (default) or `24h`: the prompt's prefix kept on the disk tier "
                "for 24 h (400 without `--kv-disk-dir`)"),
     _ignored("prompt_cache_options", "prefix caching is automatic; retention follows the cache's LRU"),
-    _ignored("reasoning_effort", "the served model does not reason; accepted so reasoning clients work"),
+    _ignored("reasoning_effort", "no effort control: a reasoning model thinks as its chat template says "
+                                 "(`chat_template_kwargs` can switch thinking off where the template allows)"),
     _ignored("verbosity", "a hint for OpenAI's models; the served model has no such control"),
     _rejected("audio", "audio output is not supported", {"voice": "alloy", "format": "wav"}),
     _rejected("modalities", "only text output is supported", ["text", "audio"],
@@ -100,10 +103,22 @@ COMPLETION_FIELDS: list[FieldRule] = [
 
 TABLES: dict[str, list[FieldRule]] = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS}
 
+_BUDGET = ("a reasoning budget needs the engine to force `</think>` mid-output, which kvserve does not do; "
+           "cap the whole output with `max_tokens`")
+CHAT_EXTRA_FIELDS: list[FieldRule] = [
+    _supported("chat_template_kwargs", "variables for the model's chat template, e.g. `{\"enable_thinking\": false}` "
+                                       "(Qwen3); an argument of the template call itself (`tools`, `tokenize`, ...) "
+                                       "is a 400"),
+    _rejected("max_reasoning_tokens", _BUDGET, 64),
+    _rejected("thinking_token_budget", f"vLLM's name; {_BUDGET}", 64),
+]
+
+EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": []}
+
 
 def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:
     """400 naming the first rejected field of ``body`` whose value asks for its feature."""
-    for rule in TABLES[kind]:
+    for rule in (*TABLES[kind], *EXTRAS[kind]):
         if rule.status != "rejected" or rule.name not in body:
             continue
         value = body[rule.name]
@@ -114,10 +129,10 @@ def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:
                               "unsupported_parameter")
 
 
-def markdown_table(kind: str) -> str:
-    """The docs/api.md table for ``kind`` (kept equal to the docs by a test)."""
+def markdown_table(kind: str, extras: bool = False) -> str:
+    """The docs/api.md table for ``kind``, or for its extras (kept equal to the docs by a test)."""
     lines = ["| field | status | notes |", "|---|---|---|"]
-    for rule in sorted(TABLES[kind], key=lambda r: r.name):
+    for rule in sorted((EXTRAS if extras else TABLES)[kind], key=lambda r: r.name):
         label = {"supported": "supported", "ignored": "accepted, ignored", "rejected": "rejected (400)"}[rule.status]
         lines.append(f"| `{rule.name}` | {label} | {rule.note} |")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
+from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 from kvtypes.sampling_params import SamplingParams
 from kvtypes.structured_spec import StructuredOutputSpec
 from server.cache_routes import CacheControl
@@ -256,6 +257,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+        if taken:
+            raise ValueError(f"'{taken[0]}' is an argument of the template call, not a template variable")
+        return value
 
     def to_sampling_params(self, max_stop: int,
                            structured_output: StructuredOutputSpec | None = None) -> SamplingParams:

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from kvtypes.outputs import RequestOutput, TokenLogprob
 from kvtypes.sampling_params import SamplingParams
+from server.reasoning import ThinkMode
 from server.tools import ToolPlan
 
 
@@ -57,11 +58,13 @@ class Job:
 
 @dataclass
 class ChatRun:
-    """A validated, tokenized chat request ready to run: its id, one job per choice, its tools."""
+    """A validated, tokenized chat request ready to run: its id, one job per choice, its tools,
+    and how its output reasons (None: the model has no think tags, its output is all content)."""
 
     request_id: str
     jobs: list[Job]
     plan: ToolPlan | None
+    think: ThinkMode | None = None
 
 
 def usage(choices: Sequence[Choice], prompt_lengths: Sequence[int]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from server.errors import APIError, bad_request, sse_error_frame
 from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.reasoning import ReasoningParser, ThinkMode, split, think_tags
 from server.runs import (ChatRun, Choice, EngineRequestError, Job, cancel_on_disconnect, checked, prompt_lengths,
                          usage, with_seed)
 from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
@@ -46,6 +47,7 @@ class OpenAIServing:
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.reasons = think_tags(self.tokenizer)  # the model marks thinking with <think> tags
         # One worker: tokenization holds the GIL, more threads would only take turns.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
 
@@ -118,8 +120,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         run = await self.prepare_chat(body)
         if body.stream:
-            return self._sse(self._chat_stream(run.request_id, run.jobs, body, run.plan))
-        return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan))
+            return self._sse(self._chat_stream(run.request_id, run.jobs, body, run.plan, run.think))
+        return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan, run.think))
 
     async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
                            clamp_max_tokens: bool = False) -> ChatRun:
@@ -156,7 +158,8 @@ class OpenAIServing:
         self.check_capacity(body.n)
         tools = plan.tools if plan is not None and plan.shows_tools and with_tools else None
         try:
-            prompt_ids = await self._off_loop(lambda: encode_chat(self.tokenizer, messages, tools=tools))
+            prompt_ids = await self._off_loop(lambda: encode_chat(self.tokenizer, messages, tools=tools,
+                                                                  template_kwargs=body.chat_template_kwargs))
         except TemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         if clamp_max_tokens and params.max_tokens is not None:
@@ -169,7 +172,8 @@ class OpenAIServing:
                                                        has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        return ChatRun(request_id, self._jobs(request_id, [prompt_ids], params, body.n), plan)
+        think = ThinkMode.for_prompt(self.tokenizer, prompt_ids) if self.reasons else None
+        return ChatRun(request_id, self._jobs(request_id, [prompt_ids], params, body.n), plan, think)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
@@ -277,13 +281,16 @@ class OpenAIServing:
 
     # ---- chat responses -----------------------------------------------------------------------
     async def _chat_full(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
-                         plan: ToolPlan | None = None) -> Response:
+                         plan: ToolPlan | None = None, think: ThinkMode | None = None) -> Response:
         created = int(time.time())
         await self._run_to_end(jobs, body.cache_salt)
         choices = [j.choice for j in jobs]
         rendered = []
         for c in choices:
-            message, finish_reason = finish_message(plan, c.text, c.finish_reason)
+            reasoning, text = split(c.text, think) if think is not None else (None, c.text)
+            message, finish_reason = finish_message(plan, text, c.finish_reason)
+            if think is not None:  # vLLM's two names for the same text
+                message["reasoning_content"] = message["reasoning"] = reasoning
             rendered.append({"index": c.index, "message": message,
                              "logprobs": self.logprobs.chat(c.logprobs) if body.logprobs else None,
                              "finish_reason": finish_reason})
@@ -293,10 +300,11 @@ class OpenAIServing:
         })
 
     async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
-                           plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                           plan: ToolPlan | None = None, think: ThinkMode | None = None) -> AsyncIterator[str]:
         usage_on = body.include_usage_in_stream()
         chunk = _chunk_writer(request_id, "chat.completion.chunk", self.model_name, usage_on)
         streamers = {j.choice.index: ToolStreamer(plan or ToolPlan("none", [])) for j in jobs}
+        parsers: dict[int, ReasoningParser] = {j.choice.index: think.parser() for j in jobs} if think else {}
 
         try:
             for job in jobs:
@@ -306,7 +314,14 @@ class OpenAIServing:
                 if not (out.text or out.finished or (body.logprobs and out.logprobs)):
                     continue
                 streamer = streamers[choice.index]
-                delta = streamer.delta(out.text)
+                text = out.text
+                if parsers:  # the reasoning goes out in its own chunk, before this output's content
+                    reasoning, text = parsers[choice.index].step(out)
+                    if reasoning:
+                        yield chunk([{"index": choice.index, "delta": {"reasoning_content": reasoning,
+                                                                       "reasoning": reasoning},
+                                      "logprobs": None, "finish_reason": None}])
+                delta = streamer.delta(text)
                 finish_reason = None
                 if out.finished:
                     tail, finish_reason = streamer.final(choice.finish_reason)

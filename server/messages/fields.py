@@ -48,7 +48,10 @@ MESSAGES_FIELDS: list[MessagesField] = [
                                 "(`ttl` 5m or 1h), as for chat completions"),
     _no_effect("metadata", "`user_id` tags a request for Anthropic's abuse monitoring; kvserve keeps no per-user "
                            "records"),
-    _no_effect("thinking", "the served model does not reason; accepted so that reasoning clients work"),
+    _supported("thinking", "`enabled` / `adaptive`: a reasoning model's think block comes back as a `thinking` "
+                           "block first (streamed as `thinking_delta`, `signature` empty); without it, or with "
+                           "`disabled`, the thinking is left out of the output (the model still thinks as its "
+                           "template says); `budget_tokens` is not enforced (it counts against `max_tokens`)"),
     _no_effect("context_management", "asks Anthropic to edit old tool results out of the context; kvserve runs the "
                                      "context as sent"),
     _no_effect("output_config", "`effort` tunes Anthropic's models; the served model has no such control"),

@@ -4,6 +4,10 @@ Usage is counted as Anthropic counts it, the three input counts disjoint: ``cach
 are the prompt tokens served from the prefix cache, ``cache_creation_input_tokens`` those this
 request wrote into retained cache (a ``cache_control`` pin) beyond what it read, and
 ``input_tokens`` the rest; the three add up to the prompt (what ``count_tokens`` answers).
+
+A reasoning model's think block (split off by ``server.reasoning``) is a ``thinking`` block first,
+with an empty ``signature``, when the request asks for ``thinking`` (``enabled`` / ``adaptive``);
+otherwise it is left out of the output, as Anthropic shows no thinking unasked.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from server.errors import APIError
 from server.messages.errors import sse_error_event
 from server.messages.protocol import CountTokensRequest, MessagesRequest
 from server.messages.translate import translate
+from server.reasoning import split
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect
 from server.serving import OpenAIServing
 from server.tools import ToolPlan, ToolStreamer, finish_message
@@ -50,9 +55,15 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat ``message`` (content, tool_calls) as Messages content blocks."""
+def shows_thinking(body: MessagesRequest) -> bool:
+    return body.thinking is not None and body.thinking.type in ("enabled", "adaptive")
+
+
+def content_blocks(message: dict[str, Any], thinking: str | None = None) -> list[dict[str, Any]]:
+    """A chat ``message`` (content, tool_calls) as Messages content blocks, after its ``thinking``."""
     blocks: list[dict[str, Any]] = []
+    if thinking:
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
@@ -66,8 +77,9 @@ def _event(type_: str, data: dict[str, Any]) -> str:
 
 
 class BlockWriter:
-    """Chat deltas (``content`` / ``tool_calls``, from a ToolStreamer) as content-block events:
-    a text block while text comes, a new ``tool_use`` block at each call's first delta."""
+    """Chat deltas (``content`` / ``tool_calls``, from a ToolStreamer; ``thinking``, the reasoning
+    text) as content-block events: a thinking block, then a text block while text comes, a new
+    ``tool_use`` block at each call's first delta."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -81,6 +93,12 @@ class BlockWriter:
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
+        if delta.get("thinking"):
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(_event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "thinking_delta",
+                                                                   "thinking": delta["thinking"]}}))
         if delta.get("content"):
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})
@@ -147,14 +165,18 @@ class MessagesServing:
         except EngineRequestError as exc:
             raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
         choice = run.jobs[0].choice
-        message, finish_reason = finish_message(run.plan, choice.text, choice.finish_reason)
+        thinking, text = split(choice.text, run.think) if run.think is not None else (None, choice.text)
+        message, finish_reason = finish_message(run.plan, text, choice.finish_reason)
         reason, sequence = stop_reason(finish_reason, stopped_on, body.stop_sequences or [])
-        return JSONResponse(self._message(message_id, content_blocks(message), reason, sequence, choice))
+        blocks = content_blocks(message, thinking if shows_thinking(body) else None)
+        return JSONResponse(self._message(message_id, blocks, reason, sequence, choice))
 
     async def _stream(self, message_id: str, run: ChatRun, body: MessagesRequest) -> AsyncIterator[str]:
         choice = run.jobs[0].choice
         streamer = ToolStreamer(run.plan or ToolPlan("none", []))
         blocks = BlockWriter()
+        parser = run.think.parser() if run.think is not None else None
+        show = shows_thinking(body)
         started = False
         try:
             async for _, out in self.chat._merged(run.jobs, None):
@@ -162,7 +184,11 @@ class MessagesServing:
                     started = True
                     yield _event("message_start", {"message": self._message(message_id, [], None, None, choice)})
                     yield _event("ping", {})
-                for event in blocks.feed(streamer.delta(out.text)):
+                thinking, text = parser.step(out) if parser is not None else ("", out.text)
+                if thinking and show:
+                    for event in blocks.feed({"thinking": thinking}):
+                        yield event
+                for event in blocks.feed(streamer.delta(text)):
                     yield event
                 if out.finished:
                     tail, finish_reason = streamer.final(choice.finish_reason)

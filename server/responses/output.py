@@ -1,6 +1,7 @@
-"""Response objects and their output items (``message``, ``function_call``), streamed or whole.
+"""Response objects and their output items (``reasoning``, ``message``, ``function_call``), streamed or whole.
 
-``OutputBuilder`` turns a choice's chat deltas (what ``ToolStreamer`` makes of the text) into
+``OutputBuilder`` turns a choice's chat deltas (what ``ToolStreamer`` makes of the text, and the
+``reasoning_content`` that ``server.reasoning`` splits off before it) into
 output items and, when streaming, into the typed SSE events that build them; the whole
 (non-streamed) response goes through the same builder in one step, so both agree.
 """
@@ -17,13 +18,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def response_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
-    """A chat ``usage`` (server.runs.usage) in the Responses shape."""
+def response_usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
+    """A chat ``usage`` (server.runs.usage) in the Responses shape; ``reasoning_tokens``: the
+    output tokens of the think block (its tags included)."""
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": chat_usage["prompt_tokens_details"]["cache_write_tokens"]},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"]}
 
 
@@ -86,8 +88,13 @@ class OutputBuilder:
         self.output: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None  # the open message item
         self._call: dict[str, Any] | None = None  # the open function_call item
+        self._reasoning: dict[str, Any] | None = None  # the open reasoning item
 
     def feed(self, delta: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        if delta.get("reasoning_content"):
+            yield from self._think(delta["reasoning_content"])
+        if delta.get("content") or delta.get("tool_calls"):
+            yield from self._close_reasoning()
         if delta.get("content"):
             yield from self._close_call()
             yield from self._text(delta["content"])
@@ -106,17 +113,48 @@ class OutputBuilder:
     def finish(self, incomplete: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         """Close what is open; an output with no item gets an empty message. The last item of
         an incomplete response is ``incomplete``."""
-        if not self.output:
+        if all(item["type"] == "reasoning" for item in self.output):
+            yield from self._close_reasoning()
             yield from self._text("")
         last = self.output[-1]
         if incomplete:
             last["status"] = "incomplete"
+        yield from self._close_reasoning()
         yield from self._close_message()
         yield from self._close_call()
 
     # ---- items --------------------------------------------------------------------------------
     def _index(self, item: dict[str, Any]) -> int:
         return next(i for i, it in enumerate(self.output) if it is item)
+
+    def _think(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Reasoning text, into the reasoning item (opened at its first text, before any message)."""
+        if self._reasoning is None:
+            self._reasoning = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                               "status": "in_progress"}
+            self.output.append(self._reasoning)
+            index = len(self.output) - 1
+            yield "response.output_item.added", {"output_index": index, "item": _copy(self._reasoning)}
+            self._reasoning["content"].append({"type": "reasoning_text", "text": ""})
+            yield "response.content_part.added", {"item_id": self._reasoning["id"], "output_index": index,
+                                                  "content_index": 0, "part": _copy(self._reasoning["content"][0])}
+        self._reasoning["content"][0]["text"] += text
+        yield "response.reasoning_text.delta", {"item_id": self._reasoning["id"],
+                                                "output_index": self._index(self._reasoning), "content_index": 0,
+                                                "delta": text}
+
+    def _close_reasoning(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return
+        index, part = self._index(item), item["content"][0]
+        if item["status"] == "in_progress":
+            item["status"] = "completed"
+        yield "response.reasoning_text.done", {"item_id": item["id"], "output_index": index, "content_index": 0,
+                                               "text": part["text"]}
+        yield "response.content_part.done", {"item_id": item["id"], "output_index": index, "content_index": 0,
+                                             "part": _copy(part)}
+        yield "response.output_item.done", {"output_index": index, "item": _copy(item)}
 
     def _text(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
         if self._message is None:

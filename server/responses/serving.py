@@ -20,6 +20,7 @@ from server.responses.output import OutputBuilder, as_input_items, new_id, respo
 from server.responses.protocol import ResponsesRequest
 from server.responses.store import ResponseStore
 from server.responses.translate import Translation, translate
+from server.reasoning import ReasoningParser
 from server.runs import ChatRun, EngineRequestError, cancel_on_disconnect, prompt_lengths, usage
 from server.serving import OpenAIServing
 from server.tools import ToolPlan, ToolStreamer, finish_message
@@ -86,20 +87,28 @@ class ResponsesServing:
     async def _full(self, body: ResponsesRequest, translation: Translation, run: ChatRun,
                     conversation: list[Any]) -> Response:
         created = int(time.time())
+        parser = run.think.parser() if run.think is not None else None
+        reasoning, text = [], []
         try:
-            async for _ in self.serving._merged(run.jobs, translation.chat.cache_salt):
-                pass
+            async for _, out in self.serving._merged(run.jobs, translation.chat.cache_salt):
+                if parser is not None:  # fed as it comes, to count the think block's tokens
+                    r, c = parser.step(out)
+                    reasoning.append(r)
+                    text.append(c)
         except EngineRequestError as exc:
             raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
         choice = run.jobs[0].choice
-        message, _ = finish_message(run.plan, choice.text, choice.finish_reason)
+        content = "".join(text) if parser is not None else choice.text
+        message, _ = finish_message(run.plan, content, choice.finish_reason)
         builder = OutputBuilder()
-        for _ in builder.feed({"content": message.get("content"), "tool_calls": message.get("tool_calls")}):
+        for _ in builder.feed({"reasoning_content": "".join(reasoning), "content": message.get("content"),
+                               "tool_calls": message.get("tool_calls")}):
             pass
         incomplete = choice.finish_reason == "length"
         for _ in builder.finish(incomplete):
             pass
-        return JSONResponse(self._finished(body, translation, run, created, builder, conversation))
+        return JSONResponse(self._finished(body, translation, run, created, builder, conversation,
+                                           reasoning_tokens=parser.reasoning_tokens if parser else 0))
 
     async def _stream(self, body: ResponsesRequest, translation: Translation, run: ChatRun,
                       conversation: list[Any]) -> AsyncIterator[str]:
@@ -120,9 +129,14 @@ class ResponsesServing:
         builder = OutputBuilder()
         streamer = ToolStreamer(run.plan or ToolPlan("none", []))
         choice = run.jobs[0].choice
+        parser: ReasoningParser | None = run.think.parser() if run.think is not None else None
         try:
             async for _, out in self.serving._merged(run.jobs, translation.chat.cache_salt):
-                for kind, payload in builder.feed(streamer.delta(out.text)):
+                reasoning, text = parser.step(out) if parser is not None else ("", out.text)
+                if reasoning:
+                    for kind, payload in builder.feed({"reasoning_content": reasoning}):
+                        yield event(kind, payload)
+                for kind, payload in builder.feed(streamer.delta(text)):
                     yield event(kind, payload)
                 if out.finished:
                     tail, _ = streamer.final(choice.finish_reason)
@@ -134,17 +148,19 @@ class ResponsesServing:
         incomplete = choice.finish_reason == "length"
         for kind, payload in builder.finish(incomplete):
             yield event(kind, payload)
-        final = self._finished(body, translation, run, created, builder, conversation, response_id)
+        final = self._finished(body, translation, run, created, builder, conversation, response_id,
+                               parser.reasoning_tokens if parser is not None else 0)
         yield event("response.incomplete" if incomplete else "response.completed", {"response": final})
 
     def _finished(self, body: ResponsesRequest, translation: Translation, run: ChatRun, created: int,
-                  builder: OutputBuilder, conversation: list[Any], response_id: str | None = None) -> dict[str, Any]:
+                  builder: OutputBuilder, conversation: list[Any], response_id: str | None = None,
+                  reasoning_tokens: int = 0) -> dict[str, Any]:
         """The finished Response (stored unless ``store`` is false)."""
         choice = run.jobs[0].choice
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         response = response_object(response_id or new_id("resp"), created, self.serving.model_name, body,
                                    translation.tools, status, builder.output,
-                                   response_usage(usage([choice], prompt_lengths(run.jobs))))
+                                   response_usage(usage([choice], prompt_lengths(run.jobs)), reasoning_tokens))
         if body.store is not False:
             self.store.put(response, [*conversation, *as_input_items(builder.output)])
         return response

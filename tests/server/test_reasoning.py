@@ -1,0 +1,331 @@
+"""Reasoning output: the ``<think>`` splitter alone, detection from the tokenizer, and the split on
+all three chat-shaped endpoints (chat completions, Responses, Messages), streamed and not.
+
+The server runs a tiny random-weight model with the default model's tokenizer and a chat template
+that marks thinking (as DeepSeek-R1's and Qwen3's do). Its output is forced by a regex grammar
+(the real grammar path): chat completions take ``guided_regex`` directly; Responses and Messages
+have no such field, so the test wraps the engine client's ``generate`` to give every request the
+same grammar. A model without think tags is covered by the existing conformance tests
+(``tests/server/test_openai_sdk.py``, ``test_vendored_spec.py``), which pin its chunks unchanged.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import anthropic
+import httpx
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from kvtypes.structured_spec import StructuredOutputSpec
+from server.reasoning import CLOSE, OPEN, ReasoningParser, ThinkMode, split, think_tags
+from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+from tests.server.conftest import parse_sse
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and '</think>' in (m.content or '') %}"
+    "{{ m.content.split('</think>')[-1].lstrip() }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if open_think is defined and open_think %}<think>\n{% endif %}"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}")
+
+REASONING, ANSWER = "\nthinking hard\n", "the answer"
+FORCED = f"<think>{REASONING}</think>\n\n{ANSWER}"
+USER = [{"role": "user", "content": "What is the answer?"}]
+
+
+# ---- the splitter alone ----------------------------------------------------------------------
+def _feed_in_pieces(text: str, cuts: tuple[int, ...], inside: bool,
+                    tagless: bool) -> tuple[str, str, bool]:
+    parser, reasoning, content, last = ReasoningParser(inside), "", "", 0
+    for cut in (*cuts, len(text)):
+        r, c = parser.feed(text[last:cut])
+        for side in (r, c) if tagless else ():  # no piece of a tag reaches either side
+            assert OPEN not in side and CLOSE not in side
+        reasoning, content, last = reasoning + r, content + c, cut
+    r, c = parser.finish()
+    return reasoning + r, content + c, parser.opened
+
+
+@pytest.mark.parametrize("text,inside,want", [
+    (FORCED, False, (REASONING, ANSWER)),
+    ("  <think>a</thi b</think>  c</think>", False, ("a</thi b", "c</think>")),
+    ("plain answer, no tags", False, (None, "plain answer, no tags")),
+    (" <thinking> is not the tag", False, (None, " <thinking> is not the tag")),
+    ("reasoned already</think>\nanswer", True, ("reasoned already", "answer")),
+    ("<think>cut by max_tokens </thi", False, ("cut by max_tokens </thi", "")),
+])
+def test_splitter_at_every_pair_of_cut_points(text, inside, want):
+    assert split(text, ThinkMode(inside)) == want
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            tagless = not any(tag in side for side in want if side for tag in (OPEN, CLOSE))
+            reasoning, content, opened = _feed_in_pieces(text, (i, j), inside, tagless)
+            assert ((reasoning if opened else None), content) == want, (i, j)
+
+
+def test_splitter_one_character_at_a_time():
+    parser, out = ReasoningParser(), []
+    for ch in FORCED:
+        out.append(parser.feed(ch))
+    out.append(parser.finish())
+    assert "".join(r for r, _ in out) == REASONING and "".join(c for _, c in out) == ANSWER
+    # every reasoning piece comes before the first content piece
+    first_content = next(i for i, (_, c) in enumerate(out) if c)
+    assert not any(r for r, _ in out[first_content:])
+
+
+def test_reasoning_tokens_count_up_to_the_closing_tag():
+    parser = ReasoningParser()
+    for n, piece in enumerate(["<think>", "a", "b", "</think>", "\n", "x", "y"], start=1):
+        parser.feed(piece, n)
+    assert parser.reasoning_tokens == 4
+    open_block = ReasoningParser(starts_inside=True)
+    for n, piece in enumerate(["a", "b", "c"], start=1):
+        open_block.feed(piece, n)
+    assert open_block.reasoning_tokens == 3
+
+
+# ---- detection -------------------------------------------------------------------------------
+class _Tok:
+    def __init__(self, template: str | None, added: dict[str, int] | None = None) -> None:
+        self.chat_template, self._added = template, added or {}
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return self._added
+
+
+def test_think_tags_detected_from_template_or_tokens(tokenizer):
+    assert think_tags(_Tok(THINK_TEMPLATE))
+    assert think_tags(_Tok("{{ messages }}", {"</think>": 7}))
+    assert not think_tags(_Tok("{{ messages }}", {"<|im_end|>": 2}))
+    assert not think_tags(None)
+    assert not think_tags(tokenizer), "the default model does not reason: its output must stay as it was"
+
+
+# ---- the tiny think-tag model, served --------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from engine.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None)[0], local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    from bench.server import start_inprocess
+    from engine.config import EngineConfig
+    from kvserve.compose import build_service
+    from server.config import ServerConfig
+
+    thinker = copy.deepcopy(tokenizer)
+    thinker.chat_template = THINK_TEMPLATE
+    config = tiny_llama_config(vocab_size=len(thinker), max_position_embeddings=512,
+                               bos_token_id=thinker.bos_token_id, eos_token_id=thinker.eos_token_id,
+                               pad_token_id=thinker.pad_token_id)
+    engine = tiny_engine(tiny_hf_model(config), block_size=16, num_blocks=128, max_num_batched_tokens=256,
+                         tokenizer=thinker)
+    service = build_service(EngineConfig(), ServerConfig(log_stats_interval_s=0), engine=engine)
+    client = service.engine
+    generate = client.generate
+    forced = {"regex": None}
+
+    def forcing(prompt_ids, params, *args, **kwargs):  # the grammar Responses / Messages cannot ask for
+        if forced["regex"] is not None and params.structured_output is None:
+            params = dataclasses.replace(params, structured_output=StructuredOutputSpec("regex", forced["regex"]))
+        return generate(prompt_ids, params, *args, **kwargs)
+
+    client.generate = forcing
+    srv = start_inprocess(service.app, service.engine.model_name)
+    srv.force = forced
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def forced(server):
+    server.force["regex"] = _escape(FORCED)
+    yield server
+    server.force["regex"] = None
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def _post(server, path: str, body: dict, **kw) -> httpx.Response:
+    r = httpx.post(f"{server.url}{path}", json={"model": server.model, **body}, timeout=120, **kw)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _chat(server, stream: bool, **extra):
+    return _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 64, "temperature": 0,
+                                                  "guided_regex": _escape(FORCED), "stream": stream, **extra})
+
+
+def test_chat_splits_reasoning_from_content(server):
+    body = _chat(server, False).json()
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == REASONING
+    assert message["content"] == ANSWER
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_stream_sends_reasoning_chunks_before_content(server):
+    chunks = parse_sse(_chat(server, True).text)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    kinds = ["reasoning" if "reasoning_content" in d else "content" for d in deltas[1:] if d]
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning"), kinds  # reasoning first, then content
+    for d in deltas:
+        if "reasoning_content" in d:
+            assert d["reasoning"] == d["reasoning_content"] and "content" not in d
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == REASONING
+    assert "".join(d.get("content") or "" for d in deltas) == ANSWER
+
+
+def test_chat_prompt_that_opens_the_block(server):
+    """R1's template ends the prompt with ``<think>``: the output starts inside the block."""
+    rest = f"{REASONING}</think>\n\n{ANSWER}"
+    body = _post(server, "/v1/chat/completions", {
+        "messages": USER, "max_tokens": 64, "guided_regex": _escape(rest),
+        "chat_template_kwargs": {"open_think": True}}).json()
+    message = body["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (REASONING, ANSWER)
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    def prompt_tokens(**extra):
+        return _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 1, **extra}).json()[
+            "usage"]["prompt_tokens"]
+
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > prompt_tokens()
+    bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": USER, "chat_template_kwargs": {"tokenize": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", bad.text
+
+
+@pytest.mark.parametrize("field", ["max_reasoning_tokens", "thinking_token_budget"])
+def test_reasoning_budget_is_refused_naming_the_field(server, field):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"model": server.model, "messages": USER, field: 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_chat_output_without_a_block_has_null_reasoning(server):
+    body = _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 16,
+                                                  "guided_regex": "plain"}).json()
+    message = body["choices"][0]["message"]
+    assert message["content"] == "plain" and message["reasoning_content"] is None and message["reasoning"] is None
+
+
+# ---- Responses ---------------------------------------------------------------------------------
+EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def _sse_events(raw: str) -> list[dict]:
+    events = []
+    for frame in raw.split("\n\n"):
+        if frame:
+            head, data = frame.split("\n")
+            payload = json.loads(data[len("data: "):])
+            assert payload["type"] == head[len("event: "):]
+            events.append(payload)
+    return events
+
+
+def _check_response(response: dict) -> None:
+    Response.model_validate(response)
+    reasoning, message = response["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": REASONING}]
+    assert message["type"] == "message" and message["content"][0]["text"] == ANSWER
+    details = response["usage"]["output_tokens_details"]
+    assert 0 < details["reasoning_tokens"] < response["usage"]["output_tokens"]
+
+
+def test_responses_reasoning_item_before_the_message(forced):
+    r = _post(forced, "/v1/responses", {"input": "What is the answer?", "max_output_tokens": 64,
+                                        "temperature": 0})
+    _check_response(r.json())
+
+
+def test_responses_stream_reasoning_text_events(forced):
+    r = _post(forced, "/v1/responses", {"input": "What is the answer?", "max_output_tokens": 64,
+                                        "temperature": 0, "stream": True})
+    events = _sse_events(r.text)
+    for event in events:
+        EVENT.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    types = [e["type"] for e in events]
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == REASONING
+    done = next(e for e in events if e["type"] == "response.reasoning_text.done")
+    assert done["text"] == REASONING and done["output_index"] == 0
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == ANSWER
+    _check_response(events[-1]["response"])
+    assert events[-1]["type"] == "response.completed"
+
+
+# ---- Messages ----------------------------------------------------------------------------------
+def _messages(server, **extra) -> httpx.Response:
+    return _post(server, "/v1/messages", {"messages": USER, "max_tokens": 64, "temperature": 0, **extra})
+
+
+def test_messages_thinking_block_first_when_asked(forced):
+    for kind in ("enabled", "adaptive"):
+        thinking = {"type": kind, "budget_tokens": 1024} if kind == "enabled" else {"type": kind}
+        message = _messages(forced, thinking=thinking).json()
+        anthropic.types.Message.model_validate(message)
+        assert message["content"] == [{"type": "thinking", "thinking": REASONING, "signature": ""},
+                                      {"type": "text", "text": ANSWER}]
+
+
+def test_messages_without_thinking_drops_the_reasoning(forced):
+    for extra in ({}, {"thinking": {"type": "disabled"}}):
+        message = _messages(forced, **extra).json()
+        assert message["content"] == [{"type": "text", "text": ANSWER}]
+        assert message["stop_reason"] == "end_turn"
+
+
+def _message_events(raw: str) -> list[dict]:
+    events = _sse_events(raw)
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    for event in events:
+        if event["type"] != "ping":
+            adapter.validate_python(event)
+    return events
+
+
+def test_messages_stream_thinking_deltas(forced):
+    events = _message_events(_messages(forced, stream=True, thinking={"type": "adaptive"}).text)
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["thinking", "text"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    kinds = [d["type"] for d in deltas]
+    assert kinds == sorted(kinds, key=lambda k: k != "thinking_delta")
+    assert "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta") == REASONING
+    assert "".join(d["text"] for d in deltas if d["type"] == "text_delta") == ANSWER
+    quiet = _message_events(_messages(forced, stream=True).text)
+    assert not any(e.get("delta", {}).get("type") == "thinking_delta" for e in quiet)
+    assert [e["content_block"]["type"] for e in quiet if e["type"] == "content_block_start"] == ["text"]
+
+
+def test_chat_extras_table_is_in_the_docs():
+    from server.openai_fields import markdown_table
+    from tests.server.conftest import REPO
+
+    docs = (REPO / "docs" / "api.md").read_text()
+    assert markdown_table("chat", extras=True) in docs, "docs/api.md's chat extras table is stale: regenerate it"
