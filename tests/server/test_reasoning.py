@@ -329,3 +329,43 @@ def test_chat_extras_table_is_in_the_docs():
 
     docs = (REPO / "docs" / "api.md").read_text()
     assert markdown_table("chat", extras=True) in docs, "docs/api.md's chat extras table is stale: regenerate it"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_a_tool_call(server, stream):
+    """The content after the think block goes through the tool-call parser as any content does."""
+    r = _post(server, "/v1/chat/completions", {
+        "messages": USER, "max_tokens": 96, "tools": [WEATHER], "tool_choice": "auto", "stream": stream,
+        "guided_regex": _escape(f"<think>{REASONING}</think>\n\n{CALL}")})
+    if stream:
+        deltas = [c["choices"][0]["delta"] for c in parse_sse(r.text) if c["choices"]]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        calls = [call for d in deltas for call in d.get("tool_calls") or []]
+        content = "".join(d.get("content") or "" for d in deltas)
+    else:
+        message = r.json()["choices"][0]["message"]
+        reasoning, calls, content = message["reasoning_content"], message["tool_calls"], message["content"] or ""
+    assert reasoning == REASONING and content == ""
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.slow
+def test_a_model_without_think_tags_gets_no_reasoning_keys(live_server):
+    """The default model's template has no tags: no new keys, streamed or not (its chunks are
+    pinned by tests/server/test_vendored_spec.py and test_openai_sdk.py)."""
+    body = {"model": live_server.model, "messages": USER, "max_tokens": 8, "temperature": 0}
+    full = httpx.post(f"{live_server.v1}/chat/completions", headers=live_server.headers, json=body,
+                      timeout=120).json()
+    assert set(full["choices"][0]["message"]) == {"role", "content", "refusal"}
+    raw = httpx.post(f"{live_server.v1}/chat/completions", headers=live_server.headers, json={**body, "stream": True},
+                     timeout=120).text
+    chunks = [c for c in parse_sse(raw) if c["choices"]]
+    assert all(set(c["choices"][0]["delta"]) <= {"role", "content"} for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        full["choices"][0]["message"]["content"]
