@@ -11,7 +11,7 @@ without them gets no parser, and its output is exactly what it was.
 
 The grammar of the output: optional whitespace, then a ``<think>`` block, then the content. A
 prompt that already ends with ``<think>`` (R1's template opens the block for the model) starts
-the output inside the block. Text that does not begin with ``<think>`` is all content; an
+the output inside the block, unless a grammar holds the output from its first token. Text that does not begin with ``<think>`` is all content; an
 unclosed block (cut by ``max_tokens``) is all reasoning. The whitespace right after
 ``</think>`` is dropped, so the content starts with its first word.
 """
@@ -47,9 +47,12 @@ class ThinkMode:
     starts_inside: bool = False
 
     @classmethod
-    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int]) -> "ThinkMode":
+    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int], constrained: bool = False) -> "ThinkMode":
+        """``constrained``: a grammar holds the output from its first token (a response_format,
+        a guided_* field, a forced tool call), so it cannot be the rest of a block the prompt
+        opened: it is read from the start, as content unless it writes ``<think>`` itself."""
         tail = tokenizer.decode(prompt_ids[-8:]) if prompt_ids else ""
-        return cls(starts_inside=tail.rstrip().endswith(OPEN))
+        return cls(starts_inside=tail.rstrip().endswith(OPEN) and not constrained)
 
     def parser(self) -> "ReasoningParser":
         return ReasoningParser(self.starts_inside)

@@ -172,7 +172,10 @@ class OpenAIServing:
                                                        has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        think = ThinkMode.for_prompt(self.tokenizer, prompt_ids) if self.reasons else None
+        think = None
+        if self.reasons:  # auto's call grammar is lazy: free text until a <tool_call>
+            lazy = plan is not None and plan.mode == "auto" and forced is not None
+            think = ThinkMode.for_prompt(self.tokenizer, prompt_ids, params.structured_output is not None and not lazy)
         return ChatRun(request_id, self._jobs(request_id, [prompt_ids], params, body.n), plan, think)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
