@@ -13,8 +13,8 @@ The grammar of the output: optional whitespace, then a ``<think>`` block, then t
 prompt that already ends with ``<think>`` (R1's template opens the block for the model) starts
 the output inside the block, unless a grammar holds the output from its first token. Text that
 does not begin with ``<think>`` is all content; an unclosed block (cut by ``max_tokens``) is all
-reasoning. The whitespace right after
-``</think>`` is dropped, so the content starts with its first word.
+reasoning. The whitespace right after ``</think>`` is dropped, so the content starts with its
+first word.
 """
 from __future__ import annotations
 
