@@ -152,8 +152,13 @@ def test_claude_code_print_and_a_second_turn_from_the_prefix_cache(clis, tiny_se
 
     def turn(*args: str) -> dict:
         before = metrics(tiny_server)
-        done = run_cli([*claude, *args], env, tmp_path)
+        debug = tmp_path / f"claude-debug-{len(args)}.txt"
+        done = run_cli([*claude, "--debug-file", str(debug), *args], env, tmp_path)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        # Claude Code recovers from a refused request by sending it again without the refused
+        # feature, and still exits 0: its debug log is where a 400 shows
+        refused = [line for line in debug.read_text(errors="replace").splitlines() if "API error" in line]
+        assert not refused, refused
         result = json.loads(done.stdout)
         assert result["is_error"] is False and result["subtype"] == "success", result
         assert result.get("api_error_status") is None, result
