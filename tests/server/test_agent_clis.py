@@ -105,10 +105,17 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
+# A proxy that refuses every connection: what a CLI tries beyond 127.0.0.1 (updates, telemetry,
+# Codex's plugin sync) fails at once instead of reaching the internet or hanging on it.
+NO_INTERNET = {name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+                                                         "http_proxy", "https_proxy", "all_proxy")}
+NO_INTERNET.update(NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+
+
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
-    """A clean environment: a writable HOME of its own, no proxy, no updater or telemetry."""
+    """A clean environment: a writable HOME of its own, no internet, no updater or telemetry."""
     keep = {k: os.environ[k] for k in ("PATH", "LANG", "TERM") if k in os.environ}
-    return {**keep, "HOME": str(home), "NO_COLOR": "1", **extra}
+    return {**keep, **NO_INTERNET, "HOME": str(home), "NO_COLOR": "1", **extra}
 
 
 def run_cli(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
