@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 pytestmark = pytest.mark.slow
 
-agents = pytest.importorskip("agents")
+pytest.importorskip("agents")
 pytest.importorskip("pydantic_ai")
 
 ASK = "What is the weather in Paris?"
