@@ -30,14 +30,17 @@ MESSAGES_FIELDS: list[MessagesField] = [
     _supported("model", "must name the served model (404 `not_found_error` otherwise)"),
     _supported("max_tokens", "required; a value larger than the context's room (context length minus the prompt) "
                              "is clamped to it, so a client's 32000 works on a small context"),
-    _supported("messages", "roles user and assistant; content a string or blocks `text`, `tool_use`, `tool_result` "
+    _supported("messages", "roles user, assistant and system (a mid-conversation system message, text blocks "
+                           "only, rendered in its place); content a string or blocks `text`, `tool_use`, `tool_result` "
                            "(string or text blocks, `is_error`); `thinking` / `redacted_thinking` blocks of earlier "
                            "turns are not shown to the model; `image` and `document` are a 400 (kvserve serves "
                            "text models)"),
     _supported("system", "a string or text blocks"),
     _supported("tools", "custom tools (`name`, `description`, `input_schema`, which must compile); server tools "
                         "(a `type` such as `web_search_20250305` or `bash_20250124`) are accepted but not offered "
-                        "to the model, since kvserve cannot run them, and the server log names them"),
+                        "to the model, since kvserve cannot run them, and the server log names them; so are tools with "
+                        "`defer_loading: true`, which stay out of the context until a tool search (a server tool) "
+                        "loads them"),
     _supported("tool_choice", "`auto`, `any`, `tool` (with `name`), `none`; `disable_parallel_tool_use`"),
     _supported("stop_sequences", "up to `max_stop` strings; a match ends with `stop_reason: stop_sequence`"),
     _supported("temperature", "0-1; the server's default when absent (the `anthropic` SDK 2.x sends none)"),
@@ -51,7 +54,8 @@ MESSAGES_FIELDS: list[MessagesField] = [
     _supported("thinking", "`enabled` / `adaptive`: a reasoning model's think block comes back as a `thinking` "
                            "block first (streamed as `thinking_delta`, `signature` empty); without it, or with "
                            "`disabled`, the thinking is left out of the output (the model still thinks as its "
-                           "template says); `budget_tokens` is not enforced (it counts against `max_tokens`)"),
+                           "template says); `budget_tokens` is not enforced (it counts against `max_tokens`); "
+                           "`display` (`summarized` / `omitted`) is accepted and not applied: the block comes back whole"),
     _no_effect("context_management", "asks Anthropic to edit old tool results out of the context; kvserve runs the "
                                      "context as sent"),
     _no_effect("output_config", "`effort` tunes Anthropic's models; the served model has no such control"),

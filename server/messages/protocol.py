@@ -84,7 +84,10 @@ def _as_blocks(content: Any) -> Any:
 
 
 class Message(AnthropicModel):
-    role: Literal["user", "assistant"]
+    """A turn. ``system`` is a mid-conversation system message (Claude Code sends one after the
+    first user turn): text blocks only, rendered in its place."""
+
+    role: Literal["user", "assistant", "system"]
     content: Annotated[list[Block], BeforeValidator(_as_blocks)]
 
 
@@ -95,6 +98,9 @@ class CustomTool(AnthropicModel):
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
     strict: bool | None = None
+    # Tool search's deferred loading: such a tool is outside the context until a tool search
+    # (a server tool kvserve cannot run) loads it, so it is not offered to the model.
+    defer_loading: bool | None = None
 
 
 class ServerTool(BaseModel):
@@ -124,6 +130,7 @@ class ToolChoice(AnthropicModel):
 class Thinking(AnthropicModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[Integer, Field(ge=1)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class Metadata(AnthropicModel):

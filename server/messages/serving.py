@@ -132,7 +132,8 @@ class MessagesServing:
         headers = {}
         if translation.dropped_tools:
             names = ", ".join(translation.dropped_tools)
-            logger.info("/v1/messages: server tools not offered to the model (kvserve cannot run them): %s", names)
+            logger.info("/v1/messages: tools not offered to the model (server tools kvserve cannot run, deferred "
+                        "tools no tool search loads): %s", names)
             headers[DROPPED_TOOLS_HEADER] = names
         run = await self.chat.prepare_chat(translation.chat, "msg", clamp_max_tokens=True)
         return run, headers

@@ -1,9 +1,11 @@
 """A Messages request as the ``ChatCompletionRequest`` that runs it.
 
 Anthropic's shapes map onto chat completions' without loss for what kvserve serves: ``system``
-becomes the first (system) message; a user turn's ``tool_result`` blocks become ``tool``
+becomes the first (system) message, and a mid-conversation ``system`` turn a system message in
+its place; a user turn's ``tool_result`` blocks become ``tool``
 messages in their place; an assistant turn's ``tool_use`` blocks become its ``tool_calls``;
-``tools`` become function tools (``input_schema`` as ``parameters``); ``tool_choice`` ``any``
+``tools`` become function tools (``input_schema`` as ``parameters``; server tools and
+``defer_loading`` ones are left out); ``tool_choice`` ``any``
 is ``required`` and ``tool`` a named function; ``stop_sequences`` is ``stop``. Cache
 breakpoints keep their place: a text block's ``cache_control`` stays on its part, one on a
 ``tool_use`` / ``tool_result`` block or on a tool covers its whole message (the tools are
@@ -27,7 +29,7 @@ from server.protocol import ChatCompletionRequest
 @dataclass
 class Translation:
     chat: ChatCompletionRequest
-    dropped_tools: list[str] = field(default_factory=list)  # server tools, not offered to the model
+    dropped_tools: list[str] = field(default_factory=list)  # server and deferred tools, not offered to the model
 
 
 def _cache(block: Any) -> dict[str, Any] | None:
@@ -104,6 +106,13 @@ def _assistant(index: int, content: list[Any]) -> dict[str, Any]:
     return message
 
 
+def _system_turn(index: int, content: list[Any]) -> dict[str, Any]:
+    for j, block in enumerate(content):
+        if not isinstance(block, TextBlock):
+            raise bad_request(f"a system message cannot hold a '{block.type}' block", f"messages.{index}.content.{j}")
+    return {"role": "system", "content": _text_parts(content)}
+
+
 def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     out = _system(body.system)
     for i, m in enumerate(body.messages):
@@ -114,6 +123,8 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                                       f"messages.{i}.content.{j}")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
+        elif m.role == "system":
+            out.append(_system_turn(i, m.content))
         elif m.role == "user":
             out.extend(_user(i, m.content))
         else:
@@ -122,11 +133,14 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _tools(body: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str], dict[str, Any] | None]:
-    """(function tools, the server tools left out, the longest-lived breakpoint on a tool)."""
+    """(function tools, the server and deferred tools left out, the longest-lived breakpoint on a tool)."""
     tools, dropped, cache = [], [], None
     for t in body.tools or []:
         if not isinstance(t, CustomTool):
             dropped.append(f"{t.name} ({t.type})")
+            continue
+        if t.defer_loading:
+            dropped.append(f"{t.name} (defer_loading)")
             continue
         function: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
         if t.description is not None:

@@ -235,6 +235,27 @@ def test_translation_of_turns_tools_and_breakpoints():
     assert [tool.function.name for tool in chat.tools] == ["f"]
 
 
+def test_what_claude_code_sends_translates():
+    """Claude Code 2.1's extras: a mid-conversation system turn (kept in its place), a tool with
+    ``defer_loading`` (left out, as Anthropic keeps it out of the context until a tool search
+    loads it) and ``thinking.display`` (accepted)."""
+    from server.messages.translate import translate
+
+    body = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 32000, "thinking": {"type": "adaptive", "display": "omitted"},
+        "system": [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "Read", "input_schema": {"type": "object"}},
+                  {"name": "DeferredToolPlaceholder", "input_schema": {"type": "object"}, "defer_loading": True}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                     {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
+                     {"role": "user", "content": "go"}]})
+    t = translate(body, max_stop=4)
+    assert [m.role for m in t.chat.messages] == ["system", "user", "system", "user"]
+    assert t.chat.messages[2].text() == "# Environment"
+    assert [tool.function.name for tool in t.chat.tools] == ["Read"]
+    assert t.dropped_tools == ["DeferredToolPlaceholder (defer_loading)"]
+
+
 # ---- errors and auth --------------------------------------------------------------------------
 def anthropic_error(r: httpx.Response, status: int, type_: str) -> str:
     assert r.status_code == status, r.text
@@ -248,7 +269,10 @@ def anthropic_error(r: httpx.Response, status: int, type_: str) -> str:
     ({"max_tokens": "5"}, "max_tokens"),
     ({"temperature": "0.5"}, "temperature"),
     ({"stream": 1}, "stream"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [ASK[0], {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "messages.1.content.0"),
+    ({"thinking": {"type": "adaptive", "display": "full"}}, "thinking.display"),
     ({"logprobs": True}, "logprobs"),
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
