@@ -232,7 +232,7 @@ class OpenAIServing:
         return jobs
 
     # ---- running choices --------------------------------------------------------------------
-    async def _merged(self, jobs: list[Job], cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async def stream_outputs(self, jobs: list[Job], cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Outputs of all jobs as they come; raises EngineRequestError on an engine failure.
 
         One job (the common case) is read directly, with no task or queue between the engine's
@@ -277,7 +277,7 @@ class OpenAIServing:
 
     async def _run_to_end(self, jobs: list[Job], cache_salt: str | None) -> None:
         try:
-            async for _ in self._merged(jobs, cache_salt):
+            async for _ in self.stream_outputs(jobs, cache_salt):
                 pass
         except EngineRequestError as exc:
             raise APIError(exc.status, str(exc), exc.type, None, exc.code) from None
@@ -313,7 +313,7 @@ class OpenAIServing:
             for job in jobs:
                 yield chunk([{"index": job.choice.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-            async for choice, out in self._merged(jobs, body.cache_salt):
+            async for choice, out in self.stream_outputs(jobs, body.cache_salt):
                 if not (out.text or out.finished or (body.logprobs and out.logprobs)):
                     continue
                 streamer = streamers[choice.index]
@@ -363,7 +363,7 @@ class OpenAIServing:
         offsets = {j.choice.index: 0 for j in jobs}
 
         try:
-            async for choice, out in self._merged(jobs, body.cache_salt):
+            async for choice, out in self.stream_outputs(jobs, body.cache_salt):
                 if not (out.text or out.finished or (body.logprobs is not None and out.logprobs)):
                     continue
                 logprobs = None

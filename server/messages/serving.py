@@ -160,7 +160,7 @@ class MessagesServing:
     async def _full(self, message_id: str, run: ChatRun, body: MessagesRequest) -> Response:
         stopped_on = None
         try:
-            async for _, out in self.chat._merged(run.jobs, None):
+            async for _, out in self.chat.stream_outputs(run.jobs, None):
                 if out.finished:
                     stopped_on = out.stop_reason
         except EngineRequestError as exc:
@@ -180,7 +180,7 @@ class MessagesServing:
         show = shows_thinking(body)
         started = False
         try:
-            async for _, out in self.chat._merged(run.jobs, None):
+            async for _, out in self.chat.stream_outputs(run.jobs, None):
                 if not started:  # after the prefill: the cache counts are known
                     started = True
                     yield _event("message_start", {"message": self._message(message_id, [], None, None, choice)})

@@ -2,7 +2,7 @@
 object or as typed SSE events; ``GET`` and ``DELETE`` on the stored ones.
 
 The engine work is the chat path's: ``OpenAIServing.prepare_chat`` (validation, template,
-tokenizing, tool plan, jobs) and ``OpenAIServing._merged`` (the outputs as they come). A
+tokenizing, tool plan, jobs) and ``OpenAIServing.stream_outputs`` (the outputs as they come). A
 streamed response's last event carries the same Response the non-streamed call returns.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class ResponsesServing:
         parser = run.think.parser() if run.think is not None else None
         reasoning, text = [], []
         try:
-            async for _, out in self.serving._merged(run.jobs, translation.chat.cache_salt):
+            async for _, out in self.serving.stream_outputs(run.jobs, translation.chat.cache_salt):
                 if parser is not None:  # fed as it comes, to count the think block's tokens
                     r, c = parser.step(out)
                     reasoning.append(r)
@@ -131,7 +131,7 @@ class ResponsesServing:
         choice = run.jobs[0].choice
         parser: ReasoningParser | None = run.think.parser() if run.think is not None else None
         try:
-            async for _, out in self.serving._merged(run.jobs, translation.chat.cache_salt):
+            async for _, out in self.serving.stream_outputs(run.jobs, translation.chat.cache_salt):
                 reasoning, text = parser.step(out) if parser is not None else ("", out.text)
                 if reasoning:
                     for kind, payload in builder.feed({"reasoning_content": reasoning}):
