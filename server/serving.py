@@ -232,7 +232,8 @@ class OpenAIServing:
         return jobs
 
     # ---- running choices --------------------------------------------------------------------
-    async def stream_outputs(self, jobs: list[Job], cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async def stream_outputs(self, jobs: list[Job],
+                             cache_salt: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Outputs of all jobs as they come; raises EngineRequestError on an engine failure.
 
         One job (the common case) is read directly, with no task or queue between the engine's
