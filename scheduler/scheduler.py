@@ -328,6 +328,9 @@ class Scheduler:
         self.stats.spec_num_drafts += 1
         self.stats.spec_draft_tokens += len(item.draft_token_ids)
         self.stats.spec_accepted_tokens += len(accepted) - 1
+        request.spec_num_drafts += 1
+        request.spec_num_draft_tokens += len(item.draft_token_ids)
+        request.spec_num_accepted_tokens += len(accepted) - 1
         per_pos = self.stats.spec_accepted_per_pos
         per_pos.extend([0] * (len(accepted) - 1 - len(per_pos)))
         for i in range(len(accepted) - 1):
