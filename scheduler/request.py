@@ -71,6 +71,11 @@ class Request:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # The adaptive rule's estimate of the chance that a draft position is accepted (an exponentially
+    # weighted mean over the positions observed, scheduler/speculative.py), and the first token of a
+    # draft it proposed but did not verify, to be checked against the token plain decode samples.
+    spec_acceptance: float = 0.5
+    spec_shadow_token: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -53,7 +53,8 @@ def served():
     from server.metrics import Metrics
 
     engine = tiny_engine(tiny_hf_model(), num_blocks=256, max_num_seqs=16)
-    engine.scheduler.config.speculative_config = SpeculativeConfig(num_speculative_tokens=4)
+    engine.scheduler.config.speculative_config = SpeculativeConfig(num_speculative_tokens=4, verify_cost_ratio=0,
+                                                                   disable_by_batch_size=None)  # draft always
     requests = []
     add = engine.scheduler.add_request
     engine.scheduler.add_request = lambda r: (requests.append(r), add(r))[1]  # keep every request seen
