@@ -25,11 +25,17 @@ def _minus(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {name: value - before.get(name, 0) for name, value in now.items()}
 
 
+def _minus_pos(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-position deltas (positions only ever get added, so ``now`` is at least as long)."""
+    return tuple(value - (before[i] if i < len(before) else 0) for i, value in enumerate(now))
+
+
 @dataclass(frozen=True)
 class EngineCounters:
     """Monotonic counters: prompt tokens looked up / found in the prefix cache, preemptions,
     tokens looked up / found per tier (``device``, ``host``, ``disk``) and the lower tiers'
-    payload bytes read / written."""
+    payload bytes read / written, and speculative decoding's drafts, draft tokens, accepted
+    tokens and accepted tokens per draft position."""
 
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -38,6 +44,10 @@ class EngineCounters:
     tier_hits: dict[str, int] = field(default_factory=dict)
     tier_bytes_read: dict[str, int] = field(default_factory=dict)
     tier_bytes_written: dict[str, int] = field(default_factory=dict)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def read(cls, scheduler: Scheduler, tiers: list[KVTier]) -> EngineCounters:
@@ -46,7 +56,10 @@ class EngineCounters:
                    num_preemptions=sched.num_preemptions, tier_queries=dict(sched.tier_queries),
                    tier_hits=dict(sched.tier_hits),
                    tier_bytes_read={t.name: t.stats.bytes_read for t in tiers},
-                   tier_bytes_written={t.name: t.stats.bytes_written for t in tiers})
+                   tier_bytes_written={t.name: t.stats.bytes_written for t in tiers},
+                   spec_num_drafts=sched.spec_num_drafts, spec_num_draft_tokens=sched.spec_draft_tokens,
+                   spec_num_accepted_tokens=sched.spec_accepted_tokens,
+                   spec_num_accepted_tokens_per_pos=tuple(sched.spec_accepted_per_pos))
 
     def since(self, before: EngineCounters) -> EngineCounters:
         """The counts from ``before`` to this."""
@@ -57,7 +70,12 @@ class EngineCounters:
             tier_queries=_minus(self.tier_queries, before.tier_queries),
             tier_hits=_minus(self.tier_hits, before.tier_hits),
             tier_bytes_read=_minus(self.tier_bytes_read, before.tier_bytes_read),
-            tier_bytes_written=_minus(self.tier_bytes_written, before.tier_bytes_written))
+            tier_bytes_written=_minus(self.tier_bytes_written, before.tier_bytes_written),
+            spec_num_drafts=self.spec_num_drafts - before.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=_minus_pos(self.spec_num_accepted_tokens_per_pos,
+                                                        before.spec_num_accepted_tokens_per_pos))
 
 
 def pin_snapshots(kv_cache: KVCacheManager) -> tuple[PinSnapshot, ...]:
@@ -108,4 +126,7 @@ class StatsReporter:
                          tier_capacity_bytes={t.name: t.capacity_bytes() for t in tiers},
                          offload_write_seconds={t.name: t.stats.drain_recent("write") for t in tiers},
                          offload_read_seconds={t.name: t.stats.drain_recent("read") for t in tiers},
-                         kv_pinned_blocks=self.kv_cache.num_pinned_blocks, pins=pins)
+                         kv_pinned_blocks=self.kv_cache.num_pinned_blocks, pins=pins,
+                         spec_num_drafts=delta.spec_num_drafts, spec_num_draft_tokens=delta.spec_num_draft_tokens,
+                         spec_num_accepted_tokens=delta.spec_num_accepted_tokens,
+                         spec_num_accepted_tokens_per_pos=delta.spec_num_accepted_tokens_per_pos)

@@ -15,13 +15,23 @@ class SpeculativeConfig:
     ``ngram`` (prompt lookup): a running greedy request proposes up to ``num_speculative_tokens``
     draft tokens: the tokens that followed the most recent earlier occurrence of its longest
     trailing n-gram, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long, in its
-    prompt + output. One forward pass verifies them (scheduler/speculative.py).
+    prompt + output. One forward pass verifies them (scheduler/speculative.py). Per step the
+    adaptive rule decides who drafts (``verify_cost_ratio``, ``disable_by_batch_size``).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    # The adaptive rule (scheduler/speculative.py, ``choose_speculators``): a verify step's cost in
+    # plain decode steps. Measured on the default model, 2 threads, native decode: a 5-token verify
+    # row on the Python layers against a native 1-token row breaks even at 3.0 tokens a step (copy
+    # prompts: 115 -> 118 tok/s at 3.0 tokens a step). Where plain decode is not native (decode_path
+    # python, GPU) a verify step costs about one plain step: ~1.2. 0: speculate whenever a draft exists.
+    verify_cost_ratio: float = 3.0
+    # vLLM's name: no request speculates in a step that runs more decoding requests than this
+    # (None: no cutoff). At a large batch the plain step is already compute-bound.
+    disable_by_batch_size: int | None = 8
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -31,6 +41,13 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        ratio = self.verify_cost_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
+            raise ValueError(f"speculative_config.verify_cost_ratio must be a number >= 0, got {ratio!r}")
+        cutoff = self.disable_by_batch_size
+        if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, int) or cutoff < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 or null, "
+                             f"got {cutoff!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

@@ -66,6 +66,16 @@ class Request:
     tier_sources: list[str] = field(default_factory=list)  # per block of its tier load: the tier that held it
     num_cache_write_tokens: int = 0  # tokens this request wrote into retained cache (pins, 24h retention)
     cache_policy_applied: bool = False  # pins / retention taken (when its prefill completed)
+    # Speculative decoding, this request's share of SchedulerStats' spec counters: drafts verified,
+    # their tokens, and of those the accepted ones.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    # The adaptive rule's estimate of the chance that a draft position is accepted (an exponentially
+    # weighted mean over the positions observed, scheduler/speculative.py), and the first token of a
+    # draft it proposed but did not verify, to be checked against the token plain decode samples.
+    spec_acceptance: float = 0.5
+    spec_shadow_token: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

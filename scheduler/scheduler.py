@@ -7,8 +7,9 @@ Each ``schedule()`` call plans one engine step:
    block, the most recently admitted running request is preempted (its blocks go back to
    the pool, full ones stay in the prefix cache, so recomputing it later is mostly a hit).
    With ``speculative_config`` a decoding request that may speculate (scheduler/speculative.py)
-   runs its last token plus an n-gram draft instead; the budget counts every draft token, and
-   when the pool cannot hold the draft it decodes one token as usual.
+   runs its last token plus an n-gram draft instead, when the adaptive rule
+   (``speculative.choose_speculators``) says the verify step pays; the budget counts every draft
+   token, and when the pool cannot hold the draft it decodes one token as usual.
 2. Then, only if nobody was preempted this step, waiting requests in queue order: a
    prefix-cache lookup, then a prefill chunk of what is not cached. When the hash chain
    continues in a lower KV tier (disk), the request instead takes fresh blocks for those
@@ -34,7 +35,8 @@ from cache import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.speculative import accept_greedy, can_speculate, propose_ngram
+from scheduler.speculative import (accept_greedy, can_speculate, choose_speculators, observe_acceptance,
+                                   propose_ngram)
 
 
 @dataclass
@@ -179,11 +181,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.kv_cache.expire_pins()
 
+        drafts = self._plan_drafts()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            draft = self._draft(request, budget) if num_new == 1 else []
+            draft = drafts.get(request.request_id, [])[:budget - 1] if num_new == 1 else []
             if draft and self.kv_cache.allocate_slots(request, 1 + len(draft)) is not None:
                 out.scheduled.append(ScheduledRequest(request, 1 + len(draft),
                                                       self.kv_cache.get_block_ids(request.request_id), draft))
@@ -265,14 +268,37 @@ class Scheduler:
         self.waiting.extendleft(reversed(blocked))
         return out
 
-    def _draft(self, request: Request, budget: int) -> list[int]:
-        """The draft tokens of a decoding request this step ([] when it does not speculate): no
-        more than the budget, ``max_tokens`` and the context length leave room for."""
+    def _plan_drafts(self) -> dict[str, list[int]]:
+        """This step's drafts by request id: every decoding request that may speculate proposes
+        one, and the adaptive rule (``choose_speculators``) keeps those that pay. A proposal not
+        kept leaves its first token as the request's shadow draft: the token plain decode samples
+        next tells whether it would have been accepted, so the estimate keeps learning while the
+        request does not speculate. Drafts are cut to the budget when scheduled."""
         spec = self.config.speculative_config
-        if spec is None or not can_speculate(request):
+        if spec is None:
+            return {}
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        proposals: dict[str, list[int]] = {}
+        candidates = []
+        for request in decoding:
+            request.spec_shadow_token = None
+            draft = self._propose(request)
+            if draft:
+                proposals[request.request_id] = draft
+                candidates.append((request, len(draft)))
+        chosen = choose_speculators(candidates, len(decoding), spec)
+        for request, _ in candidates:
+            if request.request_id not in chosen:
+                request.spec_shadow_token = proposals.pop(request.request_id)[0]
+        return proposals
+
+    def _propose(self, request: Request) -> list[int]:
+        """The n-gram draft of a decoding request ([] when it may not speculate): no more than
+        ``max_tokens`` and the context length leave room for."""
+        spec = self.config.speculative_config
+        if not can_speculate(request):
             return []
-        room = min(spec.num_speculative_tokens, budget - 1,
-                   request.max_tokens - request.num_output_tokens - 1,
+        room = min(spec.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
         if room < 1:
             return []
@@ -305,6 +331,10 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing to sample yet
             token = sampled[request.request_id]
+            if request.spec_shadow_token is not None:  # would its draft's first token have been accepted?
+                request.spec_acceptance = observe_acceptance(request.spec_acceptance,
+                                                             int(token == request.spec_shadow_token), 1)
+                request.spec_shadow_token = None
             request.append_output_token(token)
             touched.append(request)
             self.new_token_ids[request.request_id] = [token]
@@ -328,6 +358,11 @@ class Scheduler:
         self.stats.spec_num_drafts += 1
         self.stats.spec_draft_tokens += len(item.draft_token_ids)
         self.stats.spec_accepted_tokens += len(accepted) - 1
+        request.spec_num_drafts += 1
+        request.spec_num_draft_tokens += len(item.draft_token_ids)
+        request.spec_num_accepted_tokens += len(accepted) - 1
+        request.spec_acceptance = observe_acceptance(request.spec_acceptance, len(accepted) - 1,
+                                                     len(item.draft_token_ids))
         per_pos = self.stats.spec_accepted_per_pos
         per_pos.extend([0] * (len(accepted) - 1 - len(per_pos)))
         for i in range(len(accepted) - 1):

@@ -1,5 +1,6 @@
 """Draft-free speculative decoding's token logic: who may speculate, the n-gram (prompt-lookup)
-draft, and greedy acceptance. Pure functions over token lists; the scheduler calls them.
+draft, greedy acceptance, and the adaptive rule that decides per step who drafts. Pure functions
+over token lists and estimates; the scheduler calls them.
 
 Exactness: a request speculates only when its next tokens are each row's plain argmax (greedy,
 no logprobs, penalties, logit bias, active min_tokens or grammar), so accepting the longest
@@ -12,7 +13,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from scheduler.config import SpeculativeConfig
     from scheduler.request import Request
+
+# Weight of one observed draft position in a request's acceptance estimate (``Request.spec_acceptance``,
+# which starts at 0.5): about the last 4 observations dominate, so a request that starts or stops
+# copying from its context is followed within a few tokens.
+ACCEPTANCE_WEIGHT = 0.25
 
 
 def can_speculate(request: Request) -> bool:
@@ -59,3 +66,47 @@ def accept_greedy(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
     while n < len(draft) and draft[n] == targets[n]:
         n += 1
     return list(targets[:n + 1])
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify step of ``k`` draft tokens yields on average when each draft position is
+    accepted with probability ``acceptance`` given the ones before it: 1 + p + p^2 + ... + p^k
+    (the model's own token always comes)."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def observe_acceptance(estimate: float, num_accepted: int, num_drafted: int) -> float:
+    """``estimate`` updated with what one verification showed: ``num_accepted`` accepted positions,
+    then one rejected position when ``num_accepted < num_drafted`` (positions after the first
+    rejection were not observed)."""
+    outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_drafted else [])
+    for outcome in outcomes:
+        estimate += ACCEPTANCE_WEIGHT * (outcome - estimate)
+    return estimate
+
+
+def choose_speculators(candidates: Sequence[tuple[Request, int]], num_decoding: int,
+                       config: SpeculativeConfig) -> set[str]:
+    """The ids of the candidates (decoding requests that have a draft, with its length) that verify
+    their draft this step; the others decode one token.
+
+    Costs are in plain decode steps of this batch: a step that verifies any draft costs
+    ``verify_cost_ratio`` (r) of them, whoever else runs in it. So drafting pays only when the
+    extra tokens it is expected to bring exceed what the slower step costs every decoding row:
+
+    - nobody drafts when more than ``disable_by_batch_size`` requests decode;
+    - a candidate drafts only if alone it would pay: ``expected_tokens(p, k) > r``;
+    - and those together must pay for the batch: sum of ``expected_tokens(p, k) - 1`` over them
+      > (r - 1) * ``num_decoding``; else nobody drafts.
+
+    With r <= 1 every candidate drafts (the verify step costs no more than a plain one).
+    """
+    cutoff = config.disable_by_batch_size
+    if not candidates or (cutoff is not None and num_decoding > cutoff):
+        return set()
+    r = config.verify_cost_ratio
+    gains = {request.request_id: expected_tokens(request.spec_acceptance, k) - 1.0 for request, k in candidates}
+    chosen = {rid: gain for rid, gain in gains.items() if gain + 1.0 > r}
+    if r > 1.0 and sum(chosen.values()) <= (r - 1.0) * num_decoding:
+        return set()
+    return set(chosen)

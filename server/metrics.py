@@ -13,7 +13,12 @@ Exported families (every one labelled ``model_name``; ``promtool check metrics``
   ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens looked up / found
   at a request's first admission; re-admission after preemption is not a query),
   ``num_preemptions_total``, ``request_success_total{finished_reason=stop|length}`` and
-  ``request_errors_total{reason=abort|error}``;
+  ``request_errors_total{reason=abort|error}``; speculative decoding's
+  ``spec_decode_num_drafts_total``, ``spec_decode_num_draft_tokens_total``,
+  ``spec_decode_num_accepted_tokens_total`` (exported from the start, 0 while speculation is off,
+  so a dashboard's acceptance rate has a baseline) and
+  ``spec_decode_num_accepted_tokens_per_pos_total{position}`` (position 0 is the first draft
+  token; a position appears once a draft reached it);
 - histograms: ``time_to_first_token_seconds`` and ``inter_token_latency_seconds`` (observed as
   tokens come out, so an aborted request's tokens count too), and, for requests that finished
   normally only (so disconnects and engine failures do not skew the percentiles),
@@ -150,6 +155,13 @@ class Metrics:
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache at first admission.").labels(model_name)
         self.num_preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.").labels(model_name)
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified.").labels(model_name)
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                             "Draft tokens verified.").labels(model_name)
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted.").labels(model_name)
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Drafts whose token at this position was accepted.", ("position",))
         self.registry.register(_EngineStateCollector(self))
         # KV tier and pin families (server/cache_metrics.py), fed the same snapshots
         self.tiers = KVTierCollector(model_name, info)
@@ -186,6 +198,8 @@ class Metrics:
                 self._num_hits += stats.prefix_cache_hits
             if stats.num_preemptions:
                 self.num_preemptions.inc(stats.num_preemptions)
+            if stats.spec_num_drafts:
+                self._on_spec(stats)
         now = time.monotonic()
         for out in outputs:
             timing = self._timings.get(out.request_id)
@@ -207,6 +221,15 @@ class Metrics:
             if out.finished:
                 self._timings.pop(out.request_id, None)
                 self._on_finished(out, now)
+
+    def _on_spec(self, stats: StepStats) -> None:
+        self.spec_num_drafts.inc(stats.spec_num_drafts)
+        self.spec_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self.spec_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+        for position, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            child = self.spec_accepted_per_pos.labels(self.model_name, str(position))  # created at first sight
+            if n:
+                child.inc(n)
 
     def _on_finished(self, out: RequestOutput, now: float) -> None:
         reason = out.finish_reason or "error"

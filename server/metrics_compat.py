@@ -11,8 +11,9 @@ Routers and schedulers that pick a replica by its load or its KV cache read vLLM
 - vLLM's production-stack router (``vllm-router``): the two queue gauges, the KV usage gauge
   and the prefix-cache counters ``vllm:prefix_cache_queries_total`` /
   ``vllm:prefix_cache_hits_total`` (older releases: ``vllm:gpu_prefix_cache_*``);
-- dashboards and autoscalers built for vLLM (llm-d's, KEDA rules): token counters and the
-  latency histograms.
+- dashboards and autoscalers built for vLLM (llm-d's, KEDA rules): token counters, the
+  latency histograms and the speculative-decoding counters (``vllm:spec_decode_num_drafts``,
+  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
 
 Contract: every ``vllm:`` family is a renamed copy of a ``kvserve_`` family *taken from the
 same collection pass* of the kvserve registry, so within one scrape the two always hold equal
@@ -53,6 +54,10 @@ VLLM_FAMILIES: dict[str, tuple[str, ...]] = {
     "request_prompt_tokens": ("request_prompt_tokens",),
     "request_generation_tokens": ("request_generation_tokens",),
     "cache_config": ("cache_config",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 # vLLM's cache_config_info calls the device pool's size num_gpu_blocks (whatever the device).
 CACHE_CONFIG_LABELS = {"num_blocks": "num_gpu_blocks"}

@@ -195,6 +195,12 @@ class StepStats:
     offload_read_seconds: dict[str, list[float]] = field(default_factory=dict)
     kv_pinned_blocks: int = 0
     pins: tuple[PinSnapshot, ...] = ()
+    # Speculative decoding (deltas, vLLM's four counters): drafts verified, their tokens, of those
+    # the accepted ones, and per draft position i the drafts whose token i was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     time: float = field(default_factory=time.monotonic)  # when the snapshot was taken (CLOCK_MONOTONIC)
 
     @property

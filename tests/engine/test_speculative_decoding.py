@@ -12,7 +12,10 @@ from scheduler.config import SpeculativeConfig
 from tests.helpers import tiny_engine, tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+# verify_cost_ratio 0, no batch cutoff: every draft is verified (these tests are about the mechanics;
+# the adaptive rule has its own tests).
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, verify_cost_ratio=0,
+                         disable_by_batch_size=None)
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +204,15 @@ def test_output_processor_cuts_a_multi_token_output_at_its_stop_string(default_e
     assert out.finish_reason == "stop" and out.text == "one two"
     cut = next(i for i in range(1, len(ids) + 1) if " three" in tok.decode(ids[:i]))
     assert out.new_token_ids == ids[:cut] and out.num_output_tokens == cut
+
+
+def test_the_adaptive_rule_at_its_defaults_is_exact_too(hf_model):
+    """With the default rule (verify_cost_ratio, disable_by_batch_size) whoever drafts or shadows,
+    the tokens are plain greedy's, and the pool ends clean."""
+    ps = prompts()
+    plain = tiny_engine(hf_model).generate(ps + [ps[0]], GREEDY)
+    engine = tiny_engine(hf_model)
+    engine.scheduler.config.speculative_config = SpeculativeConfig(num_speculative_tokens=4)
+    spec = engine.generate(ps, GREEDY) + engine.generate([ps[0]], GREEDY)  # the copy prompt alone too
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])

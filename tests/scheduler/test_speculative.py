@@ -22,7 +22,8 @@ from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
-from scheduler.speculative import accept_greedy, can_speculate, propose_ngram
+from scheduler.speculative import (ACCEPTANCE_WEIGHT, accept_greedy, can_speculate, choose_speculators,
+                                   expected_tokens, observe_acceptance, propose_ngram)
 
 EOS = 2
 
@@ -130,10 +131,13 @@ class Sim:
     """A Scheduler with a fake model that writes tokens into a simulated paged store."""
 
     def __init__(self, num_blocks: int, block_size: int, budget: int = 32, k: int = 4,
-                 prefix_caching: bool = True, max_model_len: int = 96) -> None:
+                 prefix_caching: bool = True, max_model_len: int = 96, **rule) -> None:
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
-        spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+        # By default every draft is verified (verify_cost_ratio 0, no batch cutoff): the tests
+        # are about the mechanics; ``rule`` sets the adaptive rule's knobs for its own tests.
+        rule = {"verify_cost_ratio": 0, "disable_by_batch_size": None, **rule}
+        spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, **rule)
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
                                            max_model_len=max_model_len, speculative_config=spec), self.kv)
         self.store: dict[int, int | None] = {}  # slot -> token whose KV it holds
@@ -331,3 +335,110 @@ class SpecMachine(RuleBasedStateMachine):
 TestSpecMachine = SpecMachine.TestCase
 TestSpecMachine.settings = settings(max_examples=120, stateful_step_count=30, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- the adaptive rule ---------------------------------------------------------------------------
+DEFAULT_RULE = {"verify_cost_ratio": SpeculativeConfig.verify_cost_ratio,
+                "disable_by_batch_size": SpeculativeConfig.disable_by_batch_size}
+
+
+def test_expected_tokens_and_the_acceptance_estimate():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert observe_acceptance(0.5, 4, 4) > observe_acceptance(0.5, 3, 4) > 0.5  # 3 accepts, 1 reject
+    assert observe_acceptance(0.5, 0, 4) == pytest.approx(0.5 * (1 - ACCEPTANCE_WEIGHT))  # one observed reject
+    assert observe_acceptance(0.5, 1, 1) == pytest.approx(0.5 + 0.5 * ACCEPTANCE_WEIGHT)
+    p = 0.5
+    for _ in range(40):
+        p = observe_acceptance(p, 0, 4)
+    assert p < 0.01
+
+
+def test_choose_speculators_pays_per_request_then_per_batch_and_stops_at_the_cutoff():
+    def req(rid: str, p: float) -> Request:
+        r = request(rid, [3, 4, 5], 10)
+        r.spec_acceptance = p
+        return r
+
+    spec = SpeculativeConfig(verify_cost_ratio=3.0, disable_by_batch_size=8)
+    good, fair, poor = req("good", 0.95), req("fair", 0.85), req("poor", 0.3)
+    assert choose_speculators([(poor, 4)], 1, spec) == set()
+    # good alone brings ~3.5 extra tokens a step; a slower step costs 2 steps of each decoding row
+    assert choose_speculators([(good, 4)], 1, spec) == {"good"}
+    assert choose_speculators([(good, 4)], 2, spec) == set()
+    assert choose_speculators([(good, 4), (fair, 4)], 2, spec) == {"good", "fair"}
+    # poor would not pay alone and stays out; good + fair (~6.2 extra tokens) pay for 3 rows (> 6)
+    assert choose_speculators([(good, 4), (fair, 4), (poor, 4)], 3, spec) == {"good", "fair"}
+    assert choose_speculators([(good, 4), (fair, 4), (poor, 4)], 4, spec) == set()
+    assert choose_speculators([(req(f"g{i}", 0.99), 4) for i in range(9)], 9, spec) == set()  # the cutoff
+    assert len(choose_speculators([(req(f"g{i}", 0.99), 4) for i in range(8)], 8, spec)) == 8
+    always = SpeculativeConfig(verify_cost_ratio=0, disable_by_batch_size=None)
+    assert choose_speculators([(poor, 4), (req("zero", 0.0), 2)], 40, always) == {"poor", "zero"}
+    with pytest.raises(ValueError, match="verify_cost_ratio"):
+        SpeculativeConfig(verify_cost_ratio=-1)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=0)
+    assert SchedulerConfig(speculative_config='{"method": "ngram", "verify_cost_ratio": 1.2, '
+                                              '"disable_by_batch_size": null}').speculative_config == \
+        SpeculativeConfig(verify_cost_ratio=1.2, disable_by_batch_size=None)
+
+
+def test_a_request_not_speculating_learns_from_its_shadow_draft():
+    sim = Sim(num_blocks=64, block_size=4, **DEFAULT_RULE)
+    r = request("r", [3, 4, 5, 3, 4, 5, 3, 4], 30)
+    sim.s.add_request(r)
+    sim.step()  # the prefill
+    for _ in range(10):  # decode until the request has a draft: p = 0.5, so it stays a shadow
+        out = sim.s.schedule()
+        if r.spec_shadow_token is not None:
+            break
+        sim.s.update(out, {"r": oracle(r.all_token_ids)})
+    assert r.spec_shadow_token is not None and not out.scheduled[0].draft_token_ids
+    assert r.spec_acceptance == 0.5
+    sim.s.update(out, {"r": 100 + r.spec_shadow_token})  # the model disagreed with the shadow draft
+    assert r.spec_acceptance < 0.5 and r.spec_shadow_token is None
+    before = r.spec_acceptance
+    for _ in range(10):  # the fresh token has no earlier occurrence: decode on to the next shadow
+        out = sim.s.schedule()
+        if r.spec_shadow_token is not None:
+            break
+        sim.s.update(out, {"r": oracle(r.all_token_ids)})
+    assert r.spec_shadow_token is not None and r.spec_acceptance == before
+    sim.s.update(out, {"r": r.spec_shadow_token})  # and now agreed
+    assert r.spec_acceptance > before
+
+
+def test_adaptive_rule_turns_speculation_on_for_a_copying_request_and_stays_exact():
+    sim = Sim(num_blocks=64, block_size=4, **DEFAULT_RULE)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    r = request("r", prompt, 40)
+    sim.s.add_request(r)
+    drafted_at = []
+    step = 0
+    while sim.s.has_unfinished():
+        out = sim.step()
+        step += 1
+        if any(item.draft_token_ids for item in out.scheduled):
+            drafted_at.append(step)
+    assert r.output_token_ids == plain_run(prompt, 40)
+    # The first decode steps only shadow (the estimate starts at 0.5); once the shadows keep
+    # being right, it drafts.
+    assert drafted_at and drafted_at[0] > 2 and sim.s.stats.spec_accepted_tokens > 0
+    sim.check_hash_chain([])
+    assert sim.kv.num_free_blocks == sim.kv.num_blocks
+
+
+def test_no_drafts_above_the_batch_cutoff_and_exact_either_way():
+    sim = Sim(num_blocks=256, block_size=4, budget=64, **{**DEFAULT_RULE, "disable_by_batch_size": 2})
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 9) for _ in range(8)] for _ in range(3)]
+    reqs = [request(f"r{i}", p, 20) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sim.s.add_request(r)
+    while sim.s.has_unfinished():
+        out = sim.step()
+        decoding = [i for i in out.scheduled if i.request.num_output_tokens > 0]
+        if len(sim.s.running) + len([i for i in out.scheduled if i.request.status.is_finished]) > 2:
+            assert not any(i.draft_token_ids for i in decoding)
+    assert [r.output_token_ids for r in reqs] == [plain_run(p, 20) for p in prompts]
+    assert sim.s.stats.spec_num_drafts == 0  # three decode together until they all end at 20 tokens
