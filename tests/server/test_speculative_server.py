@@ -36,7 +36,9 @@ def spec_server():
     from scheduler.config import SchedulerConfig
     from server.config import ServerConfig
 
-    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    # every draft verified (the adaptive rule off), so the equality checks cover accepted and rejected drafts
+    spec = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+            '"verify_cost_ratio": 0, "disable_by_batch_size": null}')
     service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
                                          cache=CacheConfig(kv_cache_memory_gib=0.25),
                                          scheduler=SchedulerConfig(max_num_seqs=32, speculative_config=spec)),
