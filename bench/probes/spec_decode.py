@@ -13,6 +13,7 @@ quote a document, edit a function) and ``chat`` (ordinary questions).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Sequence
 
 from bench.engine_runs import kvserve_single, load_default_pair
@@ -60,13 +61,17 @@ def copy_prompts(tokenizer: Any, vocab_size: int, n: int) -> list[list[int]]:
 
 
 def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]], new_tokens: int = 128,
-                    k: int = 4, ngram_min: int = 1, ngram_max: int = 3, quiet_wait_s: float = 0.0) -> dict[str, Any]:
-    """Plain and speculative decode of every prompt, by class (greedy, EOS ends a run)."""
+                    k: int = 4, ngram_min: int = 1, ngram_max: int = 3, quiet_wait_s: float = 0.0,
+                    verify_cost_ratio: float | None = None) -> dict[str, Any]:
+    """Plain and speculative decode of every prompt, by class (greedy, EOS ends a run).
+    ``verify_cost_ratio``: the adaptive rule's (None: the config default; 0: verify every draft)."""
     from kvtypes.sampling_params import SamplingParams
     from scheduler.config import SpeculativeConfig
 
     config = engine.scheduler.config
     spec = SpeculativeConfig("ngram", k, ngram_min, ngram_max)
+    if verify_cost_ratio is not None:
+        spec = dataclasses.replace(spec, verify_cost_ratio=verify_cost_ratio)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     stats = engine.scheduler.stats
 
@@ -123,13 +128,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--classes", default="copy,chat")
     parser.add_argument("--quiet-wait", type=float, default=30.0)
+    parser.add_argument("--verify-cost-ratio", type=float, default=None,
+                        help="the adaptive rule's cost ratio (default: the config's; 0 verifies every draft)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     engine, _ = load_default_pair(args.num_threads, kv_cache_gib=0.5, with_hf=False)
     sets = {"copy": copy_prompts(engine.tokenizer, engine.arch.vocab_size, args.prompts),
             "chat": chat_prompts(engine.tokenizer, args.prompts, offset=1)}
     sets = {name: sets[name] for name in args.classes.split(",")}
-    result = run_spec_decode(engine, sets, args.tokens, args.k, args.ngram_min, args.ngram_max, args.quiet_wait)
+    result = run_spec_decode(engine, sets, args.tokens, args.k, args.ngram_min, args.ngram_max, args.quiet_wait,
+                             args.verify_cost_ratio)
     title = f"n-gram speculative decoding, single stream, greedy (k={args.k}, ngram {args.ngram_min}..{args.ngram_max})"
     print_table(title,
                 [[name, c["plain_decode_tps"], c["spec_decode_tps"], c["speedup"], c["acceptance_rate"],
