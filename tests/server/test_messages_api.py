@@ -292,8 +292,9 @@ def test_image_refused_by_the_sdk(claude, live_server):
 
 
 def test_unknown_model_is_404(raw):
-    anthropic_error(raw.post("/v1/messages", json={"model": "claude-x", "max_tokens": 4, "messages": ASK}),
-                    404, "not_found_error")
+    message = anthropic_error(raw.post("/v1/messages", json={"model": "claude-x", "max_tokens": 4, "messages": ASK}),
+                              404, "not_found_error")
+    assert "claude-x" in message
 
 
 def test_auth_with_both_header_styles(live_server):
