@@ -17,15 +17,8 @@ import jsonschema
 import pytest
 
 from server.tools import ToolPlan, ToolStreamer, finish_message, parse_tool_calls
+from tests.server.test_tool_calls import SCHEMAS, TOOLS, WEATHER  # the same two tools
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
-                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 TOOL_PROMPTS = ["What is the weather in Paris right now?", "Is it raining in London?",
                 "How warm is it in Tokyo today, in fahrenheit?", "What is 17 plus 25?", "Add 3 and 4 for me.",
                 "Weather for Berlin please.", "I am going to Rome tomorrow, what should I wear?", "What's 120 + 7?",
