@@ -25,6 +25,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.protocol import EngineCoreOutput, StepStats
 from engine.loader import LoadedModel
 from engine.model.runner import SampledToken
+from engine.sampling.reasoning import ReasoningState, needs_state
 from engine.sampling.structured_output import RequestGrammar
 from engine.stats import StatsReporter
 from engine.tokenizer import encode_prompt
@@ -120,6 +121,8 @@ class LLMEngine:
             request.arrival_time = arrival_time
         if params.structured_output is not None:
             request.grammar = RequestGrammar(self.grammars.submit(params.structured_output))
+        if needs_state(params.reasoning, request.grammar is not None):
+            request.reasoning = ReasoningState(params.reasoning)
         self.scheduler.add_request(request)
         if request.grammar is not None:
             self._compiling[request_id] = request
@@ -233,7 +236,8 @@ class LLMEngine:
             rid = request.request_id
             new_tokens = self.scheduler.new_token_ids[rid]  # one, or a speculative run (no grammar, no logprobs)
             token = new_tokens[-1]
-            if request.grammar is not None and not request.status.is_finished:
+            answer = request.reasoning.accept(token) if request.reasoning is not None else True
+            if request.grammar is not None and answer and not request.status.is_finished:
                 self._advance_grammar(request, token)
             finished = request.status.is_finished
             sample = sampled[rid]

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtypes.structured_spec import StructuredOutputSpec
 from kvtypes.cache_policy import CachePolicy
+from kvtypes.reasoning_spec import ReasoningSpec
 
 # Temperatures below this are treated as 0, i.e. greedy decoding (dividing logits by a
 # near-zero temperature would overflow anyway).
@@ -59,6 +60,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Prompt-cache retention asked for (cache_control pins, prompt_cache_retention); None: plain caching
     cache_policy: CachePolicy | None = None
+    # A reasoning model's think tags, budget and where the prompt left the block; None: the
+    # output is not read for reasoning in the engine (no budget, grammar from the first token)
+    reasoning: ReasoningSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -100,6 +104,8 @@ class SamplingParams:
                 raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.cache_policy is not None and not isinstance(self.cache_policy, CachePolicy):
             raise ValueError(f"cache_policy must be a CachePolicy, got {self.cache_policy!r}")
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpec):
+            raise ValueError(f"reasoning must be a ReasoningSpec, got {self.reasoning!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "

@@ -59,6 +59,9 @@ class Request:
     # Structured output: the engine's per-request grammar (engine.sampling.structured_output.RequestGrammar).
     # While its compilation is pending (``ready()`` False) the scheduler leaves the request waiting.
     grammar: Any = None
+    # The think block's state (engine.sampling.reasoning.ReasoningState) of a request with a reasoning
+    # budget or a grammar on a reasoning model; None otherwise. Such a request does not speculate.
+    reasoning: Any = None
     # Prompt logprobs collected so far (entry i: prompt token i+1 given the tokens before it),
     # filled by the runner when sampling_params.prompt_logprobs is set.
     prompt_logprobs: list[Any] = field(default_factory=list)

@@ -26,6 +26,7 @@ def can_speculate(request: Request) -> bool:
     """True when greedy verification reproduces plain decode for this request's next tokens."""
     p = request.sampling_params
     return (p.is_greedy and p.logprobs is None and not p.logit_bias and request.grammar is None
+            and request.reasoning is None
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
             and request.num_output_tokens >= p.min_tokens)
 

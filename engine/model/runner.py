@@ -267,7 +267,8 @@ class ModelRunner:
         logits = logits[:len(sampling)]
         rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
                             output_token_ids=s.request.output_token_ids, generator=self._generator(s),
-                            eos_token_ids=s.request.eos_token_ids, grammar=s.request.grammar)
+                            eos_token_ids=s.request.eos_token_ids, grammar=s.request.grammar,
+                            reasoning=s.request.reasoning)
                 for s in sampling]
         result = self.sampler(logits, rows)
         for i, item in enumerate(sampling):

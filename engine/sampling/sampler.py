@@ -12,7 +12,10 @@ Per row, in order (vLLM / OpenAI semantics):
    nothing (min_tokens banned the EOS the grammar requires), the grammar wins;
 5. greedy rows take the argmax; the other rows are divided by their temperature and
    truncated by top-k, then top-p (nucleus, renormalised after top-k), then min-p, and
-   one token is drawn from what is left.
+   one token is drawn from what is left;
+6. reasoning: a row whose reasoning budget is spent takes the forced closing-tag token
+   (``engine/sampling/reasoning.py``), whatever was sampled; its logprob is still the raw one.
+   While such a row's think block is open its grammar waits (step 4 skips it).
 
 Logprobs are always those of the *raw* logits (log_softmax of the unmodified model
 output), which is what vLLM returns by default.
@@ -36,6 +39,7 @@ from engine.kernels import has_op
 from engine.sampling.structured_output import apply_bitmask, bitmask_words
 
 if TYPE_CHECKING:
+    from engine.sampling.reasoning import ReasoningState
     from engine.sampling.structured_output import RequestGrammar
 
 # Top-p looks for the nucleus among the top-256 tokens, then the top-4096, and only
@@ -58,6 +62,12 @@ class SamplingRow:
     generator: torch.Generator | None
     eos_token_ids: frozenset[int] = frozenset()  # used for min_tokens masking
     grammar: "RequestGrammar | None" = None  # resolved matcher of a structured-output request
+    reasoning: "ReasoningState | None" = None  # think-block state of a budgeted or structured reasoning request
+
+    def __post_init__(self) -> None:
+        # The grammar holds this step's token only outside an open think block.
+        if self.reasoning is not None and not self.reasoning.grammar_active:
+            self.grammar = None
 
 
 @dataclass
@@ -87,7 +97,7 @@ class Sampler:
         if not rows:
             return SamplerOutput([], None, None)
         if all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(_argmax(logits).tolist(), None, None)
+            return SamplerOutput(_force(_argmax(logits).tolist(), rows), None, None)
 
         work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
         apply_penalties(work, rows)
@@ -95,8 +105,23 @@ class Sampler:
         apply_min_tokens(work, rows)
         apply_grammar(work, rows, logits)
         token_ids = _sample(work, rows)
+        ids = token_ids.tolist()
+        forced = _force(list(ids), rows)
+        if forced != ids:
+            token_ids = torch.tensor(forced, dtype=token_ids.dtype, device=token_ids.device)
         logprobs, top_logprobs = _logprobs(logits, token_ids, rows)
-        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+        return SamplerOutput(forced, logprobs, top_logprobs)
+
+
+def _force(token_ids: list[int], rows: Sequence[SamplingRow]) -> list[int]:
+    """``token_ids`` with each row's forced token (a spent reasoning budget's closing tag) in place
+    of the sampled one; a pass over the rows that only looks at ``reasoning`` when none has one."""
+    for i, row in enumerate(rows):
+        if row.reasoning is not None:
+            forced = row.reasoning.forced_token()
+            if forced is not None:
+                token_ids[i] = forced
+    return token_ids
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -174,6 +199,9 @@ def apply_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.
     bitmask = torch.empty(len(with_grammar), bitmask_words(vocab), dtype=torch.int32)
     for j, i in enumerate(with_grammar):
         rows[i].grammar.fill_bitmask(bitmask[j])
+        opener = rows[i].reasoning.open_token if rows[i].reasoning is not None else None
+        if opener is not None and opener < vocab:  # the output may open a think block first
+            bitmask[j, opener // 32] |= _bit(opener % 32)
     every_row = len(with_grammar) == len(rows)
     index = torch.tensor(with_grammar, device=logits.device)
     masked = logits if every_row else logits[index]
@@ -185,6 +213,11 @@ def apply_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.
         masked[empty] = fallback
     if not every_row:
         logits[index] = masked
+
+
+def _bit(i: int) -> int:
+    """Bit ``i`` of an int32 bitmask word, as the signed value the word holds."""
+    return -(1 << 31) if i == 31 else 1 << i
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
