@@ -6,7 +6,7 @@ test keeps them equal), and the tests (each rejected row is sent with its ``exam
 
 Fields outside OpenAI's API (vLLM's extras such as ``top_k``, ``ignore_eos``, ``guided_json``,
 which load generators send) are not in the table and stay accepted. The extras whose meaning a
-client must know (``chat_template_kwargs``, the reasoning budgets kvserve refuses) are in a
+client must know (``chat_template_kwargs``, the reasoning budgets) are in a
 second table, ``EXTRAS``, checked and documented the same way.
 """
 from __future__ import annotations
@@ -103,14 +103,15 @@ COMPLETION_FIELDS: list[FieldRule] = [
 
 TABLES: dict[str, list[FieldRule]] = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS}
 
-_BUDGET = ("a reasoning budget needs the engine to force `</think>` mid-output, which kvserve does not do; "
-           "cap the whole output with `max_tokens`")
+_BUDGET = ("at most this many tokens inside a reasoning model's think block: then the engine forces `</think>` "
+           "and the answer follows (counted in `max_tokens` as the thinking is); a model that closes the block "
+           "earlier thinks less; a model without think tags has no block to cap")
 CHAT_EXTRA_FIELDS: list[FieldRule] = [
     _supported("chat_template_kwargs", "variables for the model's chat template, e.g. `{\"enable_thinking\": false}` "
                                        "(Qwen3); an argument of the template call itself (`tools`, `tokenize`, ...) "
                                        "is a 400"),
-    _rejected("max_reasoning_tokens", _BUDGET, 64),
-    _rejected("thinking_token_budget", f"vLLM's name; {_BUDGET}", 64),
+    _supported("max_reasoning_tokens", f"an integer >= 0; {_BUDGET}; the same as `thinking_token_budget`"),
+    _supported("thinking_token_budget", f"vLLM's name; an integer >= 0; {_BUDGET}"),
 ]
 
 EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": []}

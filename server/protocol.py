@@ -258,6 +258,17 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
+    # vLLM's cap on the tokens inside a reasoning model's think block, and the issue's other name for it
+    thinking_token_budget: Annotated[Integer, Field(ge=0)] | None = None
+    max_reasoning_tokens: Annotated[Integer, Field(ge=0)] | None = None
+
+    def reasoning_budget(self) -> int | None:
+        """The think block's token cap (``thinking_token_budget`` or ``max_reasoning_tokens``), or None."""
+        a, b = self.thinking_token_budget, self.max_reasoning_tokens
+        if a is not None and b is not None and a != b:
+            raise bad_request("give thinking_token_budget or max_reasoning_tokens, not two different values",
+                              "max_reasoning_tokens")
+        return a if a is not None else b
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -11,7 +11,8 @@ without them gets no parser, and its output is exactly what it was.
 
 The grammar of the output: optional whitespace, then a ``<think>`` block, then the content. A
 prompt that already ends with ``<think>`` (R1's template opens the block for the model) starts
-the output inside the block, unless a grammar holds the output from its first token. Text that
+the output inside the block; a grammar of the request then starts after ``</think>`` (the engine
+holds it back, ``engine/sampling/reasoning.py``), so a structured request keeps its thinking. Text that
 does not begin with ``<think>`` is all content; an unclosed block (cut by ``max_tokens``) is all
 reasoning. The whitespace right after ``</think>`` is dropped, so the content starts with its
 first word.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from kvtypes.reasoning_spec import ReasoningSpec
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -41,6 +44,15 @@ def think_tags(tokenizer: Any) -> bool:
     return CLOSE in added
 
 
+def think_token_ids(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The tags as the tokenizer encodes them (start, end), or None when it cannot encode them."""
+    try:
+        start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (OPEN, CLOSE))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return (start, end) if start and end else None
+
+
 @dataclass(frozen=True)
 class ThinkMode:
     """How one request's output reasons: ``starts_inside`` when its prompt opened the block."""
@@ -48,15 +60,16 @@ class ThinkMode:
     starts_inside: bool = False
 
     @classmethod
-    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int], constrained: bool = False) -> "ThinkMode":
-        """``constrained``: a grammar holds the output from its first token (a response_format,
-        a guided_* field, a forced tool call), so it cannot be the rest of a block the prompt
-        opened: it is read from the start, as content unless it writes ``<think>`` itself."""
+    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int]) -> "ThinkMode":
         tail = tokenizer.decode(prompt_ids[-8:]) if prompt_ids else ""
-        return cls(starts_inside=tail.rstrip().endswith(OPEN) and not constrained)
+        return cls(starts_inside=tail.rstrip().endswith(OPEN))
 
     def parser(self) -> "ReasoningParser":
         return ReasoningParser(self.starts_inside)
+
+    def spec(self, tag_ids: tuple[tuple[int, ...], tuple[int, ...]], budget: int | None) -> ReasoningSpec:
+        """What the engine needs to cap the block at ``budget`` tokens and start a grammar after it."""
+        return ReasoningSpec(tag_ids[0], tag_ids[1], self.starts_inside, budget)
 
 
 def _partial(text: str, tag: str) -> int:

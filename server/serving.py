@@ -35,7 +35,7 @@ from server.errors import APIError, bad_request, sse_error_frame
 from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.reasoning import ReasoningParser, ThinkMode, split, think_tags
+from server.reasoning import ReasoningParser, ThinkMode, split, think_tags, think_token_ids
 from server.runs import (ChatRun, Choice, EngineRequestError, Job, cancel_on_disconnect, checked, prompt_lengths,
                          usage, with_seed)
 from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
@@ -48,6 +48,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.reasons = think_tags(self.tokenizer)  # the model marks thinking with <think> tags
+        self.think_ids = think_token_ids(self.tokenizer) if self.reasons else None
         # One worker: tokenization holds the GIL, more threads would only take turns.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
 
@@ -173,9 +174,11 @@ class OpenAIServing:
         self._validate_prompt(prompt_ids, params, "messages")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         think = None
-        if self.reasons:  # auto's call grammar is lazy: free text until a <tool_call>
-            lazy = plan is not None and plan.mode == "auto" and forced is not None
-            think = ThinkMode.for_prompt(self.tokenizer, prompt_ids, params.structured_output is not None and not lazy)
+        budget = body.reasoning_budget()
+        if self.reasons:
+            think = ThinkMode.for_prompt(self.tokenizer, prompt_ids)
+            if self.think_ids is not None and (budget is not None or params.structured_output is not None):
+                params = dataclasses.replace(params, reasoning=think.spec(self.think_ids, budget))
         return ChatRun(request_id, self._jobs(request_id, [prompt_ids], params, body.n), plan, think)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:

@@ -54,8 +54,11 @@ MESSAGES_FIELDS: list[MessagesField] = [
     _supported("thinking", "`enabled` / `adaptive`: a reasoning model's think block comes back as a `thinking` "
                            "block first (streamed as `thinking_delta`, `signature` empty); without it, or with "
                            "`disabled`, the thinking is left out of the output (the model still thinks as its "
-                           "template says); `budget_tokens` is not enforced (it counts against `max_tokens`); "
-                           "`display` (`summarized` / `omitted`) is accepted and not applied: the block comes back whole"),
+                           "template says); with `enabled`, `budget_tokens` caps the think block: after that many tokens "
+                           "the engine writes `</think>` and the answer follows (both count against `max_tokens`); "
+                           "`display: omitted` returns the thinking block with empty `thinking` (no "
+                           "`thinking_delta` when streamed), `summarized` (the default) the whole text, as kvserve "
+                           "has no summariser"),
     _no_effect("context_management", "asks Anthropic to edit old tool results out of the context; kvserve runs the "
                                      "context as sent"),
     _no_effect("output_config", "`effort` tunes Anthropic's models; the served model has no such control"),

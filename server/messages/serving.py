@@ -7,7 +7,8 @@ request wrote into retained cache (a ``cache_control`` pin) beyond what it read,
 
 A reasoning model's think block (split off by ``server.reasoning``) is a ``thinking`` block first,
 with an empty ``signature``, when the request asks for ``thinking`` (``enabled`` / ``adaptive``);
-otherwise it is left out of the output, as Anthropic shows no thinking unasked.
+otherwise it is left out of the output, as Anthropic shows no thinking unasked. With
+``thinking.display: omitted`` the block is still there, its text empty.
 """
 from __future__ import annotations
 
@@ -59,11 +60,18 @@ def shows_thinking(body: MessagesRequest) -> bool:
     return body.thinking is not None and body.thinking.type in ("enabled", "adaptive")
 
 
-def content_blocks(message: dict[str, Any], thinking: str | None = None) -> list[dict[str, Any]]:
-    """A chat ``message`` (content, tool_calls) as Messages content blocks, after its ``thinking``."""
+def omits_thinking(body: MessagesRequest) -> bool:
+    """``thinking.display: omitted``: the thinking block comes back with empty text (its signature kept)."""
+    return body.thinking is not None and body.thinking.display == "omitted"
+
+
+def content_blocks(message: dict[str, Any], thinking: str | None = None,
+                   omitted: bool = False) -> list[dict[str, Any]]:
+    """A chat ``message`` (content, tool_calls) as Messages content blocks, after its ``thinking``
+    (``omitted``: the block is there, its text empty)."""
     blocks: list[dict[str, Any]] = []
     if thinking:
-        blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": "" if omitted else thinking, "signature": ""})
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
@@ -79,11 +87,13 @@ def _event(type_: str, data: dict[str, Any]) -> str:
 class BlockWriter:
     """Chat deltas (``content`` / ``tool_calls``, from a ToolStreamer; ``thinking``, the reasoning
     text) as content-block events: a thinking block, then a text block while text comes, a new
-    ``tool_use`` block at each call's first delta."""
+    ``tool_use`` block at each call's first delta. ``omit_thinking``: the thinking block is
+    started and stopped with no ``thinking_delta`` (``thinking.display: omitted``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" | "tool_use"
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
+        self.omit_thinking = omit_thinking
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         events = self.close()
@@ -96,9 +106,10 @@ class BlockWriter:
         if delta.get("thinking"):
             if self.open != "thinking":
                 events += self._start({"type": "thinking", "thinking": "", "signature": ""})
-            events.append(_event("content_block_delta", {"index": self.index,
-                                                         "delta": {"type": "thinking_delta",
-                                                                   "thinking": delta["thinking"]}}))
+            if not self.omit_thinking:
+                events.append(_event("content_block_delta", {"index": self.index,
+                                                             "delta": {"type": "thinking_delta",
+                                                                       "thinking": delta["thinking"]}}))
         if delta.get("content"):
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})
@@ -169,13 +180,13 @@ class MessagesServing:
         thinking, text = split(choice.text, run.think) if run.think is not None else (None, choice.text)
         message, finish_reason = finish_message(run.plan, text, choice.finish_reason)
         reason, sequence = stop_reason(finish_reason, stopped_on, body.stop_sequences or [])
-        blocks = content_blocks(message, thinking if shows_thinking(body) else None)
+        blocks = content_blocks(message, thinking if shows_thinking(body) else None, omits_thinking(body))
         return JSONResponse(self._message(message_id, blocks, reason, sequence, choice))
 
     async def _stream(self, message_id: str, run: ChatRun, body: MessagesRequest) -> AsyncIterator[str]:
         choice = run.jobs[0].choice
         streamer = ToolStreamer(run.plan or ToolPlan("none", []))
-        blocks = BlockWriter()
+        blocks = BlockWriter(omits_thinking(body))
         parser = run.think.parser() if run.think is not None else None
         show = shows_thinking(body)
         started = False

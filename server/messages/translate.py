@@ -205,6 +205,9 @@ def translate(body: CountTokensRequest, max_stop: int) -> Translation:
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 chat[name] = getattr(body, name)
+        thinking = body.thinking
+        if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
+            chat["thinking_token_budget"] = thinking.budget_tokens  # the engine closes the block there
     else:
         chat["max_tokens"] = 1
     try:

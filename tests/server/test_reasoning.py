@@ -30,7 +30,7 @@ THINK_TEMPLATE = (
     "{% if m.role == 'assistant' and '</think>' in (m.content or '') %}"
     "{{ m.content.split('</think>')[-1].lstrip() }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if open_think is defined and open_think %}<think>\n{% endif %}"
+    "{% if open_think is defined and open_think or messages[0].content == 'open_think' %}<think>\n{% endif %}"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
     "{% endif %}")
 
@@ -139,7 +139,9 @@ def server(tokenizer):
 
     def forcing(prompt_ids, params, *args, **kwargs):  # the grammar Responses / Messages cannot ask for
         if forced["regex"] is not None and params.structured_output is None:
-            params = dataclasses.replace(params, structured_output=StructuredOutputSpec("regex", forced["regex"]))
+            # the whole output, think block included, held by the grammar: no think-block state holds it back
+            params = dataclasses.replace(params, structured_output=StructuredOutputSpec("regex", forced["regex"]),
+                                         reasoning=None)
         return generate(prompt_ids, params, *args, **kwargs)
 
     client.generate = forcing
@@ -197,7 +199,8 @@ def test_chat_stream_sends_reasoning_chunks_before_content(server):
 def test_chat_prompt_that_opens_the_block(server):
     """R1's template ends the prompt with ``<think>``: the output starts inside the block (forced
     by the engine-side grammar, which the server does not see); a grammar of the request's own
-    holds the output from its first token, so that output is read from the start."""
+    starts after ``</think>`` (vLLM's behaviour), so such a request keeps its thinking: here the
+    random model never closes the block, so it is all reasoning, and with a budget the JSON follows."""
     server.force["regex"] = _escape(f"{REASONING}</think>\n\n{ANSWER}")
     try:
         for stream in (False, True):
@@ -217,7 +220,7 @@ def test_chat_prompt_that_opens_the_block(server):
         "messages": USER, "max_tokens": 32, "response_format": {"type": "json_object"},
         "chat_template_kwargs": {"open_think": True}}).json()
     message = body["choices"][0]["message"]
-    assert message["reasoning_content"] is None and message["content"].startswith("{")
+    assert message["reasoning_content"] and not message["content"]
 
 
 def test_chat_template_kwargs_reach_the_template(server):
@@ -231,11 +234,83 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", bad.text
 
 
-@pytest.mark.parametrize("field", ["max_reasoning_tokens", "thinking_token_budget"])
-def test_reasoning_budget_is_refused_naming_the_field(server, field):
+# ---- the reasoning budget ----------------------------------------------------------------------
+BUDGET = 6
+OPENED = {"chat_template_kwargs": {"open_think": True}}
+
+
+def _chat_text(server, stream: bool, **extra) -> tuple[str | None, str, dict]:
+    r = _post(server, "/v1/chat/completions", {"messages": USER, "temperature": 0, "ignore_eos": True,
+                                               "stream": stream, **OPENED, **extra})
+    if not stream:
+        body = r.json()
+        message = body["choices"][0]["message"]
+        return message["reasoning_content"], message["content"] or "", body
+    chunks = parse_sse(r.text)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    return ("".join(d.get("reasoning_content", "") for d in deltas), "".join(d.get("content") or "" for d in deltas),
+            chunks[-1])
+
+
+@pytest.fixture(scope="module")
+def free_thinking(server) -> str:
+    """The block the model writes in BUDGET tokens unhindered (it never closes it itself)."""
+    reasoning, content, body = _chat_text(server, False, max_tokens=BUDGET)
+    assert content == "" and body["usage"]["completion_tokens"] == BUDGET
+    return reasoning
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field", ["thinking_token_budget", "max_reasoning_tokens"])
+def test_chat_budget_closes_the_block_after_exactly_that_many_tokens(server, free_thinking, field, stream):
+    reasoning, content, _ = _chat_text(server, stream, max_tokens=24, **{field: BUDGET})
+    assert reasoning == free_thinking and content, (reasoning, content)  # the answer follows the forced tag
+    reasoning, content, _ = _chat_text(server, stream, max_tokens=24)
+    assert reasoning.startswith(free_thinking) and len(reasoning) > len(free_thinking) and content == ""
+
+
+def test_chat_budget_then_the_grammar(server, free_thinking):
+    """A structured request on a reasoning model thinks first; the grammar holds what follows ``</think>``."""
+    reasoning, content, _ = _chat_text(server, False, max_tokens=24, thinking_token_budget=BUDGET,
+                                       response_format={"type": "json_object"})
+    assert reasoning == free_thinking and content.startswith('{"'), content
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    for stream in (False, True):
+        reasoning, content, last = _chat_text(server, stream, max_tokens=40, thinking_token_budget=BUDGET,
+                                              ignore_eos=False, response_format={
+                                                  "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        assert reasoning == free_thinking and last["choices"][0]["finish_reason"] == "stop", last
+        assert list(json.loads(content)) == ["n"] and 0 <= json.loads(content)["n"] <= 9
+
+
+def test_chat_budget_then_a_forced_tool_call(server):
+    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+    for stream in (False, True):
+        reasoning, _, _ = _chat_text(server, stream, max_tokens=BUDGET, tools=[city])  # the free block
+        r = _post(server, "/v1/chat/completions", {
+            "messages": USER, "temperature": 0, "max_tokens": 64, "thinking_token_budget": BUDGET, **OPENED,
+            "tools": [city], "tool_choice": "required", "stream": stream})
+        if stream:
+            deltas = [c["choices"][0]["delta"] for c in parse_sse(r.text) if c["choices"]]
+            got = "".join(d.get("reasoning_content", "") for d in deltas)
+            calls = [c for d in deltas for c in d.get("tool_calls") or []]
+        else:
+            message = r.json()["choices"][0]["message"]
+            got, calls = message["reasoning_content"], message["tool_calls"]
+        assert got == reasoning and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", r.text
+        assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize("body,param", [({"thinking_token_budget": -1}, "thinking_token_budget"),
+                                        ({"max_reasoning_tokens": "8"}, "max_reasoning_tokens"),
+                                        ({"thinking_token_budget": 4, "max_reasoning_tokens": 5},
+                                         "max_reasoning_tokens")])
+def test_bad_budget_is_a_400_naming_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                   json={"model": server.model, "messages": USER, field: 16})
-    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+                   json={"model": server.model, "messages": USER, **body})
+    assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), r.text
 
 
 def test_chat_output_without_a_block_has_null_reasoning(server):
@@ -337,6 +412,43 @@ def test_messages_stream_thinking_deltas(forced):
     quiet = _message_events(_messages(forced, stream=True).text)
     assert not any(e.get("delta", {}).get("type") == "thinking_delta" for e in quiet)
     assert [e["content_block"]["type"] for e in quiet if e["type"] == "content_block_start"] == ["text"]
+
+
+# The template opens the block for a system prompt of "open_think" (Messages has no template kwargs).
+def _opened_message(server, stream: bool, **extra) -> tuple[list[dict], list[dict] | None]:
+    r = _messages(server, system="open_think", stream=stream, **extra)
+    if not stream:
+        return r.json()["content"], None
+    events = _message_events(r.text)
+    blocks, deltas = [], []
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            deltas.append(e["delta"])
+            key = {"thinking_delta": "thinking", "text_delta": "text"}.get(e["delta"]["type"])
+            if key:
+                blocks[e["index"]][key] += e["delta"][key]
+    return blocks, deltas
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_budget_tokens_cap_the_thinking_block(server, stream):
+    free, _ = _opened_message(server, False, max_tokens=BUDGET, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b["type"] for b in free] == ["thinking"]
+    blocks, _ = _opened_message(server, stream, max_tokens=24, thinking={"type": "enabled", "budget_tokens": BUDGET})
+    assert [b["type"] for b in blocks] == ["thinking", "text"] and blocks[1]["text"], blocks
+    assert blocks[0]["thinking"] == free[0]["thinking"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_display_omitted_keeps_the_block_without_its_text(server, stream):
+    thinking = {"type": "enabled", "budget_tokens": BUDGET}
+    shown, _ = _opened_message(server, stream, max_tokens=24, thinking=thinking)
+    blocks, deltas = _opened_message(server, stream, max_tokens=24, thinking={**thinking, "display": "omitted"})
+    assert shown[0]["thinking"] and blocks[0] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert blocks[1:] == shown[1:]
+    assert deltas is None or not any(d["type"] == "thinking_delta" for d in deltas)
 
 
 def test_chat_extras_table_is_in_the_docs():
