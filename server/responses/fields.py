@@ -64,9 +64,11 @@ RESPONSES_FIELDS: list[FieldRule] = [
     _supported("prompt_cache_retention", "`in_memory` (default) or `24h` (needs `--kv-disk-dir`), as for chat"),
     _ignored("user", "an end-user id for OpenAI's abuse monitoring; kvserve keeps no per-user records"),
     _ignored("safety_identifier", "an end-user id for OpenAI's abuse monitoring"),
-    _ignored("reasoning", "`effort` / `summary`: no such controls; a reasoning model's think block always "
-                          "comes back as a `reasoning` item (its text in `content`, `summary` empty) before the "
-                          "message, counted in `usage.output_tokens_details.reasoning_tokens`"),
+    _supported("reasoning", "`max_tokens` (OpenRouter's shape, not OpenAI's) caps the think block as chat's "
+                            "`thinking_token_budget` does; `effort` / `summary` are ignored (no such controls); a "
+                            "reasoning model's think block always comes back as a `reasoning` item (its text in "
+                            "`content`, `summary` empty) before the message, counted in "
+                            "`usage.output_tokens_details.reasoning_tokens`"),
     _ignored("include", "extra output kvserve does not produce (e.g. `reasoning.encrypted_content`)"),
     _ignored("client_metadata", "Codex CLI's client tags; nothing to do with them"),
     _ignored("stream_options", "`include_obfuscation`: kvserve pads no stream events"),

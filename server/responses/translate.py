@@ -69,6 +69,16 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
+def _reasoning_budget(reasoning: dict[str, Any] | None) -> int | None:
+    """``reasoning.max_tokens`` (OpenRouter's shape; OpenAI's ``reasoning`` has none): the think block's cap."""
+    value = (reasoning or {}).get("max_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request(f"reasoning.max_tokens must be an integer >= 0, got {value!r}", "reasoning.max_tokens")
+    return value
+
+
 def translate(body: ResponsesRequest, history: list[Any]) -> Translation:
     """``body`` (after ``history``, the stored conversation it continues) as a chat request."""
     functions, dropped = flatten_tools(body.tools)
@@ -96,6 +106,9 @@ def translate(body: ResponsesRequest, history: list[Any]) -> Translation:
     response_format = _response_format(body)
     if response_format is not None:
         chat["response_format"] = response_format
+    budget = _reasoning_budget(body.reasoning)
+    if budget is not None:
+        chat["thinking_token_budget"] = budget
     try:
         request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:  # our items were valid; this is a rule only chat has

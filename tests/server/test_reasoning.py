@@ -370,6 +370,47 @@ def test_responses_stream_reasoning_text_events(forced):
     assert events[-1]["type"] == "response.completed"
 
 
+def _opened_response(server, stream: bool, **extra) -> dict:
+    """A response whose prompt opened the block (the template does so for instructions "open_think")."""
+    r = _post(server, "/v1/responses", {"input": "What is the answer?", "instructions": "open_think",
+                                        "temperature": 0, "stream": stream, **extra})
+    if not stream:
+        return r.json()
+    events = _sse_events(r.text)
+    for event in events:
+        EVENT.validate_python(event)
+    return events[-1]["response"]
+
+
+def _texts(response: dict) -> tuple[str, str]:
+    by_type = {item["type"]: item for item in response["output"]}
+    reasoning = "".join(c["text"] for c in by_type["reasoning"]["content"])
+    message = "".join(c["text"] for c in by_type["message"]["content"]) if "message" in by_type else ""
+    return reasoning, message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_reasoning_max_tokens_caps_the_block_and_text_format_follows(server, tokenizer, stream):
+    free = _opened_response(server, False, max_output_tokens=BUDGET)
+    assert free["status"] == "incomplete" and _texts(free)[1] == ""
+    capped = _opened_response(server, stream, max_output_tokens=24, reasoning={"max_tokens": BUDGET})
+    end = len(tokenizer.encode(CLOSE, add_special_tokens=False))
+    assert _texts(capped)[0] == _texts(free)[0] and _texts(capped)[1]
+    assert capped["usage"]["output_tokens_details"]["reasoning_tokens"] == BUDGET + end
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    structured = _opened_response(server, stream, max_output_tokens=40, reasoning={"max_tokens": BUDGET},
+                                  text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    reasoning, text = _texts(structured)
+    assert structured["status"] == "completed" and reasoning == _texts(free)[0] and list(json.loads(text)) == ["n"]
+
+
+def test_responses_bad_reasoning_max_tokens_is_a_400(server):
+    r = httpx.post(f"{server.url}/v1/responses", timeout=60,
+                   json={"model": server.model, "input": "hi", "reasoning": {"max_tokens": -2}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.max_tokens", r.text
+
+
 # ---- Messages ----------------------------------------------------------------------------------
 def _messages(server, **extra) -> httpx.Response:
     return _post(server, "/v1/messages", {"messages": USER, "max_tokens": 64, "temperature": 0, **extra})
