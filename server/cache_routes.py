@@ -59,11 +59,17 @@ def _breakpoint(messages: list[Any]) -> tuple[int, int | None, str] | None:
 
 def _pin_tokens(tokenizer: Any, messages: list[Any], rendered: list[dict[str, str]], prompt_ids: list[int],
                 at: tuple[int, int | None]) -> int:
-    """Prompt tokens shared by the full prompt and the rendering of the messages up to ``at``."""
+    """Prompt tokens shared by the full prompt and the rendering of the messages up to ``at``
+    (a request message index and part). ``rendered`` has one message per request message, after
+    the system message ``render_messages`` may put first (the tool listing): request message i is
+    rendered message i + that offset."""
     index, part = at
-    prefix = [dict(m) for m in rendered[:index + 1]]
+    shift = len(rendered) - len(messages)
+    assert shift in (0, 1), "render_messages puts at most one message before the request's"
+    end = index + shift
+    prefix = [dict(m) for m in rendered[:end + 1]]
     if part is not None:
-        prefix[index]["content"] = "".join(p.text for p in messages[index].content[:part + 1])
+        prefix[end]["content"] = "".join(p.text for p in messages[index].content[:part + 1])
     try:
         ids = encode_chat(tokenizer, prefix, add_generation_prompt=False)
     except TemplateError as exc:

@@ -187,7 +187,9 @@ def render_messages(messages: list[Any], plan: ToolPlan | None, template_has_too
 
     Assistant turns with ``tool_calls`` become ``<tool_call>`` blocks; ``tool`` turns keep their
     role with their content in ``<tool_response>``; when the template has no tools section and
-    the plan shows tools, a system message listing them is put first (merged with the client's).
+    the plan shows tools, a system message listing them is put first (merged with the client's;
+    an empty client system message leaves no trace). So the result has one message per request
+    message, in order, after at most one message of its own (cache_routes relies on that).
     """
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -206,7 +208,8 @@ def render_messages(messages: list[Any], plan: ToolPlan | None, template_has_too
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools)
         system = SYSTEM_PROMPT.format(tools=listing)
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+            client = out[0]["content"]
+            out[0] = {"role": "system", "content": (client + "\n\n" if client else "") + system}
         else:
             out.insert(0, {"role": "system", "content": system})
     return out

@@ -165,14 +165,6 @@ def _tool_choice(body: CountTokensRequest, tools: list[dict[str, Any]]) -> tuple
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def _has_breakpoint(messages: list[dict[str, Any]]) -> bool:
-    for m in messages:
-        parts = m["content"] if isinstance(m.get("content"), list) else []
-        if "cache_control" in m or any("cache_control" in p for p in parts):
-            return True
-    return False
-
-
 def translate(body: CountTokensRequest, max_stop: int) -> Translation:
     """The chat request that runs ``body`` (a ``MessagesRequest``, or a ``CountTokensRequest``,
     which runs as one with ``max_tokens`` 1); 400 naming the Messages field on bad input."""
@@ -183,13 +175,12 @@ def translate(body: CountTokensRequest, max_stop: int) -> Translation:
     tool_choice, parallel = _tool_choice(body, tools)
     if body.cache_control is not None:
         messages[-1]["cache_control"] = body.cache_control.model_dump()
-    if tools and tool_choice != "none":
-        if messages[0]["role"] != "system" and (tool_cache is not None or _has_breakpoint(messages)):
-            # The tool listing is rendered as a system message put first when there is none, which
-            # would shift the rendered turns against the breakpoints' indices: give it one to merge into.
+    if tools and tool_choice != "none" and tool_cache is not None:
+        # The tools are rendered into the system message, so its breakpoint covers them; without a
+        # system message an empty one carries the breakpoint (it merges into the tool listing).
+        if messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": ""})
-        if tool_cache is not None:  # the tools are rendered into the system message: it covers them
-            messages[0].setdefault("cache_control", tool_cache)
+        messages[0].setdefault("cache_control", tool_cache)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "parallel_tool_calls": parallel}
     if tools:
         chat["tools"] = tools
