@@ -80,13 +80,21 @@ def add_error_shape(app: FastAPI, path_prefix: str, shape: ErrorShape) -> None:
     app.state.error_shapes.append((path_prefix, shape))
 
 
+def shaped_error(app: Any, path: str, status: int, message: str, type: str, param: str | None = None,
+                 code: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(status, body) of an error on ``path``, in the shape registered for it (OpenAI's by default);
+    also used by the middleware, which answers before any route or handler runs."""
+    state = getattr(app, "state", None)
+    for prefix, shape in getattr(state, "error_shapes", ()):
+        if path.startswith(prefix):
+            return shape(status, message, type, param, code)
+    return status, error_body(message, type, param, code)
+
+
 def _respond(request: Request, status: int, message: str, type: str, param: str | None = None,
              code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    for prefix, shape in getattr(request.app.state, "error_shapes", ()):
-        if request.url.path.startswith(prefix):
-            status, body = shape(status, message, type, param, code)
-            return JSONResponse(body, status_code=status, headers=headers)
-    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+    status, body = shaped_error(request.app, request.url.path, status, message, type, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

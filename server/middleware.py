@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from server.errors import BodyTooLarge, error_body
+from server.errors import BodyTooLarge, shaped_error
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
@@ -21,8 +21,11 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_json(send, 413, error_body(
-                f"request body exceeds {self.max_bytes} bytes", "invalid_request_error", None, "request_too_large"))
+            # scope["app"]: the application (Starlette sets it before its middleware), whose error
+            # shapes say how this path answers (Anthropic's on /v1/messages)
+            return await _send_json(send, *shaped_error(scope.get("app"), scope.get("path", ""), 413,
+                                                        f"request body exceeds {self.max_bytes} bytes",
+                                                        "invalid_request_error", None, "request_too_large"))
         seen = 0
 
         async def limited_receive() -> dict:

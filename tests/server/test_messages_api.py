@@ -297,6 +297,27 @@ def test_unknown_model_is_404(raw):
     assert "claude-x" in message
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_body_over_the_limit_is_a_413_in_anthropics_shape(raw, live_server, claude, path):
+    limit = live_server.app.state.serving.config.max_body_bytes
+    payload = json.dumps({"model": live_server.model, "max_tokens": 1,
+                          "messages": [{"role": "user", "content": "x" * (limit + 10)}]}).encode()
+    headers = {"content-type": "application/json"}
+    message = anthropic_error(raw.post(path, content=payload, headers=headers), 413, "request_too_large")
+    assert str(limit) in message
+
+    def chunked():  # no Content-Length: the limit holds while reading, in the same shape
+        for i in range(0, len(payload), 64 * 1024):
+            yield payload[i:i + 64 * 1024]
+
+    anthropic_error(raw.post(path, content=chunked(), headers=headers), 413, "request_too_large")
+    if path == "/v1/messages":
+        with pytest.raises(anthropic.APIStatusError) as caught:  # the SDK reads it as Anthropic's own
+            claude.messages.create(model=live_server.model, max_tokens=1,
+                                   messages=[{"role": "user", "content": "x" * (limit + 10)}])
+        assert caught.value.status_code == 413 and caught.value.type == "request_too_large"
+
+
 def test_auth_with_both_header_styles(live_server):
     body = {"model": live_server.model, "max_tokens": 1, "messages": ASK}
     url = f"{live_server.base_url}/v1/messages"
