@@ -145,6 +145,7 @@ class OpenAIServing:
             or body.guided_spec() is not None)
         forced = plan.spec(constrain_auto=not own) if plan is not None else None
         params = body.to_sampling_params(self.config.max_stop, forced)
+        budget = body.reasoning_budget()
         self._check_grammar(params, "tools" if forced is not None else "response_format")
         self._check_n(body.n)
         if not body.messages:
@@ -174,7 +175,6 @@ class OpenAIServing:
         self._validate_prompt(prompt_ids, params, "messages")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         think = None
-        budget = body.reasoning_budget()
         if self.reasons:
             think = ThinkMode.for_prompt(self.tokenizer, prompt_ids)
             if self.think_ids is not None and (budget is not None or params.structured_output is not None):
