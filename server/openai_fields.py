@@ -103,6 +103,8 @@ COMPLETION_FIELDS: list[FieldRule] = [
 
 TABLES: dict[str, list[FieldRule]] = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS}
 
+_PRIORITY = _supported("priority", "vLLM's extra, an integer: lower runs first, under `--scheduling-policy priority` "
+                                   "only (a non-zero value is a 400 under `fcfs`); never below the tenant's `priority`")
 _BUDGET = ("a reasoning budget needs the engine to force `</think>` mid-output, which kvserve does not do; "
            "cap the whole output with `max_tokens`")
 CHAT_EXTRA_FIELDS: list[FieldRule] = [
@@ -111,9 +113,10 @@ CHAT_EXTRA_FIELDS: list[FieldRule] = [
                                        "is a 400"),
     _rejected("max_reasoning_tokens", _BUDGET, 64),
     _rejected("thinking_token_budget", f"vLLM's name; {_BUDGET}", 64),
+    _PRIORITY,
 ]
 
-EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": []}
+EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": [_PRIORITY]}
 
 
 def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:
