@@ -103,5 +103,8 @@ class TenantRegistry:
                 or not hasattr(signal, "SIGHUP"):
             return False
         handler = reload or self.reload
-        signal.signal(signal.SIGHUP, lambda *_: handler())
+        # Parsed on a thread of its own: the handler runs on the event loop's thread, which must
+        # not stall on a large file; the swap at the end is one reference assignment.
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=handler, name="kvserve-key-reload",
+                                                                 daemon=True).start())
         return True
