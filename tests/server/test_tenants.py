@@ -257,6 +257,9 @@ def test_priority_is_capped_by_the_tenants_floor(srv):
     for tenant, asked, engine_priority in [("alpha", 2, 2), ("alpha", -1, 0), ("beta", 1, 3), ("beta", 7, 7)]:
         assert chat(srv, tenant, priority=asked).status_code == 200
         assert srv.calls[-1][:2] == (tenant, engine_priority)
+    r = call(srv, "POST", "/v1/responses", KEYS["beta"], {"model": srv.model, "input": "hi", "max_output_tokens": 2,
+                                                          "priority": 1, "store": False})
+    assert r.status_code == 200 and srv.calls[-1][:2] == ("beta", 3)  # Responses too
     r = chat(srv, "alpha", priority="high")
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
