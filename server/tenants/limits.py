@@ -154,11 +154,11 @@ class TenantLimiter:
         try:
             await future  # the releasing request hands its slot over (active stays counted)
         except BaseException:
-            if future.done() and not future.cancelled():
-                state.active -= 1  # handed over just as this waiter left: give it on
-                self._hand_over(state)
-            else:
+            if future in state.waiters:
                 state.waiters.remove(future)
+            else:  # a slot was handed over just as this waiter left: give it on
+                state.active -= 1
+                self._hand_over(state)
             lease.release(0)
             raise
         lease.slot = True
@@ -169,7 +169,15 @@ class TenantLimiter:
             future = state.waiters.popleft()
             if not future.done():
                 state.active += 1
-                future.set_result(None)
+                loop = future.get_loop()
+                try:
+                    here = asyncio.get_running_loop() is loop
+                except RuntimeError:
+                    here = False
+                if here:
+                    future.set_result(None)
+                else:  # a lease collected on another thread: wake the waiter on its own loop
+                    loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
                 return
 
     def _release(self, lease: Lease, used_tokens: int | None) -> None:

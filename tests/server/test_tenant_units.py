@@ -111,3 +111,22 @@ def test_token_bucket_charges_the_most_refunds_the_rest_and_refills_on_the_clock
         await limiter.admit(Tenant("b", tokens_per_minute=100), 100)
 
     asyncio.run(main())
+
+
+def test_a_waiter_that_leaves_gives_up_its_place_and_no_slot_is_lost():
+    async def main() -> None:
+        limiter = TenantLimiter()
+        t = Tenant("a", max_concurrent_requests=1, max_queued_requests=2)
+        first = await limiter.admit(t, 1)
+        leaving = asyncio.ensure_future(limiter.admit(t, 1))
+        staying = asyncio.ensure_future(limiter.admit(t, 1))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await asyncio.sleep(0)
+        first.release(1)
+        second = await staying
+        assert leaving.cancelled() and limiter.in_flight("a") == 1
+        second.release(1)
+        assert limiter.in_flight("a") == 0
+
+    asyncio.run(main())
