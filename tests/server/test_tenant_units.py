@@ -130,3 +130,13 @@ def test_a_waiter_that_leaves_gives_up_its_place_and_no_slot_is_lost():
         assert limiter.in_flight("a") == 0
 
     asyncio.run(main())
+
+
+def test_the_speed_probes_key_file_of_1000_tenants_authenticates_each_key(tmp_path):
+    from bench.probes.tenant_overhead import write_key_file
+
+    path = tmp_path / "keys.yaml"
+    keys = write_key_file(path, 1000)
+    reg = TenantRegistry(key_file=path)
+    assert [reg.authenticate(k).name for k in keys] == [f"tenant-{i:05d}" for i in range(1000)]
+    assert reg.authenticate(keys[0] + "x") is None
