@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.server import start_subprocess
+from bench.server import REPO_ROOT, free_port, launch, start_subprocess
 
 
 def write_key_file(path: Path, tenants: int) -> list[str]:
@@ -37,6 +39,17 @@ def write_key_file(path: Path, tenants: int) -> list[str]:
                   "    tokens_per_minute: 100000000"]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return keys
+
+
+def _start_with_keys(serve_args: list[str], key_file: Path, model: str):  # noqa: ANN202 - a bench Server
+    """``start_subprocess`` with a key file: its model is named up front, since ``/v1/models``
+    needs a key there."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--shutdown-grace", "2", *serve_args, "--api-key-file", str(key_file)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("KVSERVE_API_KEY", None)
+    return launch(cmd, f"http://127.0.0.1:{port}", "subprocess", None, 300.0, model=model, cwd=REPO_ROOT, env=env)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, prompt: str, tokens: int, key: str | None) -> int:
@@ -73,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         stream_keys = [keys[i * max(1, args.tenants // args.streams) % args.tenants] for i in range(args.streams)]
         plain = start_subprocess(serve_args)
         try:
-            tenants = start_subprocess([*serve_args, "--api-key-file", str(key_file)])
+            tenants = _start_with_keys(serve_args, key_file, plain.model)
         except BaseException:
             plain.close()
             raise
