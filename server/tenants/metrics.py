@@ -6,7 +6,8 @@ ends, so with ``n`` choices the prompt counts ``n`` times, like ``kvserve_prompt
 and ``kvserve_tenant_rejections_total{tenant, reason}`` (429s and 400s of admission: ``concurrency``,
 ``queue``, ``tokens``, ``too_large``, ``overloaded`` for the server-wide queue). All labelled
 ``model_name`` too. The ``tenant`` label takes only configured names and ``anonymous`` (bounded);
-never a key or anything derived from one. The engine's own families keep their labels, so
+never a key or anything derived from one. A key file of more than 32 tenants exports a
+tenant's series from its first request on (smaller ones from the start, as zeros). The engine's own families keep their labels, so
 dashboards and ``--metrics-compat vllm`` read them as before.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterable
 from prometheus_client import CollectorRegistry, Counter
 
 REJECTION_REASONS = ("concurrency", "queue", "tokens", "too_large", "overloaded")
+SEEDED_TENANTS = 32  # key files of at most this many tenants export zeros from the start
 
 
 class TenantMetrics:
@@ -32,7 +34,11 @@ class TenantMetrics:
                                   labels + ["reason"], namespace="kvserve", registry=registry)
 
     def add_tenants(self, names: Iterable[str]) -> None:
-        """Export zeros for these tenants, so rate() has a baseline."""
+        """Export zeros for these tenants, so rate() has a baseline (only for a few: seven series
+        of zeros for each of 1,000 tenants would make every scrape format 7,000 lines)."""
+        names = list(names)
+        if len(names) > SEEDED_TENANTS:
+            return
         for name in names:
             self.prompt_tokens.labels(self.model_name, name)
             self.generation_tokens.labels(self.model_name, name)
