@@ -216,7 +216,8 @@ class KVCacheManager:
     def num_pinned_blocks(self) -> int:
         return len(self._pin_refs)
 
-    def pin_request(self, request_id: str, num_tokens: int, ttl_s: float, cache_salt: str | None = None) -> int:
+    def pin_request(self, request_id: str, num_tokens: int, ttl_s: float, cache_salt: str | None = None,
+                    tenant: str | None = None) -> int:
         """Pin the request's cached blocks covering its first ``num_tokens`` tokens for ``ttl_s``.
 
         Re-pinning the same prefix refreshes it. Returns the tokens newly pinned (0 when refreshed,
@@ -251,7 +252,7 @@ class KVCacheManager:
         self._pin_refs.update(block.block_id for block in blocks)
         self._pins[key] = Pin(key=key, block_ids=tuple(b.block_id for b in blocks),
                               num_tokens=len(blocks) * self.block_size, ttl_s=ttl_s, expires_at=now + ttl_s,
-                              last_refresh=now, salt_id=salt_id(cache_salt))
+                              last_refresh=now, salt_id=salt_id(cache_salt), tenant=tenant)
         while self.num_pinned_blocks > self.max_pinned_blocks:
             oldest = min(self._pins.values(), key=lambda p: (p.key == key, p.last_refresh))
             self._release_pin(oldest, write_through=True)
@@ -315,7 +316,8 @@ class KVCacheManager:
     def _refresh_snapshot(self) -> None:
         self._pin_snapshot = tuple(
             PinInfo(hash=p.key.hex(), num_tokens=p.num_tokens, num_blocks=len(p.block_ids), ttl_s=p.ttl_s,
-                    expires_at=p.expires_at, salt_id=p.salt_id) for p in self._pins.values())
+                    expires_at=p.expires_at, salt_id=p.salt_id, tenant=p.tenant)
+            for p in self._pins.values())
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = ()) -> list[KVBlock] | None:

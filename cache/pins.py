@@ -42,6 +42,7 @@ class Pin:
     expires_at: float  # on the manager's (monotonic, injectable) clock
     last_refresh: float
     salt_id: str | None = None
+    tenant: str | None = None  # whose request pinned it: listings and unpins are scoped to it
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,4 @@ class PinInfo:
     ttl_s: float
     expires_at: float
     salt_id: str | None
+    tenant: str | None = None

@@ -261,7 +261,7 @@ def engine_info(config: EngineConfig, model_name: str, arch: ModelArch, capacity
                       dtype=config.model.dtype, enable_prefix_caching=cache_cfg.enable_prefix_caching,
                       has_tokenizer=has_tokenizer, has_disk_tier=has_disk_tier,
                       kv_bytes_per_token=capacity.bytes_per_token, kv_cache_dtype=cache_cfg.kv_cache_dtype,
-                      max_pinned_blocks=kv_cache.max_pinned_blocks)
+                      max_pinned_blocks=kv_cache.max_pinned_blocks, scheduling_policy=config.scheduler.policy)
 
 
 class _EngineBuild:

@@ -102,7 +102,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, tenant: str | None = None) -> str:
         """Validate and enqueue; raise ValueError (PromptTooLongError for length) with a user-facing message."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -116,7 +116,8 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                           max_tokens=min(params.max_tokens or room, room),
-                          eos_token_ids=self.arch.eos_token_ids, cache_salt=cache_salt, priority=priority)
+                          eos_token_ids=self.arch.eos_token_ids, cache_salt=cache_salt, priority=priority,
+                          tenant=tenant)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if params.structured_output is not None:

@@ -82,7 +82,8 @@ def pin_snapshots(kv_cache: KVCacheManager) -> tuple[PinSnapshot, ...]:
     """The live pins as the frontend lists them, ``ttl_left_s`` as of now."""
     now = kv_cache.clock()
     return tuple(PinSnapshot(hash=p.hash, num_tokens=p.num_tokens, num_blocks=p.num_blocks, ttl_s=p.ttl_s,
-                             ttl_left_s=round(max(0.0, p.expires_at - now), 3), salt_id=p.salt_id)
+                             ttl_left_s=round(max(0.0, p.expires_at - now), 3), salt_id=p.salt_id,
+                             tenant=p.tenant)
                  for p in kv_cache.list_pins())
 
 

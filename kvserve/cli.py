@@ -55,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     g.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
+    g.add_argument("--scheduling-policy", dest="policy", choices=["fcfs", "priority"],
+                   help="priority: the request field 'priority' (and tenants' priority) orders admission and preemption")
     g.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int,
                    help="split the model over N ranks, one process each (gloo on CPU)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False)
@@ -112,12 +114,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config, profile = build_engine_config(args)
     flags = vars(args)
-    if flags.get("api_key") is None and os.environ.get("KVSERVE_API_KEY"):
+    if flags.get("api_key") is None and not flags.get("api_key_file") and os.environ.get("KVSERVE_API_KEY"):
         flags["api_key"] = os.environ["KVSERVE_API_KEY"]
     server_config = build_section(ServerConfig, "server", profile, flags)
     service = build_service(config, server_config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", service.engine.model_name,
                                      server_config.host, server_config.port,
+                                     "key file" if server_config.api_key_file else
                                      "on" if server_config.api_key else "off")
     # SIGTERM drains and exits 0 (see server.app.DrainingServer); a core that keeps dying exits 3.
     started = serve(service.app, service.engine, server_config)
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer KEY' (or set KVSERVE_API_KEY)")
+    s.add_argument("--api-key-file", dest="api_key_file", metavar="PATH",
+                   help="YAML key file of tenants (keys, limits, priority, cache salt, rights); re-read on SIGHUP")
     s.add_argument("--max-waiting", dest="max_waiting", type=int, help="queue length beyond which requests get 429")
     s.add_argument("--metrics-compat", dest="metrics_compat", choices=["vllm"],
                    help="also export the vLLM metric names that routers read (vllm:num_requests_waiting, ...)")

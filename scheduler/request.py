@@ -46,6 +46,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     priority: int = 0
+    tenant: str | None = None  # who sent it: admission is round-robin by tenant (None: no tenants)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

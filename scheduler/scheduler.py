@@ -4,13 +4,15 @@ Each ``schedule()`` call plans one engine step:
 
 1. Running requests first, in admission order: one decode token each, or the next chunk of
    an unfinished prefill, cut to the remaining budget. When the pool cannot supply a
-   block, the most recently admitted running request is preempted (its blocks go back to
-   the pool, full ones stay in the prefix cache, so recomputing it later is mostly a hit).
+   block, the most recently admitted running request is preempted (under ``policy: priority``
+   the lowest-priority one: scheduler/fairness.py; its blocks go back to the pool, full ones
+   stay in the prefix cache, so recomputing it later is mostly a hit).
    With ``speculative_config`` a decoding request that may speculate (scheduler/speculative.py)
    runs its last token plus an n-gram draft instead, when the adaptive rule
    (``speculative.choose_speculators``) says the verify step pays; the budget counts every draft
    token, and when the pool cannot hold the draft it decodes one token as usual.
-2. Then, only if nobody was preempted this step, waiting requests in queue order: a
+2. Then, only if nobody was preempted this step, waiting requests in queue order (newcomers
+   join it round-robin by tenant within a priority: scheduler/fairness.py): a
    prefix-cache lookup, then a prefill chunk of what is not cached. When the hash chain
    continues in a lower KV tier (disk), the request instead takes fresh blocks for those
    blocks and moves to ``loading`` (``SchedulerOutput.loads``); the engine fills the blocks
@@ -33,6 +35,7 @@ from typing import Iterable
 
 from cache import KVCacheManager
 from scheduler.config import SchedulerConfig
+from scheduler.fairness import preemption_victim, queue_position
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.speculative import (accept_greedy, can_speculate, choose_speculators, observe_acceptance,
@@ -74,13 +77,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        if self.config.policy == "priority":
-            # Stable insert: after every request of higher or equal priority.
-            index = next((i for i, r in enumerate(self.waiting) if r.priority > request.priority),
-                         len(self.waiting))
-            self.waiting.insert(index, request)
-        else:
+        index = queue_position(self.waiting, request, self.config.policy == "priority")
+        if index == len(self.waiting):
             self.waiting.append(request)
+        else:
+            self.waiting.insert(index, request)
 
     @property
     def num_waiting(self) -> int:
@@ -139,7 +140,7 @@ class Scheduler:
         written = 0
         if policy.pin_tokens:
             written += self.kv_cache.pin_request(request.request_id, min(policy.pin_tokens, computed),
-                                                 policy.pin_ttl_s, request.cache_salt)
+                                                 policy.pin_ttl_s, request.cache_salt, request.tenant)
         if policy.retention_s is not None:
             written += self.kv_cache.retain_request(request.request_id, computed,
                                                     self.kv_cache.wall_clock() + policy.retention_s)
@@ -194,9 +195,10 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv_cache.allocate_slots(request, num_new) is None:
-                if self.running[-1] is request and self._relieve_pressure(request):
+                at = preemption_victim(self.running, index, self.config.policy == "priority")
+                if self.running[at] is request and self._relieve_pressure(request):
                     continue
-                victim = self.running.pop()  # most recently admitted; never one already scheduled
+                victim = self.running.pop(at)  # never one already scheduled (scheduler/fairness.py)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:

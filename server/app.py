@@ -66,8 +66,12 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
 
-    async def authorized(authorization: str | None = Header(default=None)) -> None:
-        serving.check_api_key(authorization)
+    def requires(right: str):  # noqa: ANN202 - a FastAPI dependency: 401 / 403, sets the request's tenant
+        async def authorized(authorization: str | None = Header(default=None)) -> None:
+            serving.check_api_key(authorization, right)
+        return authorized
+
+    authorized = requires("inference")
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -101,11 +105,14 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
     async def version() -> dict:
         return {"version": __version__}
 
-    add_cache_routes(app, engine, authorized)
+    add_cache_routes(app, engine, requires("cache_admin"), serving.tenancy)
     app.state.responses = add_responses_routes(app, serving, config, authorized)  # OpenAI's Responses API
     add_messages_routes(app, serving)  # Anthropic's Messages API (its own auth headers and error shape)
     if metrics is not None:
-        app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False)
+        serving.tenancy.bind_metrics(metrics.registry, serving.model_name)
+        # With a key file /metrics shows every tenant's traffic: only keys with the metrics right.
+        guard = [Depends(requires("metrics"))] if serving.tenancy.registry.uses_key_file else None
+        app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False, dependencies=guard)
     return app
 
 
@@ -158,6 +165,7 @@ def serve(app: FastAPI, engine: EngineClient, config: ServerConfig) -> bool:
                                            # a backstop only: the engine abort ends every response first
                                            timeout_graceful_shutdown=config.shutdown_grace_s + 10),
                             engine, config.shutdown_grace_s)
+    app.state.serving.tenancy.install_reload_signal()  # SIGHUP re-reads the key file
     if hasattr(engine, "on_fatal"):
         # uvicorn's main loop polls should_exit; setting it from the supervisor thread is safe.
         engine.on_fatal = lambda: setattr(server, "should_exit", True)

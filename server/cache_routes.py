@@ -7,7 +7,9 @@
 * ``prompt_cache_retention: "in_memory" | "24h"`` (OpenAI): ``24h`` writes the prompt's full
   blocks through to the disk tier, protected from its LRU for 24 hours (a 400 if the server runs
   without ``--kv-disk-dir``). ``prompt_cache_key`` is recorded in the policy for routers.
-* ``GET /v1/cache`` lists pins; ``DELETE /v1/cache/{hash}`` unpins. Both behind the API key.
+* ``GET /v1/cache`` lists pins; ``DELETE /v1/cache/{hash}`` unpins. Both behind the API key,
+  with a key file the ``cache_admin`` right (403 without), and scoped to the caller's tenant:
+  another tenant's pin is not listed, and deleting it is the 404 of an unknown hash.
 
 The pinned prefix length is measured, not guessed: the chat template renders the messages up
 to the breakpoint, and the pin covers the tokens that rendering shares with the full prompt.
@@ -28,6 +30,7 @@ from kvtypes.cache_policy import CachePolicy
 from kvtypes.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat
 from server.errors import APIError, bad_request
+from server.tenants import current_tenant
 
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 UNPIN_WAIT_S = 2.0  # how long DELETE waits for the core's snapshot to drop the pin
@@ -117,7 +120,7 @@ def with_policy(params: SamplingParams, policy: CachePolicy | None) -> SamplingP
     return params if policy is None else dataclasses.replace(params, cache_policy=policy)
 
 
-def add_cache_routes(app: FastAPI, engine: Any, authorized: Any) -> None:
+def add_cache_routes(app: FastAPI, engine: Any, authorized: Any, tenancy: Any) -> None:
     """``GET /v1/cache`` and ``DELETE /v1/cache/{hash}`` (``engine``: the EngineClient).
 
     Both answer from the latest ``StepStats`` snapshot's pin list (the core sends one after every
@@ -131,20 +134,24 @@ def add_cache_routes(app: FastAPI, engine: Any, authorized: Any) -> None:
                            "no_kv_cache")
         return stats
 
+    def own_pins() -> list[Any]:
+        tenant = current_tenant()
+        return [p for p in snapshot().pins if tenancy.owns(tenant, p.tenant)]
+
     @app.get("/v1/cache", dependencies=[Depends(authorized)])
     async def list_cache() -> dict:
         stats = snapshot()
         age = max(0.0, time.monotonic() - stats.time)
         data = [{"hash": p.hash, "tokens": p.num_tokens, "blocks": p.num_blocks, "ttl_seconds": p.ttl_s,
                  "ttl_left_seconds": round(max(0.0, p.ttl_left_s - age), 3), "salt_id": p.salt_id}
-                for p in stats.pins]
+                for p in own_pins()]
         data = [d for d in data if d["ttl_left_seconds"] > 0]
         return {"object": "list", "data": data, "pinned_blocks": sum(p["blocks"] for p in data),
                 "max_pinned_blocks": engine.info.max_pinned_blocks, "created": int(time.time())}
 
     @app.delete("/v1/cache/{block_hash}", dependencies=[Depends(authorized)])
     async def unpin(block_hash: str) -> dict:
-        if not _HASH_RE.match(block_hash) or all(p.hash != block_hash for p in snapshot().pins):
+        if not _HASH_RE.match(block_hash) or all(p.hash != block_hash for p in own_pins()):
             raise APIError(404, "no pinned prefix has this hash", "invalid_request_error", "hash", "not_found")
         engine.unpin(block_hash)
         # The core applies it at its next step or idle poll and then reports its pins; wait

@@ -22,6 +22,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # also from KVSERVE_API_KEY; None: no authentication
+    api_key_file: str | None = None  # YAML tenants (server/tenants/config.py); excludes api_key
     max_waiting: int = 256  # requests queued beyond this get 429 + Retry-After
     max_body_bytes: int = 2 * 1024 * 1024
     max_n: int = 8  # choices per request
@@ -48,3 +49,5 @@ class ServerConfig:
             self.response_store = ResponseStoreConfig(**self.response_store)
         if self.api_key == "":
             self.api_key = None
+        if self.api_key is not None and self.api_key_file:
+            raise ValueError("api_key and api_key_file exclude each other (put that key in the key file)")

@@ -24,7 +24,9 @@ Exported families (every one labelled ``model_name``; ``promtool check metrics``
   normally only (so disconnects and engine failures do not skew the percentiles),
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prompt_tokens``,
   ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step);
-- the KV tier and pin families of ``server/cache_metrics.py``, fed the same snapshots.
+- the KV tier and pin families of ``server/cache_metrics.py``, fed the same snapshots;
+- the per-tenant counters ``kvserve_tenant_*`` of ``server/tenants/metrics.py`` (requests, tokens,
+  admission rejections, labelled ``tenant``), counted by the serving layer as responses end.
 
 Counting is per *engine request*: a completion with ``n`` choices or several prompts is that
 many engine requests, so with ``n > 1`` ``prompt_tokens_total`` counts the prompt ``n`` times

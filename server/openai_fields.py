@@ -106,15 +106,18 @@ TABLES: dict[str, list[FieldRule]] = {"chat": CHAT_FIELDS, "completions": COMPLE
 _BUDGET = ("at most this many tokens inside a reasoning model's think block: then the engine forces `</think>` "
            "and the answer follows (counted in `max_tokens` as the thinking is); a model that closes the block "
            "earlier thinks less; a model without think tags has no block to cap")
+_PRIORITY = _supported("priority", "vLLM's extra, an integer: lower runs first, under `--scheduling-policy priority` "
+                                   "only (a non-zero value is a 400 under `fcfs`); never below the tenant's `priority`")
 CHAT_EXTRA_FIELDS: list[FieldRule] = [
     _supported("chat_template_kwargs", "variables for the model's chat template, e.g. `{\"enable_thinking\": false}` "
                                        "(Qwen3); an argument of the template call itself (`tools`, `tokenize`, ...) "
                                        "is a 400"),
     _supported("max_reasoning_tokens", f"an integer >= 0; {_BUDGET}; the same as `thinking_token_budget`"),
     _supported("thinking_token_budget", f"vLLM's name; an integer >= 0; {_BUDGET}"),
+    _PRIORITY,
 ]
 
-EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": []}
+EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": [_PRIORITY]}
 
 
 def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:

@@ -165,6 +165,7 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    priority: Integer = 0  # vLLM's extra: lower runs first (scheduler policy 'priority' only)
     logit_bias: dict[str, float] | None = None
     # vLLM's structured-output extras (accepted because clients of vLLM send them)
     guided_json: Union[dict[str, Any], str, None] = None

@@ -54,6 +54,9 @@ class Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     request_id: str
+    priority: int = 0  # the engine priority (the request's, capped by its tenant's floor)
+    tenant: Any = None  # server.tenants.Tenant, set at admission
+    lease: Any = None  # server.tenants.limits.Lease, released when the response ends
 
 
 @dataclass

@@ -14,7 +14,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import hmac
 import json
 import time
 import uuid
@@ -38,6 +37,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.reasoning import ReasoningParser, ThinkMode, split, think_tags, think_token_ids
 from server.runs import (ChatRun, Choice, EngineRequestError, Job, cancel_on_disconnect, checked, prompt_lengths,
                          usage, with_seed)
+from server.tenants import Tenancy, current_tenant
 from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
 
 class OpenAIServing:
@@ -51,6 +51,7 @@ class OpenAIServing:
         self.think_ids = think_token_ids(self.tokenizer) if self.reasons else None
         # One worker: tokenization holds the GIL, more threads would only take turns.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
+        self.tenancy = Tenancy(config.api_key, config.api_key_file)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
@@ -59,14 +60,9 @@ class OpenAIServing:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- checks shared by every endpoint ----------------------------------------------------
-    def check_api_key(self, authorization: str | None) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise APIError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.",
-                           "invalid_request_error", None, "invalid_api_key")
+    def check_api_key(self, authorization: str | None, right: str = "inference") -> None:
+        """401 without a valid key, 403 when its tenant lacks ``right``; sets the current tenant."""
+        self.tenancy.authenticate(authorization, right)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -80,6 +76,7 @@ class OpenAIServing:
                            None, "engine_unavailable", headers={"Retry-After": "5"})
         waiting = self.engine.num_waiting
         if waiting + weight > self.config.max_waiting:
+            self.tenancy.rejected(current_tenant(), "overloaded")
             raise APIError(429, f"the server is overloaded ({waiting} engine requests waiting, this request adds "
                            f"{weight}); retry later", "rate_limit_error", None, "rate_limit_exceeded",
                            headers={"Retry-After": "1"})
@@ -125,7 +122,7 @@ class OpenAIServing:
         return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan, run.think))
 
     async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
-                           clamp_max_tokens: bool = False) -> ChatRun:
+                           clamp_max_tokens: bool = False, admit: bool = True) -> ChatRun:
         """Validate a chat request, render and tokenize it, and plan its jobs (one per choice):
         everything before the engine runs. Other chat-shaped APIs (Responses, Messages) translate
         their requests into a ``ChatCompletionRequest`` and run it through here, so they share
@@ -133,9 +130,13 @@ class OpenAIServing:
 
         ``clamp_max_tokens``: a ``max_tokens`` beyond the context's room (the context length, or
         the KV pool when smaller, minus the prompt) is lowered to it instead of refused
-        (Anthropic clients send 32000)."""
+        (Anthropic clients send 32000).
+
+        ``admit``: take the tenant's limits (server/tenants); the run's response must end
+        through ``stream_outputs``, which releases them (count_tokens runs nothing: False)."""
         self.check_model(body.model)
         body.check_unsupported()
+        priority = self._priority(body)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         if plan is not None:
             self._check_tool_schemas(plan)
@@ -179,11 +180,15 @@ class OpenAIServing:
             think = ThinkMode.for_prompt(self.tokenizer, prompt_ids)
             if self.think_ids is not None and (budget is not None or params.structured_output is not None):
                 params = dataclasses.replace(params, reasoning=think.spec(self.think_ids, budget))
-        return ChatRun(request_id, self._jobs(request_id, [prompt_ids], params, body.n), plan, think)
+        jobs = self._jobs(request_id, [prompt_ids], params, body.n, priority)
+        if admit:
+            await self.tenancy.admit(current_tenant(), jobs, self.engine.max_model_len)
+        return ChatRun(request_id, jobs, plan, think)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         body.check_unsupported()
+        priority = self._priority(body)
         params = body.to_sampling_params(self.config.max_stop)
         self._check_grammar(params, "response_format")
         params = with_policy(params, completion_cache_policy(body, has_disk_tier(self.engine)))
@@ -210,7 +215,8 @@ class OpenAIServing:
             self._validate_prompt(ids, params, "prompt")
             prompts.append(ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        jobs = self._jobs(request_id, prompts, params, body.n)
+        jobs = self._jobs(request_id, prompts, params, body.n, priority)
+        await self.tenancy.admit(current_tenant(), jobs, self.engine.max_model_len)
         if body.echo:
             for job in jobs:
                 prompt = body.prompts()[job.choice.prompt_index]
@@ -223,7 +229,15 @@ class OpenAIServing:
         if n > self.config.max_n:
             raise bad_request(f"n must be at most {self.config.max_n}, got {n}", "n")
 
-    def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Job]:
+    def _priority(self, body: Any) -> int:
+        """The engine priority of ``body`` (its ``priority`` capped by the tenant's floor); also
+        refuses a request ``cache_salt`` in the tenants' reserved namespace."""
+        self.tenancy.check_request_salt(getattr(body, "cache_salt", None))
+        policy = getattr(getattr(self.engine, "info", None), "scheduling_policy", "fcfs")
+        return self.tenancy.priority(current_tenant(), getattr(body, "priority", 0) or 0, policy)
+
+    def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+              priority: int = 0) -> list[Job]:
         jobs = []
         for p, ids in enumerate(prompts):
             for k in range(n):
@@ -231,7 +245,7 @@ class OpenAIServing:
                 seed = None if params.seed is None else params.seed + k
                 choice_params = params if seed == params.seed else with_seed(params, seed)
                 choice = Choice(index=p * n + k, prompt_index=p, num_prompt_tokens=len(ids))
-                jobs.append(Job(choice, ids, choice_params, f"{request_id}-{p * n + k}"))
+                jobs.append(Job(choice, ids, choice_params, f"{request_id}-{p * n + k}", priority))
         return jobs
 
     # ---- running choices --------------------------------------------------------------------
@@ -241,12 +255,27 @@ class OpenAIServing:
 
         One job (the common case) is read directly, with no task or queue between the engine's
         stream and the response (one task switch less a token); several are pumped into one queue
-        by a task each. Either way, leaving early closes the engine streams (their requests abort)."""
+        by a task each. Either way, leaving early closes the engine streams (their requests abort).
+
+        The jobs run under their tenant (``Job.tenant``, set at admission): its salt goes before
+        ``cache_salt`` in the prefix-cache chain, and the end of the stream releases its limits."""
+        tenant = jobs[0].tenant if jobs else None
+        salt = tenant.cache_salt(cache_salt) if tenant is not None else cache_salt
+        owner = self.tenancy.engine_tenant(tenant) if tenant is not None else None
+        try:
+            async with contextlib.aclosing(self._stream_jobs(jobs, salt, owner)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self.tenancy.ended(jobs)
+
+    async def _stream_jobs(self, jobs: list[Job], cache_salt: str | None,
+                           tenant: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         if len(jobs) == 1:
             job = jobs[0]
             try:
                 async with contextlib.aclosing(self.engine.generate(job.prompt_token_ids, job.params, job.request_id,
-                                                                    cache_salt)) as outputs:
+                                                                    cache_salt, job.priority, tenant)) as outputs:
                     async for out in outputs:
                         yield job.choice, checked(job.choice, out)
             except (EngineDeadError, ValueError) as exc:
@@ -256,7 +285,8 @@ class OpenAIServing:
 
         async def pump(job: Job) -> None:
             try:
-                async for out in self.engine.generate(job.prompt_token_ids, job.params, job.request_id, cache_salt):
+                async for out in self.engine.generate(job.prompt_token_ids, job.params, job.request_id, cache_salt,
+                                                      job.priority, tenant):
                     queue.put_nowait((job.choice, out))
             except (EngineDeadError, ValueError) as exc:
                 queue.put_nowait((job.choice, exc))

@@ -37,7 +37,7 @@ def tiny_engine(hf_model: LlamaForCausalLM, block_size: int = 4, num_blocks: int
                 max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
                 enable_prefix_caching: bool = True, tokenizer=None, attention_backend: str = "auto",
                 dtype: str = "float32", device: str = "cpu", cuda_graphs: bool = True,
-                **cache_options) -> LLMEngine:
+                scheduling_policy: str = "fcfs", **cache_options) -> LLMEngine:
     """``cache_options`` go to CacheConfig (kv_disk_dir, kv_disk_gib, kv_pin_fraction, ...)."""
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf_model.config,
@@ -47,7 +47,8 @@ def tiny_engine(hf_model: LlamaForCausalLM, block_size: int = 4, num_blocks: int
                           cuda_graphs=cuda_graphs),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                           **cache_options),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                  policy=scheduling_policy),
     )
     return LLMEngine(config, loaded)
 

@@ -78,7 +78,8 @@ class EngineClient(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None: ...
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                 cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 cache_salt: str | None = None, priority: int = 0,
+                 tenant: str | None = None) -> AsyncIterator[RequestOutput]: ...
     def unpin(self, block_hash: str) -> None: ...
 
 
@@ -139,12 +140,13 @@ class _ClientBase:
 
     # ---- generate ------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing or cancelling the iterator aborts the request."""
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        add = AddRequest(request_id, list(prompt_token_ids), params, cache_salt, priority, time.monotonic())
+        add = AddRequest(request_id, list(prompt_token_ids), params, cache_salt, priority, time.monotonic(), tenant)
         with self._lock:
             if not self.is_healthy:
                 raise EngineDeadError("the engine is not running")

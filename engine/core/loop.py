@@ -59,7 +59,8 @@ class EngineCore:
         if isinstance(command, AddRequest):
             try:
                 engine.add_request(command.prompt_token_ids, command.params, command.request_id,
-                                   command.cache_salt, command.priority, command.arrival_time)
+                                   command.cache_salt, command.priority, command.arrival_time,
+                                   command.tenant)
             except ValueError:  # the client validates first, so this is a bug or a race: log it
                 logger.exception("request %s refused by the engine", command.request_id)
                 return [EngineCoreOutput(command.request_id, [], finish_reason="error")]

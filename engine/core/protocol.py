@@ -55,6 +55,7 @@ class EngineInfo:
     kv_bytes_per_token: int = 0  # of the device pool (int8 KV included)
     kv_cache_dtype: str = "auto"
     max_pinned_blocks: int = 0
+    scheduling_policy: str = "fcfs"  # "priority": the request field ``priority`` orders admission
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +97,7 @@ class AddRequest:
     cache_salt: str | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # CLOCK_MONOTONIC is system-wide
+    tenant: str | None = None  # the tenant's name (server/tenants): fair admission, pin ownership
 
 
 @dataclass
@@ -162,6 +164,7 @@ class PinSnapshot:
     ttl_s: float
     ttl_left_s: float
     salt_id: str | None = None
+    tenant: str | None = None  # whose request pinned it (None: no tenants)
 
 
 @dataclass

@@ -28,6 +28,8 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing) -> None:
         try:
             serving.check_api_key(f"Bearer {x_api_key}" if x_api_key is not None else authorization)
         except APIError as exc:
+            if exc.status != 401:
+                raise
             raise APIError(401, "invalid or missing API key: pass it as 'x-api-key: <key>' or "
                            "'Authorization: Bearer <key>'", exc.type, None, exc.code) from None
 

@@ -138,7 +138,7 @@ class MessagesServing:
     def __init__(self, chat: OpenAIServing) -> None:
         self.chat = chat
 
-    async def _prepare(self, body: CountTokensRequest) -> tuple[ChatRun, dict[str, str]]:
+    async def _prepare(self, body: CountTokensRequest, admit: bool = True) -> tuple[ChatRun, dict[str, str]]:
         translation = translate(body, self.chat.config.max_stop)
         headers = {}
         if translation.dropped_tools:
@@ -146,11 +146,11 @@ class MessagesServing:
             logger.info("/v1/messages: tools not offered to the model (server tools kvserve cannot run, deferred "
                         "tools no tool search loads): %s", names)
             headers[DROPPED_TOOLS_HEADER] = names
-        run = await self.chat.prepare_chat(translation.chat, "msg", clamp_max_tokens=True)
+        run = await self.chat.prepare_chat(translation.chat, "msg", clamp_max_tokens=True, admit=admit)
         return run, headers
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
-        run, _ = await self._prepare(body)
+        run, _ = await self._prepare(body, admit=False)
         return {"input_tokens": len(run.jobs[0].prompt_token_ids)}
 
     async def create(self, body: MessagesRequest, raw: Request) -> Response:

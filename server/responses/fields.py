@@ -87,7 +87,12 @@ RESPONSES_FIELDS: list[FieldRule] = [
     _rejected("image", "image output is not supported", {}),
 ]
 
-_BY_NAME = {rule.name: rule for rule in RESPONSES_FIELDS}
+# Outside OpenAI's API: vLLM's scheduling extra, accepted as on chat completions (docs/api.md, Keys and tenants).
+RESPONSES_EXTRA_FIELDS: list[FieldRule] = [
+    _supported("priority", "vLLM's extra, as on chat completions: lower runs first under `--scheduling-policy "
+                           "priority` (a 400 otherwise), never below the tenant's `priority`"),
+]
+_BY_NAME = {rule.name: rule for rule in (*RESPONSES_FIELDS, *RESPONSES_EXTRA_FIELDS)}
 
 
 def check_fields(extra: dict[str, Any]) -> None:

@@ -153,6 +153,7 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    priority: Integer | None = None  # vLLM's extra, as on chat completions
     # accepted, ignored (server.responses.fields says why)
     user: str | None = None
     safety_identifier: str | None = None

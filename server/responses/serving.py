@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server.tenants import current_tenant
 from server.errors import APIError
 from server.responses.output import OutputBuilder, as_input_items, new_id, response_object, response_usage
 from server.responses.protocol import ResponsesRequest
@@ -44,12 +45,16 @@ class ResponsesServing:
         self.serving = serving
         self.store = store
 
+    def _owner(self, tenant: Any = None) -> str | None:
+        """Whose stored responses this request sees: its tenant's (server/tenants)."""
+        return self.serving.tenancy.engine_tenant(tenant or current_tenant())
+
     # ---- routes -------------------------------------------------------------------------------
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         body.check_unsupported()
         history: list[Any] = []
         if body.previous_response_id is not None:
-            previous = self.store.get(body.previous_response_id)
+            previous = self.store.get(body.previous_response_id, self._owner())
             if previous is None:
                 raise not_found(body.previous_response_id, "previous_response_id")
             history = previous.conversation
@@ -73,13 +78,13 @@ class ResponsesServing:
         return response
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
-        entry = self.store.get(response_id)
+        entry = self.store.get(response_id, self._owner())
         if entry is None:
             raise not_found(response_id)
         return entry.response
 
     def delete(self, response_id: str) -> dict[str, Any]:
-        if not self.store.delete(response_id):
+        if not self.store.delete(response_id, self._owner()):
             raise not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -162,5 +167,5 @@ class ResponsesServing:
                                    translation.tools, status, builder.output,
                                    response_usage(usage([choice], prompt_lengths(run.jobs)), reasoning_tokens))
         if body.store is not False:
-            self.store.put(response, [*conversation, *as_input_items(builder.output)])
+            self.store.put(response, [*conversation, *as_input_items(builder.output)], self._owner(run.jobs[0].tenant))
         return response

@@ -4,6 +4,9 @@ as input items), so a continuation renders the same prompt prefix and hits the p
 
 Bounded by count and by bytes (of the stored JSON), least recently used evicted first; an
 evicted response is as gone as a deleted one. One event loop uses it, so no lock.
+
+Each response belongs to an ``owner`` (the tenant's name with a key file, else None): another
+owner's id is looked up, deleted and continued exactly as an unknown one (None / False).
 """
 from __future__ import annotations
 
@@ -25,34 +28,34 @@ class StoredResponse:
 class ResponseStore:
     def __init__(self, config: ResponseStoreConfig) -> None:
         self.config = config
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: OrderedDict[tuple[str | None, str], StoredResponse] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], conversation: list[Any]) -> bool:
+    def put(self, response: dict[str, Any], conversation: list[Any], owner: str | None = None) -> bool:
         """Keep ``response`` (under its ``id``); False when it alone exceeds the byte cap."""
         size = len(json.dumps(response, ensure_ascii=False)) + sum(
             len(item.model_dump_json(exclude_none=True)) for item in conversation)
         if size > self.config.max_bytes or self.config.max_responses == 0:
             return False
-        self.delete(response["id"])
-        self._entries[response["id"]] = StoredResponse(response, list(conversation), size)
+        self.delete(response["id"], owner)
+        self._entries[(owner, response["id"])] = StoredResponse(response, list(conversation), size)
         self.bytes += size
         while len(self._entries) > self.config.max_responses or self.bytes > self.config.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.bytes -= evicted.size
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        entry = self._entries.get((owner, response_id))
         if entry is not None:
-            self._entries.move_to_end(response_id)
+            self._entries.move_to_end((owner, response_id))
         return entry
 
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        entry = self._entries.pop((owner, response_id), None)
         if entry is None:
             return False
         self.bytes -= entry.size

@@ -99,7 +99,7 @@ def translate(body: ResponsesRequest, history: list[Any]) -> Translation:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
     for ours, theirs in (("max_completion_tokens", "max_output_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("prompt_cache_key", "prompt_cache_key"),
-                         ("prompt_cache_retention", "prompt_cache_retention")):
+                         ("prompt_cache_retention", "prompt_cache_retention"), ("priority", "priority")):
         value = getattr(body, theirs)
         if value is not None:
             chat[ours] = value
