@@ -105,9 +105,9 @@ def bytes_per_token(arch, scheme: str, block_size: int) -> int:
     """Pool bytes per token: fp32, int8 per-token scales (2 floats per token and head, K and V),
     int8 with per-channel key scales (2 floats per channel, head and block, shared by its tokens)."""
     L, H, D = arch.num_layers, arch.num_kv_heads, arch.head_dim
-    stored = {"fp32": "auto", "fp16": "float16", "token": "int8"}  # what --kv-cache-dtype stores
+    stored = {"fp32": "auto", "fp16": "float16", "token": "int8", "int4": "int4"}  # what --kv-cache-dtype stores
     if scheme in stored:
-        return kv_bytes_per_token(L, H, D, stored[scheme], torch.float32)
+        return kv_bytes_per_token(L, H, D, stored[scheme], torch.float32, block_size)
     # simulated only: values per token as int8 stores them, keys' ranges per channel and block
     return kv_bytes_per_token(L, H, D, "int8", torch.float32) // 2 + L * H * (D + 8 * D // block_size)
 
@@ -117,14 +117,14 @@ def quality(args) -> None:
 
     text = FIXED_TEXT.read_text() * 4
     results, arch, tokens = {}, None, []
-    runs = [("fp32", "auto", None), ("int8", "int8", None), ("float16", "float16", None)]
+    runs = [("fp32", "auto", None), ("int8", "int8", None), ("float16", "float16", None), ("int4", "int4", None)]
     if args.kivi:
         if args.chunk % 16:
             raise SystemExit("--chunk must be a multiple of the block size (16) for the per-channel simulation")
         runs += [("sim per-token keys", "auto", "token"), ("sim per-channel keys (KIVI)", "auto", "channel")]
     for label, kv, keys in runs:
         engine = _engine(kv, "torch", args.num_threads, num_blocks=(args.tokens + 64) // 16 + 1)
-        arch = engine.model.arch
+        arch = engine.arch
         tokens = engine.tokenizer(text)["input_ids"][:args.tokens]
         original = torch_sdpa.write_kv
         if keys is not None:
@@ -136,7 +136,7 @@ def quality(args) -> None:
             torch_sdpa.write_kv = original
         print(f"{label}: {time.perf_counter() - t0:.1f} s")
     print(f"{len(tokens)} tokens, chunk {args.chunk}, block 16 (simulations: {KIVI_WARNING})")
-    schemes = {"int8": "token", "float16": "fp16", "sim per-token keys": "token", "sim per-channel keys (KIVI)": "channel"}
+    schemes = {"int8": "token", "float16": "fp16", "int4": "int4", "sim per-token keys": "token", "sim per-channel keys (KIVI)": "channel"}
     full = bytes_per_token(arch, "fp32", 16)
     for label, scheme in schemes.items():
         if label in results:
@@ -201,7 +201,8 @@ def decode(args) -> None:
 
     from engine.loader import load_model
 
-    configs = [("fp32 native", "auto", "native"), ("int8 native", "int8", "native"), ("int8 torch", "int8", "torch")]
+    configs = [("fp32 native", "auto", "native"), ("int8 native", "int8", "native"), ("int8 torch", "int8", "torch"),
+               ("fp16 native", "float16", "native"), ("int4 native", "int4", "native")]
     engines = {label: _engine(kv, backend, args.num_threads, num_blocks=args.streams * 8 + 16,
                               loaded=load_model(None, torch.float32)) for label, kv, backend in configs}
     rates: dict[str, list[float]] = {label: [] for label in engines}
