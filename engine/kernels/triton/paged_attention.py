@@ -234,7 +234,7 @@ def _pool_args(q: torch.Tensor, k_cache: torch.Tensor | Int8KV | Int4KV,
     kv_heads). Float pools pass their own tensors as the (never read) scale and residual pointers
     and zero strides."""
     if type(k_cache) is not type(v_cache):
-        raise ValueError("K and V pools must be of one kind (both float, both int8 or both int4)")
+        raise ValueError("K and V pools must both be int8 or both float or both int4")
     int8, int4 = isinstance(k_cache, Int8KV), isinstance(k_cache, Int4KV)
     k, v = (k_cache.data, v_cache.data) if int8 else (k_cache.codes, v_cache.codes) if int4 else (k_cache, v_cache)
     _check_pool(q, k, v)
