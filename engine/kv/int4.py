@@ -191,6 +191,15 @@ class Int4Residual:
                               long(direct_rows).view(-1, bs), long(done_blocks), long(done_slots))
         return self.plan_
 
+    def release(self, block: int) -> None:
+        """``block`` now holds quantized content written from elsewhere (a tier load): drop the
+        slot a half-filled earlier owner may have left on it, or readers would take the residual."""
+        slot = self._slot_of[block]
+        if slot >= 0:
+            self._slot_of[block] = -1
+            self._free.append(slot)
+            self.slot_of[block] = -1
+
     @property
     def open_blocks(self) -> dict[int, int]:
         """block -> residual slot, for tests."""

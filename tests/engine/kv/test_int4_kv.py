@@ -276,3 +276,19 @@ def test_int4_kv_on_the_default_model_within_005_nats(default_engine):
     assert result["nll_delta"] <= 0.05, result
     assert result["top1_agreement"] >= 0.9, result
     assert q4.kv_cache.usage == 0
+
+
+def test_a_block_loaded_from_a_tier_drops_a_stale_residual_slot():
+    """A block freed half filled keeps its slot until reclaimed; written by a tier load it must be
+    read as the codes it received, not as the stale residual."""
+    from engine.kv.transfer import BlockCopier
+
+    pool = allocate_kv_pool(6, 4, 1, 2, 16, "int4", torch.float32, CPU, residual_slots=2)
+    tables, _ = fill(pool, pool[0][0].state, [4, 2], 4, 2, 16, seed=3)  # one full block, one open
+    copier = BlockCopier(pool)
+    full, half = tables[0][0], tables[1][0]
+    assert pool[0][0].state.open_blocks == {half: pool[0][0].state.open_blocks[half]}
+    copier.write_block(half, copier.read_block(full))  # the half block's id reused as a load target
+    assert pool[0][0].state.open_blocks == {}
+    k = pool[0][0]
+    torch.testing.assert_close(gather_kv(k, torch.tensor([half]), 1, 4), gather_kv(k, torch.tensor([full]), 1, 4))
