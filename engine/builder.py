@@ -207,7 +207,8 @@ def build_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
                                     lambda: runner.profile_run(tokens, seqs))
         runner.allocate_kv(0)
         logger.info(profile.describe())
-        num_blocks = num_blocks_for_budget(profile.kv_budget, cache_cfg.block_size, per_token, fixed)
+        # The profiling pool measured above held a residual (`fixed`) already, which the real pool replaces.
+        num_blocks = num_blocks_for_budget(profile.kv_budget + fixed, cache_cfg.block_size, per_token, fixed)
         if num_blocks == 0:
             raise ValueError("no GPU memory is left for the KV cache after loading the model: raise "
                              "--gpu-memory-utilization or lower --max-num-batched-tokens")
