@@ -1,4 +1,4 @@
-"""int8 KV: quality, decode speed and concurrency against the model's own-dtype (fp32) KV.
+"""int8 and int4 KV: quality, decode speed and concurrency against the model's own-dtype (fp32) KV.
 
 ``teacher_forced(engine, tokens, chunk)`` runs ``tokens`` through an engine's model in prefill
 chunks of ``chunk`` tokens (each chunk attends to the earlier ones through the paged pool, so
@@ -8,13 +8,14 @@ next token. ``compare`` gives the top-1 agreement and the mean NLL delta of two 
 Three measurements, one command each (the default model, SmolLM2-135M-Instruct):
 
     python -m bench.probes.kv_int8 [quality] [--tokens 2000] [--chunk 256]
-        fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores) and vs
-        fp16 KV (--kv-cache-dtype float16), and the
+        fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores), vs
+        fp16 KV (--kv-cache-dtype float16), vs int4 KV (--kv-cache-dtype int4, KIVI), and the
         KIVI alternative measured by simulation: keys with per-CHANNEL scales over each block's
         tokens, values per token (``--no-kivi`` skips it).
-    python -m bench.probes.kv_int8 decode [--streams 16] [--rounds 2]
+    python -m bench.probes.kv_int8 decode [--streams 16] [--rounds 2] [--configs "fp16 native,int4 native"]
         decode tokens/s at 16 streams: fp32 (native kernel), int8 (native kernel), int8 (torch
-        path), the three engines stepping in lockstep so machine load hits them alike.
+        path), fp16 and int4 (native kernels), the engines stepping in lockstep so machine load
+        hits them alike (``--configs``: a subset; each engine holds a copy of the model).
     python -m bench.probes.kv_int8 concurrency [--budget-gib 0.05] [--requests 160]
         the same KV byte budget in fp32 and int8: requests running at once over a mixed workload
         submitted at once: the median over the steps where the pool was full (the next waiting
@@ -203,6 +204,8 @@ def decode(args) -> None:
 
     configs = [("fp32 native", "auto", "native"), ("int8 native", "int8", "native"), ("int8 torch", "int8", "torch"),
                ("fp16 native", "float16", "native"), ("int4 native", "int4", "native")]
+    if args.configs:  # a subset, e.g. "fp16 native,int4 native" (each engine holds its own model copy)
+        configs = [c for c in configs if c[0] in args.configs.split(",")]
     engines = {label: _engine(kv, backend, args.num_threads, num_blocks=args.streams * 8 + 16,
                               loaded=load_model(None, torch.float32)) for label, kv, backend in configs}
     rates: dict[str, list[float]] = {label: [] for label in engines}
@@ -210,10 +213,11 @@ def decode(args) -> None:
         for label, rate in decode_rates(engines, args.streams, args.prompt_len, args.output_len, seed=r).items():
             rates[label].append(rate)
         print(f"round {r}: " + ", ".join(f"{label} {v[-1]:.1f} tok/s" for label, v in rates.items()), flush=True)
-    base = statistics.median(rates["fp32 native"])
+    base_label = next(iter(rates))
+    base = statistics.median(rates[base_label])
     for label, values in rates.items():
         m = statistics.median(values)
-        print(f"{label:12s} median {m:.1f} tok/s = {m / base:.3f}x fp32  (rounds: {', '.join(f'{v:.1f}' for v in values)})")
+        print(f"{label:12s} median {m:.1f} tok/s = {m / base:.3f}x {base_label}  (rounds: {', '.join(f'{v:.1f}' for v in values)})")
 
 
 def concurrency(args) -> None:
@@ -268,6 +272,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="decode: prompt tokens per stream")
     parser.add_argument("--output-len", type=int, default=32, help="decode: output tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="decode: interleaved rounds")
+    parser.add_argument("--configs", default="", help="decode: comma-separated labels to run (default all)")
     parser.add_argument("--budget-gib", type=float, default=0.05, help="concurrency: KV bytes, both dtypes")
     parser.add_argument("--requests", type=int, default=160, help="concurrency: requests submitted at once")
     parser.add_argument("--min-prompt", type=int, default=24)
