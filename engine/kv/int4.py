@@ -244,7 +244,8 @@ class Int4KV:
         """Blocks ``block_ids`` as ``[n, block_size, kv_heads, d]`` in ``out_dtype``, open blocks
         taken from the residual."""
         codes, scale = self.codes.index_select(0, block_ids), self.scale.index_select(0, block_ids)
-        out = (dequantize_keys(codes, scale) if self.per_channel else dequantize_values(codes, scale)).to(self.out_dtype)
+        out = dequantize_keys(codes, scale) if self.per_channel else dequantize_values(codes, scale)
+        out = out.to(self.out_dtype)
         slots = self.state.slot_of.index_select(0, block_ids).long()
         open_ = (slots >= 0).nonzero().flatten()
         if open_.numel():
@@ -259,7 +260,8 @@ def write_int4(cache: Int4KV, x: torch.Tensor, slot_mapping: torch.Tensor) -> No
         raise RuntimeError("int4 KV: the step's write plan is missing (ModelRunner.prepare_inputs makes it)")
     kvh, d = x.shape[1], x.shape[2]
     if plan.res_rows.numel():
-        cache.residual.view(-1, kvh, d).index_copy_(0, plan.res_slots, x.index_select(0, plan.res_rows).to(cache.residual.dtype))
+        rows = x.index_select(0, plan.res_rows).to(cache.residual.dtype)
+        cache.residual.view(-1, kvh, d).index_copy_(0, plan.res_slots, rows)
     parts, blocks = [], []
     if plan.direct_blocks.numel():
         parts.append(x[plan.direct_rows].float())

@@ -79,7 +79,8 @@ def _load_kv_tile(K, V, KS, VS, KR, VR, SLOT, bt_row, n, nmask, d, dmask, kvh, s
         vs = VS + blk * stride_vsb + off * stride_vst + kvh * stride_vsh
         v_step = tl.load(vs, mask=nmask, other=0.0).to(tl.float32)
         v_min = tl.load(vs + 1, mask=nmask, other=0.0).to(tl.float32)
-        res = tl.where(slot >= 0, slot, 0)[:, None] * stride_rb + off[:, None] * stride_rt + kvh * stride_rh + d[None, :]
+        res = (tl.where(slot >= 0, slot, 0)[:, None] * stride_rb + off[:, None] * stride_rt + kvh * stride_rh
+               + d[None, :])
         kr = tl.load(KR + res, mask=is_open, other=0.0).to(tl.float32)
         vr = tl.load(VR + res, mask=is_open, other=0.0).to(tl.float32)
         k = tl.where(is_open, kr, tl.where(kv_mask, kc * k_step + k_min, 0.0))
