@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from cache import CacheConfig, KVCacheManager, KVCapacity, num_blocks_for_memory
+from cache import CacheConfig, KVCacheManager, KVCapacity
 from cache.tiers import DiskTier, HostTier, KVTier, TierChain
 from engine.attention import resolve_backend, select_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.core.protocol import EngineInfo
 from engine.kernels import load_kernels
 from engine.kv.budget import profile_kv_budget
-from engine.kv.pool import kv_bytes_per_token
+from engine.kv.pool import kv_bytes_per_token, kv_fixed_bytes, num_blocks_for_budget
 from engine.kv.transfer import KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
 from engine.model.arch import ModelArch
@@ -112,6 +112,12 @@ def check_cache_dtypes(config: EngineConfig) -> None:
         raise ValueError(f"cache_dtype {cache_cfg.cache_dtype} differs from the model dtype {config.model.dtype}: "
                          "a KV dtype of its own is not implemented (leave cache_dtype unset; kv_cache_dtype "
                          "int8 quantizes the pool)")
+    if cache_cfg.kv_cache_dtype == "int4":
+        if config.model.tensor_parallel_size > 1:
+            raise ValueError("kv_cache_dtype 'int4' is not implemented with tensor_parallel_size > 1; use 'int8'")
+        if config.scheduler.speculative_config is not None:
+            # A rejected draft may roll a sequence back into a block its drafts completed and quantized.
+            raise ValueError("kv_cache_dtype 'int4' is not implemented with speculative_config; use 'int8'")
 
 
 def build_model(loaded: LoadedModel, max_len: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -170,11 +176,12 @@ def pool_bytes_per_token(config: EngineConfig, arch: ModelArch, model: Any, dtyp
     holds one rank's pool (its own KV heads), host memory holds all ranks' pools."""
     kv_cache_dtype = config.cache.kv_cache_dtype
     kv_heads = model.arch.num_kv_heads if device.type == "cuda" else arch.num_kv_heads
-    per_token = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, kv_cache_dtype, dtype)
-    if kv_cache_dtype == "int8":
+    per_token = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, kv_cache_dtype, dtype,
+                                   config.cache.block_size)
+    if kv_cache_dtype in ("int8", "int4"):
         full = kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, "auto", dtype)
-        logger.info("int8 KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
-                    per_token, full, full / per_token)
+        logger.info("%s KV blocks: %d bytes/token instead of %d (%.2fx the tokens in the same budget)",
+                    kv_cache_dtype, per_token, full, full / per_token)
     return per_token
 
 
@@ -184,27 +191,32 @@ def build_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
     what the memory left after a profiling pass at the largest step holds; else what
     ``kv_cache_memory_gib`` holds."""
     cache_cfg, sched = config.cache, config.scheduler
+    kv, arch = cache_cfg.kv_cache_dtype, model.arch
+    # int4's residual (open blocks in the model's dtype) comes off the budget first (engine/kv/pool.py).
+    fixed = kv_fixed_bytes(kv, sched.max_num_seqs, cache_cfg.block_size, arch.num_layers, arch.num_kv_heads,
+                           arch.head_dim, dtype)
     if cache_cfg.num_blocks:
         num_blocks = cache_cfg.num_blocks
-        runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
+        runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, kv, sched.max_num_seqs)
     elif device.type == "cuda":
         # Profile with a pool just big enough for the largest step, then size the real one.
-        runner = ModelRunner(model, 1, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
+        runner = ModelRunner(model, 1, cache_cfg.block_size, dtype, device, kv, sched.max_num_seqs)
         tokens, seqs = sched.max_num_batched_tokens, sched.max_num_seqs
         runner.allocate_kv(runner.profile_blocks(tokens, seqs))
         profile = profile_kv_budget(device, config.model.gpu_memory_utilization,
                                     lambda: runner.profile_run(tokens, seqs))
         runner.allocate_kv(0)
         logger.info(profile.describe())
-        num_blocks = num_blocks_for_memory(profile.kv_budget, cache_cfg.block_size, per_token)
+        # The profiling pool measured above held a residual (`fixed`) already, which the real pool replaces.
+        num_blocks = num_blocks_for_budget(profile.kv_budget + fixed, cache_cfg.block_size, per_token, fixed)
         if num_blocks == 0:
             raise ValueError("no GPU memory is left for the KV cache after loading the model: raise "
                              "--gpu-memory-utilization or lower --max-num-batched-tokens")
         runner.allocate_kv(num_blocks)
     else:
-        num_blocks = num_blocks_for_memory(int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size,
-                                           per_token)
-        runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, cache_cfg.kv_cache_dtype)
+        num_blocks = num_blocks_for_budget(int(cache_cfg.kv_cache_memory_gib * 2**30), cache_cfg.block_size,
+                                           per_token, fixed)
+        runner = ModelRunner(model, num_blocks, cache_cfg.block_size, dtype, device, kv, sched.max_num_seqs)
     return runner, num_blocks
 
 
@@ -294,7 +306,7 @@ class _EngineBuild:
         model = build(config, loaded, max_len, dtype, device, attention_backend)
         logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
                     "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks")
-        _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype == "int8")
+        _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype in ("int8", "int4"))
 
         per_token = pool_bytes_per_token(config, arch, model, dtype, device)
         self.runner, num_blocks = build_runner(config, model, dtype, device, per_token)
@@ -312,6 +324,9 @@ class _EngineBuild:
         tier = chain_tiers(host, disk)
         kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
                                   tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
+        if self.runner.kv_residual is not None:  # int4: reclaim open blocks that went back to the pool
+            blocks = kv_cache.block_pool.blocks
+            self.runner.kv_residual.block_in_use = lambda b: b < len(blocks) and blocks[b].ref_cnt > 0
         tokenizer = loaded.tokenizer
         model_name = config.model.served_model_name or loaded.name
         return EngineParts(

@@ -43,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")
     g.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES,
                    help="KV block dtype: auto (the model's), int8 (per-token-per-head ranges, ~3.5x the tokens) "
-                        "or float16 (under a float32 model: half the bytes, as llama.cpp stores KV)")
+                        "float16 (under a float32 model: half the bytes, as llama.cpp stores KV) "
+                        "or int4 (KIVI: keys per channel and block, values per token, ~6x the tokens)")
     g.add_argument("--kv-disk-dir", dest="kv_disk_dir", metavar="PATH",
                    help="folder of the persistent disk tier of the prefix cache (off when unset)")
     g.add_argument("--kv-disk-gib", dest="kv_disk_gib", type=float, metavar="GIB", help="disk tier capacity")

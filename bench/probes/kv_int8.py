@@ -1,4 +1,4 @@
-"""int8 KV: quality, decode speed and concurrency against the model's own-dtype (fp32) KV.
+"""int8 and int4 KV: quality, decode speed and concurrency against the model's own-dtype (fp32) KV.
 
 ``teacher_forced(engine, tokens, chunk)`` runs ``tokens`` through an engine's model in prefill
 chunks of ``chunk`` tokens (each chunk attends to the earlier ones through the paged pool, so
@@ -8,13 +8,14 @@ next token. ``compare`` gives the top-1 agreement and the mean NLL delta of two 
 Three measurements, one command each (the default model, SmolLM2-135M-Instruct):
 
     python -m bench.probes.kv_int8 [quality] [--tokens 2000] [--chunk 256]
-        fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores) and vs
-        fp16 KV (--kv-cache-dtype float16), and the
+        fp32 vs int8 KV (per-token-per-head scales, what --kv-cache-dtype int8 stores), vs
+        fp16 KV (--kv-cache-dtype float16), vs int4 KV (--kv-cache-dtype int4, KIVI), and the
         KIVI alternative measured by simulation: keys with per-CHANNEL scales over each block's
         tokens, values per token (``--no-kivi`` skips it).
-    python -m bench.probes.kv_int8 decode [--streams 16] [--rounds 2]
+    python -m bench.probes.kv_int8 decode [--streams 16] [--rounds 2] [--configs "fp16 native,int4 native"]
         decode tokens/s at 16 streams: fp32 (native kernel), int8 (native kernel), int8 (torch
-        path), the three engines stepping in lockstep so machine load hits them alike.
+        path), fp16 and int4 (native kernels), the engines stepping in lockstep so machine load
+        hits them alike (``--configs``: a subset; each engine holds a copy of the model).
     python -m bench.probes.kv_int8 concurrency [--budget-gib 0.05] [--requests 160]
         the same KV byte budget in fp32 and int8: requests running at once over a mixed workload
         submitted at once: the median over the steps where the pool was full (the next waiting
@@ -105,9 +106,9 @@ def bytes_per_token(arch, scheme: str, block_size: int) -> int:
     """Pool bytes per token: fp32, int8 per-token scales (2 floats per token and head, K and V),
     int8 with per-channel key scales (2 floats per channel, head and block, shared by its tokens)."""
     L, H, D = arch.num_layers, arch.num_kv_heads, arch.head_dim
-    stored = {"fp32": "auto", "fp16": "float16", "token": "int8"}  # what --kv-cache-dtype stores
+    stored = {"fp32": "auto", "fp16": "float16", "token": "int8", "int4": "int4"}  # what --kv-cache-dtype stores
     if scheme in stored:
-        return kv_bytes_per_token(L, H, D, stored[scheme], torch.float32)
+        return kv_bytes_per_token(L, H, D, stored[scheme], torch.float32, block_size)
     # simulated only: values per token as int8 stores them, keys' ranges per channel and block
     return kv_bytes_per_token(L, H, D, "int8", torch.float32) // 2 + L * H * (D + 8 * D // block_size)
 
@@ -117,14 +118,14 @@ def quality(args) -> None:
 
     text = FIXED_TEXT.read_text() * 4
     results, arch, tokens = {}, None, []
-    runs = [("fp32", "auto", None), ("int8", "int8", None), ("float16", "float16", None)]
+    runs = [("fp32", "auto", None), ("int8", "int8", None), ("float16", "float16", None), ("int4", "int4", None)]
     if args.kivi:
         if args.chunk % 16:
             raise SystemExit("--chunk must be a multiple of the block size (16) for the per-channel simulation")
         runs += [("sim per-token keys", "auto", "token"), ("sim per-channel keys (KIVI)", "auto", "channel")]
     for label, kv, keys in runs:
         engine = _engine(kv, "torch", args.num_threads, num_blocks=(args.tokens + 64) // 16 + 1)
-        arch = engine.model.arch
+        arch = engine.arch
         tokens = engine.tokenizer(text)["input_ids"][:args.tokens]
         original = torch_sdpa.write_kv
         if keys is not None:
@@ -136,7 +137,7 @@ def quality(args) -> None:
             torch_sdpa.write_kv = original
         print(f"{label}: {time.perf_counter() - t0:.1f} s")
     print(f"{len(tokens)} tokens, chunk {args.chunk}, block 16 (simulations: {KIVI_WARNING})")
-    schemes = {"int8": "token", "float16": "fp16", "sim per-token keys": "token", "sim per-channel keys (KIVI)": "channel"}
+    schemes = {"int8": "token", "float16": "fp16", "int4": "int4", "sim per-token keys": "token", "sim per-channel keys (KIVI)": "channel"}
     full = bytes_per_token(arch, "fp32", 16)
     for label, scheme in schemes.items():
         if label in results:
@@ -201,7 +202,10 @@ def decode(args) -> None:
 
     from engine.loader import load_model
 
-    configs = [("fp32 native", "auto", "native"), ("int8 native", "int8", "native"), ("int8 torch", "int8", "torch")]
+    configs = [("fp32 native", "auto", "native"), ("int8 native", "int8", "native"), ("int8 torch", "int8", "torch"),
+               ("fp16 native", "float16", "native"), ("int4 native", "int4", "native")]
+    if args.configs:  # a subset, e.g. "fp16 native,int4 native" (each engine holds its own model copy)
+        configs = [c for c in configs if c[0] in args.configs.split(",")]
     engines = {label: _engine(kv, backend, args.num_threads, num_blocks=args.streams * 8 + 16,
                               loaded=load_model(None, torch.float32)) for label, kv, backend in configs}
     rates: dict[str, list[float]] = {label: [] for label in engines}
@@ -209,10 +213,11 @@ def decode(args) -> None:
         for label, rate in decode_rates(engines, args.streams, args.prompt_len, args.output_len, seed=r).items():
             rates[label].append(rate)
         print(f"round {r}: " + ", ".join(f"{label} {v[-1]:.1f} tok/s" for label, v in rates.items()), flush=True)
-    base = statistics.median(rates["fp32 native"])
+    base_label = next(iter(rates))
+    base = statistics.median(rates[base_label])
     for label, values in rates.items():
         m = statistics.median(values)
-        print(f"{label:12s} median {m:.1f} tok/s = {m / base:.3f}x fp32  (rounds: {', '.join(f'{v:.1f}' for v in values)})")
+        print(f"{label:12s} median {m:.1f} tok/s = {m / base:.3f}x {base_label}  (rounds: {', '.join(f'{v:.1f}' for v in values)})")
 
 
 def concurrency(args) -> None:
@@ -267,6 +272,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="decode: prompt tokens per stream")
     parser.add_argument("--output-len", type=int, default=32, help="decode: output tokens per stream")
     parser.add_argument("--rounds", type=int, default=2, help="decode: interleaved rounds")
+    parser.add_argument("--configs", default="", help="decode: comma-separated labels to run (default all)")
     parser.add_argument("--budget-gib", type=float, default=0.05, help="concurrency: KV bytes, both dtypes")
     parser.add_argument("--requests", type=int, default=160, help="concurrency: requests submitted at once")
     parser.add_argument("--min-prompt", type=int, default=24)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv.int4 import Int4KV, gather_int4, write_int4
 from engine.kv.int8 import Int8KV, gather_int8, write_int8
 
 
@@ -109,7 +110,12 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values ``[T, kv_heads, head_dim]`` into the pools ``[blocks, block_size, kv_heads, head_dim]``
-    (int8 pools: quantized on write; a float pool of another dtype: rounded to it)."""
+    (int8 pools: quantized on write; int4 pools: as the step's plan says, engine/kv/int4.py; a float
+    pool of another dtype: rounded to it)."""
+    if isinstance(k_cache, Int4KV):
+        write_int4(k_cache, k, slot_mapping)
+        write_int4(v_cache, v, slot_mapping)
+        return
     if isinstance(k_cache, Int8KV):
         write_int8(k_cache, k, slot_mapping)
         write_int8(v_cache, v, slot_mapping)
@@ -122,7 +128,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, length: int) -> torch.Tensor:
     """The first ``length`` tokens of K or V of ``num_seqs`` sequences whose blocks are
     ``block_ids`` (``[num_seqs * blocks_per_row]``) -> ``[num_seqs, kv_heads, length, head_dim]``:
-    one ``index_select`` copy per call, the rest are views (int8 pools: dequantized)."""
+    one ``index_select`` copy per call, the rest are views (int8 and int4 pools: dequantized)."""
+    if isinstance(cache, Int4KV):
+        return gather_int4(cache, block_ids, num_seqs, length)
     if isinstance(cache, Int8KV):
         return gather_int8(cache, block_ids, num_seqs, length)
     kv_heads, head_dim = cache.shape[-2], cache.shape[-1]

@@ -6,6 +6,8 @@ import torch
 from engine.attention.base import register
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_sdpa import TorchAttention
+from engine.kernels import has_op
+from engine.kv.int4 import Int4KV
 from engine.kv.int8 import Int8KV
 
 
@@ -15,7 +17,9 @@ class NativeAttention(TorchAttention):
     in place instead of gathering a contiguous copy (fp32 pools, or fp16 ones widened as they are
     read); prefill chunks use SDPA. int8 pools
     (``Int8KV``, engine/kv/int8.py) go to ``paged_decode_attention_int8``, which folds the
-    per-token-per-head (step, minimum) into the dot products instead of dequantizing rows."""
+    per-token-per-head (step, minimum) into the dot products instead of dequantizing rows; int4
+    pools (``Int4KV``, engine/kv/int4.py) to ``paged_decode_attention_int4`` (quantized blocks read
+    as codes, open blocks from the residual)."""
 
     name = "native"
     reads_lengths_in_place = True
@@ -32,6 +36,12 @@ class NativeAttention(TorchAttention):
         return None
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+        if isinstance(k_cache, Int4KV):
+            if not has_op("paged_decode_attention_int4"):  # a library built before the int4 kernel existed
+                return super()._decode(q, k_cache, v_cache, g)
+            return torch.ops.kvserve.paged_decode_attention_int4(
+                q, k_cache.codes, k_cache.scale, v_cache.codes, v_cache.scale, k_cache.residual, v_cache.residual,
+                k_cache.state.slot_of, g.block_table, g.context_lens, q.shape[-1] ** -0.5)
         if isinstance(k_cache, Int8KV):
             return torch.ops.kvserve.paged_decode_attention_int8(
                 q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, g.block_table, g.context_lens,

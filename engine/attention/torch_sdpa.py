@@ -21,7 +21,7 @@ class TorchAttention(AttentionBackend):
     """
 
     name = "torch"
-    kv_cache_dtypes = ("auto", "int8", "float16")
+    kv_cache_dtypes = ("auto", "int8", "float16", "int4")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -19,7 +19,7 @@ class TritonAttention(AttentionBackend):
     reads_lengths_in_place = True
     uses_paged_layout = True
     graph_safe_decode = True
-    kv_cache_dtypes = ("auto", "int8")
+    kv_cache_dtypes = ("auto", "int8", "int4")
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

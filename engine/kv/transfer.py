@@ -37,6 +37,8 @@ class BlockCopier:
         self.tensors = [t for pair in kv_caches for c in pair
                         for t in (c.tensors() if hasattr(c, "tensors") else [c])]
         self.block_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        # int4 pools (engine/kv/int4.py): a block written here is quantized, never an open block.
+        self.residuals = list({id(c.state): c.state for pair in kv_caches for c in pair if hasattr(c, "state")}.values())
         self.payload_bytes = sum(self.block_bytes)
 
     def read_block(self, block_id: int) -> bytes:
@@ -60,6 +62,8 @@ class BlockCopier:
             src = flat[offset:offset + n].view(t.dtype).view(t[block_id].shape)
             t[block_id].copy_(src.to(t.device))
             offset += n
+        for residual in self.residuals:
+            residual.release(block_id)
 
 
 def model_fingerprint(state_dict: dict[str, torch.Tensor], *, model_dtype: str, kv_dtype: str,

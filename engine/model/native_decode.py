@@ -95,7 +95,7 @@ def not_covered(model: DecodingModel, int8_kv: bool) -> str | None:
     if model.shard is not None:
         return "tensor parallel ranks"
     if int8_kv:
-        return "an int8 KV pool"
+        return "a quantized (int8 or int4) KV pool"
     return None
 
 

@@ -64,8 +64,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", max_num_seqs: int = 64) -> None:
         self.model = model
+        self.max_num_seqs = max_num_seqs  # an int4 pool's residual slots (engine/kv/int4.py)
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
@@ -82,13 +83,16 @@ class ModelRunner:
         arch = self.model.arch
         self.kv_caches = []  # drop the old pool before allocating the new one
         self.kv_caches = allocate_kv_pool(num_blocks, self.block_size, arch.num_layers, arch.num_kv_heads,
-                                          arch.head_dim, self.kv_cache_dtype, self.dtype, self.device)
+                                          arch.head_dim, self.kv_cache_dtype, self.dtype, self.device,
+                                          residual_slots=self.max_num_seqs)
         self.sink_block = num_blocks
+        # int4: the open blocks every layer shares; each step's writes are planned once in prepare_inputs.
+        self.kv_residual = self.kv_caches[0][0].state if self.kv_cache_dtype == "int4" and self.kv_caches else None
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode graphs when the device is CUDA and the backend allows it; True if captured."""
-        if self.device.type != "cuda" or not self.model.attn.graph_safe_decode:
-            return False
+        if self.device.type != "cuda" or not self.model.attn.graph_safe_decode or self.kv_residual is not None:
+            return False  # int4: each step's write plan is made on the host
         self.graphs = self.padded_decode_runner(max_num_seqs, max_model_len)
         self.graphs.capture()
         return True
@@ -187,6 +191,8 @@ class ModelRunner:
                 mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
             chunks.append(PrefillChunk(row, row + item.num_new_tokens, end, table, mask))
 
+        if self.kv_residual is not None:
+            self.kv_residual.plan(slots)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode_groups=groups,

@@ -15,7 +15,10 @@ per sequence) and each sequence's context length:
 
 int8 pools (``Int8KV``, engine/kv/int8.py: codes plus a float32 (step, minimum) per token
 and head) are read as codes and dequantized in registers by ``_load_kv_tile`` (``KV_INT8``),
-a quarter of fp32's (half of bf16's) bytes per key instead of a dequantized copy.
+a quarter of fp32's (half of bf16's) bytes per key instead of a dequantized copy. int4 pools
+(``Int4KV``, engine/kv/int4.py: KIVI's packed 4-bit codes, keys with a (step, minimum) per channel
+and block, values per token, open blocks in a residual of the model's dtype) are read the same
+way (``KV_INT4``): each token's block is taken from the residual where ``slot_of[block] >= 0``.
 
 Softmax runs online in float32; dots take the pool's dtype (bf16/fp16 on tensor cores,
 float32 with IEEE precision). Every launch is free of host synchronisation, so a decode step
@@ -32,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv.int4 import Int4KV
 from engine.kv.int8 import Int8KV
 
 # Below this many tokens per split a split does not pay for its partial write and merge.
@@ -41,18 +45,47 @@ TARGET_PROGRAMS = 256
 
 
 @triton.jit
-def _load_kv_tile(K, V, KS, VS, bt_row, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh, stride_vb,
-                  stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                  BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr):
+def _load_kv_tile(K, V, KS, VS, KR, VR, SLOT, bt_row, n, nmask, d, dmask, kvh, stride_kb, stride_kt, stride_kh,
+                  stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+                  stride_vsh, stride_rb, stride_rt, stride_rh,
+                  BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr):
     """Keys and values ``[BLOCK_N, HEAD_DIM_P]`` of token positions ``n`` of one sequence (its
     block-table row at ``bt_row``), read in place from the paged pool; masked entries are 0.
 
     ``KV_INT8``: ``K``/``V`` hold int8 codes and ``KS``/``VS`` float32 ``(step, minimum)`` per
     token and head (engine/kv/int8.py); the tile is dequantized here, in registers, to float32
-    (the caller casts it to the query's dtype). Otherwise ``KS``/``VS`` are never read."""
+    (the caller casts it to the query's dtype). Otherwise ``KS``/``VS`` are never read.
+
+    ``KV_INT4``: ``K``/``V`` hold uint8 bytes of two codes (channel 2i low), ``KS`` the keys'
+    float16 ``[blocks, kv_heads, 2, d]`` ((step, minimum) rows; ``stride_kst`` steps from one to
+    the other), ``VS`` the values' ``[blocks, block_size, kv_heads, 2]``, ``KR``/``VR`` the open
+    blocks' rows and ``SLOT`` each block's residual slot (-1: quantized)."""
     blk = tl.load(bt_row + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = n % BLOCK_SIZE
     kv_mask = nmask[:, None] & dmask[None, :]
+    if KV_INT4:
+        slot = tl.load(SLOT + blk, mask=nmask, other=-1).to(tl.int64)
+        is_open = (slot >= 0)[:, None] & kv_mask
+        shift = ((d % 2) * 4)[None, :].to(tl.uint8)
+        kb = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + (d // 2)[None, :],
+                     mask=kv_mask, other=0)
+        vb = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + (d // 2)[None, :],
+                     mask=kv_mask, other=0)
+        kc = ((kb >> shift) & 15).to(tl.float32)
+        vc = ((vb >> shift) & 15).to(tl.float32)
+        ks = KS + blk[:, None] * stride_ksb + kvh * stride_ksh + d[None, :]
+        k_step = tl.load(ks, mask=kv_mask, other=0.0).to(tl.float32)
+        k_min = tl.load(ks + stride_kst, mask=kv_mask, other=0.0).to(tl.float32)
+        vs = VS + blk * stride_vsb + off * stride_vst + kvh * stride_vsh
+        v_step = tl.load(vs, mask=nmask, other=0.0).to(tl.float32)
+        v_min = tl.load(vs + 1, mask=nmask, other=0.0).to(tl.float32)
+        res = (tl.where(slot >= 0, slot, 0)[:, None] * stride_rb + off[:, None] * stride_rt + kvh * stride_rh
+               + d[None, :])
+        kr = tl.load(KR + res, mask=is_open, other=0.0).to(tl.float32)
+        vr = tl.load(VR + res, mask=is_open, other=0.0).to(tl.float32)
+        k = tl.where(is_open, kr, tl.where(kv_mask, kc * k_step + k_min, 0.0))
+        v = tl.where(is_open, vr, tl.where(kv_mask, vc * v_step[:, None] + v_min[:, None], 0.0))
+        return k, v
     k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                 mask=kv_mask, other=0)
     v = tl.load(V + blk[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
@@ -74,12 +107,13 @@ def _load_kv_tile(K, V, KS, VS, bt_row, n, nmask, d, dmask, kvh, stride_kb, stri
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, KS, VS, BT, LENS, OUT, LSE, scale,
+def _decode_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, LENS, OUT, LSE, scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, split_tokens,
+                   stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_rb, stride_rt,
+                   stride_rh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, split_tokens,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -101,9 +135,10 @@ def _decode_kernel(Q, K, V, KS, VS, BT, LENS, OUT, LSE, scale,
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        k, v = _load_kv_tile(K, V, KS, VS, BT + b * stride_bt, n, nmask, d, dmask, kvh, stride_kb, stride_kt,
-                             stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh,
-                             stride_vsb, stride_vst, stride_vsh, BLOCK_SIZE, DOT_F32, KV_INT8)
+        k, v = _load_kv_tile(K, V, KS, VS, KR, VR, SLOT, BT + b * stride_bt, n, nmask, d, dmask, kvh, stride_kb,
+                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh,
+                             stride_vsb, stride_vst, stride_vsh, stride_rb, stride_rt, stride_rh, BLOCK_SIZE, DOT_F32,
+                             KV_INT8, KV_INT4)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
@@ -123,12 +158,13 @@ def _decode_kernel(Q, K, V, KS, VS, BT, LENS, OUT, LSE, scale,
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, KS, VS, BT, QSTART, LENS, OUT, scale, seq_offset,
+def _extend_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, QSTART, LENS, OUT, scale, seq_offset,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_bt, stride_ot, stride_oh,
+                   stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_rb, stride_rt,
+                   stride_rh, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr):
     sid = tl.program_id(0) + seq_offset
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -155,9 +191,10 @@ def _extend_kernel(Q, K, V, KS, VS, BT, QSTART, LENS, OUT, scale, seq_offset,
     for n0 in range(0, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
-        k, v = _load_kv_tile(K, V, KS, VS, BT + sid.to(tl.int64) * stride_bt, n, nmask, d, dmask, kvh, stride_kb,
-                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst,
-                             stride_ksh, stride_vsb, stride_vst, stride_vsh, BLOCK_SIZE, DOT_F32, KV_INT8)
+        k, v = _load_kv_tile(K, V, KS, VS, KR, VR, SLOT, BT + sid.to(tl.int64) * stride_bt, n, nmask, d, dmask, kvh,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst,
+                             stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_rb, stride_rt, stride_rh,
+                             BLOCK_SIZE, DOT_F32, KV_INT8, KV_INT4)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
@@ -191,27 +228,35 @@ def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
         raise ValueError(f"{q.shape[1]} query heads do not split into {k_cache.shape[2]} KV head groups")
 
 
-def _pool_args(q: torch.Tensor, k_cache: torch.Tensor | Int8KV,
-               v_cache: torch.Tensor | Int8KV) -> tuple[list, dict, torch.Tensor]:
-    """The kernels' pool arguments: ``(K, V, KS, VS)`` pointers followed by their 12 strides,
-    the ``KV_INT8`` constexpr, and the K data tensor (for its shape). Float pools pass their
-    own tensors as the (never read) scale pointers and zero strides."""
-    if isinstance(k_cache, Int8KV) != isinstance(v_cache, Int8KV):
-        raise ValueError("K and V pools must both be int8 or both float")
-    int8 = isinstance(k_cache, Int8KV)
-    k, v = (k_cache.data, v_cache.data) if int8 else (k_cache, v_cache)
+def _pool_args(q: torch.Tensor, k_cache: torch.Tensor | Int8KV | Int4KV,
+               v_cache: torch.Tensor | Int8KV | Int4KV) -> tuple[list, dict, tuple[int, int, int]]:
+    """The kernels' pool arguments: ``(K, V, KS, VS, KR, VR, SLOT)`` pointers followed by their 15
+    strides, the ``KV_INT8`` / ``KV_INT4`` constexprs, and the pool's (blocks, block_size,
+    kv_heads). Float pools pass their own tensors as the (never read) scale and residual pointers
+    and zero strides."""
+    if type(k_cache) is not type(v_cache):
+        raise ValueError("K and V pools must both be int8 or both float or both int4")
+    int8, int4 = isinstance(k_cache, Int8KV), isinstance(k_cache, Int4KV)
+    k, v = (k_cache.data, v_cache.data) if int8 else (k_cache.codes, v_cache.codes) if int4 else (k_cache, v_cache)
     _check_pool(q, k, v)
-    if int8:
+    kr, vr, slot, res_strides = k, v, k, [0] * 3
+    if int8 or int4:
         ks, vs = k_cache.scale, v_cache.scale
         if ks.stride(-1) != 1 or vs.stride(-1) != 1:
-            raise ValueError("int8 KV scales need a contiguous last (step, minimum) dimension")
-        scale_strides = [ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2)]
+            raise ValueError("KV scales need a contiguous last dimension")
+        # int4 keys: [blocks, kv_heads, 2, d]; the second stride goes from a step row to its minimum row
+        key_strides = [ks.stride(0), ks.stride(2), ks.stride(1)] if int4 else [ks.stride(0), ks.stride(1), ks.stride(2)]
+        scale_strides = key_strides + [vs.stride(0), vs.stride(1), vs.stride(2)]
+        if int4:
+            kr, vr, slot = k_cache.residual, v_cache.residual, k_cache.state.slot_of
+            res_strides = [kr.stride(0), kr.stride(1), kr.stride(2)]
     else:
         ks, vs = k, v
         scale_strides = [0] * 6
-    args = [k, v, ks, vs]
-    strides = [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *scale_strides]
-    return args + strides, {"KV_INT8": int8}, k
+    args = [k, v, ks, vs, kr, vr, slot]
+    strides = [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *scale_strides,
+               *res_strides]
+    return args + strides, {"KV_INT8": int8, "KV_INT4": int4}, tuple(k.shape[:3])
 
 
 def plan_splits(max_len: int, num_programs: int, block_n: int = 64) -> tuple[int, int]:
@@ -246,9 +291,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch
     ``block_table`` ``[B, W]`` int32 and ``seq_lens`` ``[B]`` int32 (every length >= 1 and
     <= ``max_len``). ``num_splits`` None plans them with :func:`plan_splits`.
     """
-    pool, flags, k_data = _pool_args(q, k_cache, v_cache)
+    pool, flags, (num_blocks, block_size, kv_heads) = _pool_args(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_data.shape
     group = num_heads // kv_heads
     if num_splits is None:
         num_splits, split_tokens = plan_splits(max_len, batch * kv_heads, block_n)
@@ -256,9 +300,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch
         split_tokens = math.ceil(math.ceil(max_len / num_splits) / block_n) * block_n
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    k, v, ks, vs, *pool_strides = pool
+    k, v, ks, vs, kr, vr, slot, *pool_strides = pool
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k, v, ks, vs, block_table, seq_lens, partial, lse, scale,
+        q, k, v, ks, vs, kr, vr, slot, block_table, seq_lens, partial, lse, scale,
         q.stride(0), q.stride(1), *pool_strides, block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), split_tokens,
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
@@ -276,15 +320,14 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch
     batch: q/out ``[T, H, d]`` (rows ``query_start[i]:query_start[i + 1]``), each sequence's
     ``seq_lens[i]`` keys read from the pool (the chunk's own keys already written there).
     Writes ``out`` rows of those sequences only."""
-    pool, flags, k_data = _pool_args(q, k_cache, v_cache)
+    pool, flags, (_, block_size, kv_heads) = _pool_args(q, k_cache, v_cache)
     if num_seqs == 0:
         return
     _, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_data.shape
-    k, v, ks, vs, *pool_strides = pool
+    k, v, ks, vs, kr, vr, slot, *pool_strides = pool
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_kernel[grid](
-        q, k, v, ks, vs, block_table, query_start, seq_lens, out, scale, seq_offset,
+        q, k, v, ks, vs, kr, vr, slot, block_table, query_start, seq_lens, out, scale, seq_offset,
         q.stride(0), q.stride(1), *pool_strides, block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
