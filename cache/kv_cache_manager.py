@@ -11,6 +11,7 @@ from typing import Protocol
 
 from cache.block import KVBlock
 from cache.block_pool import BlockPool, _check
+from cache.eviction import EvictionPolicy, RopeShift, SequenceView
 from cache.hashing import BlockHash, iter_block_hashes
 from cache.pins import Pin, PinInfo, salt_id
 from cache.tiers import KVTier, tier_members
@@ -35,13 +36,19 @@ class CacheRequest(Protocol):
     @property
     def cache_salt(self) -> str | None: ...
 
+    # Optional (read with getattr, default False): whether the eviction policy applies to it.
+    # evicts: bool
+
 
 @dataclass
 class _RequestBlocks:
     blocks: list[KVBlock] = field(default_factory=list)
-    # Chained hashes of blocks[:len(block_hashes)]. A block may be missing from the cache map (a
-    # duplicate of another request's block) but its hash is still needed to chain the next one.
+    # Chained hashes of the request's text blocks [0, len(block_hashes)). A block may be missing
+    # from the cache map (a duplicate of another request's block) but its hash is still needed to
+    # chain the next one. Kept block j is text block j, or j + num_evicted_blocks past the sinks.
     block_hashes: list[BlockHash] = field(default_factory=list)
+    num_evicted_blocks: int = 0  # evicted text blocks, the ones right after the sink blocks
+    position_shift: int = 0  # kept tokens past the sinks sit at text position - shift (cache/eviction)
 
 
 class KVCacheManager:
@@ -55,7 +62,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  tier: KVTier | None = None, pin_fraction: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 eviction: EvictionPolicy | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= pin_fraction < 1.0:
@@ -78,6 +86,13 @@ class KVCacheManager:
         self._pin_refs: Counter[int] = Counter()  # block id -> pins holding it
         self._unpin_requests: queue.SimpleQueue[BlockHash] = queue.SimpleQueue()
         self._pin_snapshot: tuple[PinInfo, ...] = ()
+        # ---- eviction inside a sequence (cache/eviction): the policy, the pool edits its plans
+        # need before the next forward pass, and counters for the metrics.
+        self.eviction = eviction
+        if eviction is not None and eviction.block_size != block_size:
+            raise ValueError(f"the eviction policy's block size {eviction.block_size} is not the pool's {block_size}")
+        self._rope_shifts: list[RopeShift] = []
+        self.num_evicted_blocks_total = 0
 
     @property
     def num_blocks(self) -> int:
@@ -106,7 +121,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or not token_ids:
             return [], 0
-        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        max_hit_tokens = self._max_hit_tokens(token_ids)
         hits: list[KVBlock] = []
         refreshed = False
         for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt):
@@ -123,6 +138,12 @@ class KVCacheManager:
             self._refresh_snapshot()
         return hits, len(hits) * self.block_size
 
+    def _max_hit_tokens(self, token_ids: Sequence[int]) -> int:
+        most = len(token_ids) - 1
+        if self.eviction is not None:
+            most = min(most, self.eviction.max_hit_tokens)
+        return most // self.block_size * self.block_size
+
     # ---- the lower tier ------------------------------------------------------------------------
     def get_tier_hits(self, token_ids: Sequence[int], cache_salt: str | None,
                       device_hits: Sequence[KVBlock]) -> list[BlockHash]:
@@ -130,7 +151,7 @@ class KVCacheManager:
         following blocks the tier holds, up to its first miss (never covering the last token)."""
         if self.tier is None or not token_ids:
             return []
-        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        max_hit_tokens = self._max_hit_tokens(token_ids)
         parent = device_hits[-1].block_hash if device_hits else None
         found: list[BlockHash] = []
         for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt,
@@ -194,7 +215,11 @@ class KVCacheManager:
             return 0
         written = 0
         n = min(num_tokens // self.block_size, len(state.block_hashes))
-        for block, block_hash in zip(state.blocks[:n], state.block_hashes[:n]):
+        for i, block_hash in enumerate(state.block_hashes[:n]):
+            # past an eviction kept block i is another text block; an evicted one may still be cached
+            block = state.blocks[i] if not state.num_evicted_blocks else self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                continue
             if not self.tier.contains(block_hash):
                 written += self.block_size
             self._pending_writes.append((block.block_id, block_hash, expires_at))
@@ -332,22 +357,38 @@ class KVCacheManager:
         state = self._requests.get(request.request_id, _RequestBlocks())
         if new_computed_blocks and state.blocks:
             raise ValueError("new_computed_blocks are only allowed on a request's first allocation")
-        if request.num_computed_tokens > len(state.blocks) * self.block_size:
+        bs = self.block_size
+        if request.num_computed_tokens - state.num_evicted_blocks * bs > len(state.blocks) * bs:
             raise ValueError(f"request {request.request_id!r} claims {request.num_computed_tokens} "
                              f"computed tokens but holds only {len(state.blocks)} blocks")
 
-        num_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-                      + num_new_tokens)
-        num_required = -(-num_tokens // self.block_size)
-        num_new_blocks = max(0, num_required - len(state.blocks) - len(new_computed_blocks))
-        # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block too.
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+        computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        num_tokens = computed + num_new_tokens
+        # ---- plan: eviction (cache/eviction), then what the step needs, all before any change.
+        sinks, num_evict, rebase = 0, 0, False
+        if self.eviction is not None and getattr(request, "evicts", False):
+            plan = self.eviction.plan(SequenceView(computed, num_new_tokens, state.num_evicted_blocks,
+                                                   state.position_shift))
+            sinks, num_evict, rebase = self.eviction.sink_blocks, plan.num_evict, plan.rebase
+            if rebase and new_computed_blocks:
+                raise ValueError("a rebase on a request's first allocation (hits are capped to avoid it)")
+        kept = list(state.blocks) + list(new_computed_blocks)
+        dropped = kept[sinks:sinks + num_evict]
+        kept = kept[:sinks] + kept[sinks + num_evict:]
+        num_evicted = state.num_evicted_blocks + num_evict
+        num_required = -(-(num_tokens - num_evicted * bs) // bs)
+        num_new_blocks = max(0, num_required - len(kept))
+        num_copies = sum(1 for block in kept[sinks:] if block.ref_cnt > 1) if rebase else 0
+        # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block too
+        # (an evicted hit is touched and freed at once: it costs nothing).
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block not in dropped)
+        num_freed = sum(1 for block in dropped if block.ref_cnt == 1 and block not in new_computed_blocks)
+        if num_new_blocks + num_copies + num_evictable_hits > self.block_pool.num_free_blocks + num_freed:
             return None
 
         # Hash before mutating anything, so a stale hit is reported with the pool untouched.
-        num_full_blocks = min(num_tokens, len(request.all_token_ids)) // self.block_size
-        new_hashes = self._hash_blocks(request, state, num_full_blocks)
+        num_full_blocks = min(num_tokens, len(request.all_token_ids)) // bs
+        new_hashes = self._hash_blocks(request, state, num_full_blocks) if not state.num_evicted_blocks else []
         for i, block in enumerate(new_computed_blocks):
             if i >= len(new_hashes) or block.block_hash != new_hashes[i]:
                 raise ValueError(f"new_computed_blocks[{i}] (block {block.block_id}) is not a cache "
@@ -355,6 +396,17 @@ class KVCacheManager:
 
         self.block_pool.touch(new_computed_blocks)
         state.blocks.extend(new_computed_blocks)
+        if num_evicted:
+            # Blocks computed after an eviction depend on more than their tokens: never offered.
+            state.block_hashes.extend(new_hashes[:len(new_computed_blocks)])
+            new_hashes = []
+        if num_evict:
+            del state.blocks[sinks:sinks + num_evict]
+            self.block_pool.free_blocks(reversed(dropped))
+            state.num_evicted_blocks = num_evicted
+            self.num_evicted_blocks_total += num_evict
+        if rebase:
+            self._rebase(state, sinks, num_evicted * bs)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         state.blocks.extend(new_blocks)
         for block_hash in new_hashes:
@@ -363,6 +415,39 @@ class KVCacheManager:
             self.block_pool.cache_block(block, block_hash)  # False for a duplicate: stays unhashed
         self._requests[request.request_id] = state
         return new_blocks
+
+    def _rebase(self, state: _RequestBlocks, sinks: int, shift: int) -> None:
+        """Move the kept tokens past the sinks to contiguous positions (``position_shift =
+        shift``): their keys get rotated back by the difference before the next forward pass.
+        A block shared with another holder is copied first (the copy is rotated); a block of its
+        own leaves the prefix cache, since its content no longer matches its hash."""
+        copies: list[tuple[int, int]] = []
+        for j in range(sinks, len(state.blocks)):
+            block = state.blocks[j]
+            if block.ref_cnt > 1:
+                (copy,) = self.block_pool.get_new_blocks(1)
+                copies.append((block.block_id, copy.block_id))
+                self.block_pool.free_blocks([block])
+                state.blocks[j] = copy
+            elif block.block_hash is not None:
+                self.block_pool.uncache_block(block)
+                self._pending_writes = [w for w in self._pending_writes if w[0] != block.block_id]
+        delta = shift - state.position_shift
+        state.position_shift = shift
+        self._rope_shifts.append(RopeShift(tuple(b.block_id for b in state.blocks[sinks:]), delta, tuple(copies)))
+
+    def take_rope_shifts(self) -> list[RopeShift]:
+        """The pool edits the step's rebases need, in order, before its forward pass (cache/eviction)."""
+        out, self._rope_shifts = self._rope_shifts, []
+        return out
+
+    def sequence_offsets(self, request_id: str) -> tuple[int, int]:
+        """``(evicted tokens, position shift)`` of a request: its new token at text position ``t``
+        goes to cache slot ``t - evicted`` and is rotated at position ``t - shift``."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return 0, 0
+        return state.num_evicted_blocks * self.block_size, state.position_shift
 
     def _hash_blocks(self, request: CacheRequest, state: _RequestBlocks,
                      num_full_blocks: int) -> list[BlockHash]:
@@ -393,6 +478,8 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         if state is None:
             return 0
+        if state.num_evicted_blocks:
+            raise ValueError(f"request {request_id!r}: cannot truncate a sequence that evicted blocks")
         keep = -(-num_tokens // self.block_size)
         tail = state.blocks[keep:]
         if len(state.block_hashes) > keep or any(block.block_hash is not None for block in tail):
@@ -431,11 +518,20 @@ class KVCacheManager:
             ids = [block.block_id for block in state.blocks]
             _check(len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}")
             holders.update(ids)
-            _check(len(state.block_hashes) <= len(state.blocks),
+            _check(len(state.block_hashes) <= len(state.blocks) + state.num_evicted_blocks,
                    f"request {request_id!r} has more hashes than blocks")
-            for block, block_hash in zip(state.blocks, state.block_hashes, strict=False):
+            sinks = self.eviction.sink_blocks if self.eviction is not None and state.num_evicted_blocks else 0
+            text_index = [j if j < sinks else j + state.num_evicted_blocks for j in range(len(state.blocks))]
+            for j, block in enumerate(state.blocks):
+                if text_index[j] >= len(state.block_hashes):
+                    continue
+                block_hash = state.block_hashes[text_index[j]]
                 _check(block.block_hash in (None, block_hash),
                        f"request {request_id!r}: block {block.block_id} is cached under a different hash")
+            if state.position_shift:  # re-rotated keys never stay under the plain hash chain
+                for block in state.blocks[sinks:]:
+                    _check(block.block_hash is None, f"request {request_id!r}: re-rotated block "
+                           f"{block.block_id} is still cached")
         for block in self.block_pool.blocks:
             _check(block.ref_cnt == holders[block.block_id],
                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders")

@@ -59,6 +59,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Prompt-cache retention asked for (cache_control pins, prompt_cache_retention); None: plain caching
     cache_policy: CachePolicy | None = None
+    # Eviction inside the sequence (the server's --kv-eviction policy): None follows the server,
+    # False opts out (the context bounds the request), True opts in (needs a policy on the server).
+    kv_eviction: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -100,6 +103,8 @@ class SamplingParams:
                 raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.cache_policy is not None and not isinstance(self.cache_policy, CachePolicy):
             raise ValueError(f"cache_policy must be a CachePolicy, got {self.cache_policy!r}")
+        if self.kv_eviction is not None and not isinstance(self.kv_eviction, bool):
+            raise ValueError(f"kv_eviction must be a boolean or null, got {self.kv_eviction!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "
