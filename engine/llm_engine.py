@@ -160,6 +160,7 @@ class LLMEngine:
                                 logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
                                 num_cached_tokens=max(request.num_cached_tokens, 0),
                                 num_cache_write_tokens=request.num_cache_write_tokens,
+                                num_evicted_tokens=request.num_evicted_tokens,
                                 first_scheduled_time=request.first_scheduled_time,
                                 prompt_logprobs=prompt_logprobs, error=error)
 

@@ -105,15 +105,20 @@ TABLES: dict[str, list[FieldRule]] = {"chat": CHAT_FIELDS, "completions": COMPLE
 
 _BUDGET = ("a reasoning budget needs the engine to force `</think>` mid-output, which kvserve does not do; "
            "cap the whole output with `max_tokens`")
+_KV_EVICTION = ("`false`: this request keeps all of its KV (the context bounds it) on a server started with "
+                "`--kv-eviction`; `true`: asks for eviction (400 on a server without a policy); unset: the server's "
+                "policy. Tokens evicted are reported as `usage.evicted_tokens`")
 CHAT_EXTRA_FIELDS: list[FieldRule] = [
     _supported("chat_template_kwargs", "variables for the model's chat template, e.g. `{\"enable_thinking\": false}` "
                                        "(Qwen3); an argument of the template call itself (`tools`, `tokenize`, ...) "
                                        "is a 400"),
+    _supported("kv_eviction", _KV_EVICTION),
     _rejected("max_reasoning_tokens", _BUDGET, 64),
     _rejected("thinking_token_budget", f"vLLM's name; {_BUDGET}", 64),
 ]
 
-EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": []}
+EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS,
+                                      "completions": [_supported("kv_eviction", _KV_EVICTION)]}
 
 
 def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:

@@ -172,6 +172,7 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0  # tokens written into retained cache (pins, 24h retention)
+    num_evicted_tokens: int = 0  # tokens whose KV the eviction policy dropped (cache/eviction)
     first_scheduled_time: float | None = None
     # On the first output of a request that asked for prompt logprobs (see RequestOutput)
     prompt_logprobs: list[TokenLogprob] | None = None
