@@ -11,7 +11,8 @@ from typing import Protocol
 
 from cache.block import KVBlock
 from cache.block_pool import BlockPool, _check
-from cache.eviction import EvictionPolicy, RopeShift, SequenceView
+from cache.eviction import EvictionPolicy, RopeShift
+from cache.eviction.allocation import check_kept_blocks, plan_allocation, rebase_blocks
 from cache.hashing import BlockHash, iter_block_hashes
 from cache.pins import Pin, PinInfo, salt_id
 from cache.tiers import KVTier, tier_members
@@ -34,10 +35,7 @@ class CacheRequest(Protocol):
         ...
 
     @property
-    def cache_salt(self) -> str | None: ...
-
-    # Optional (read with getattr, default False): whether the eviction policy applies to it.
-    # evicts: bool
+    def cache_salt(self) -> str | None: ...  # (and optionally ``evicts``: read with getattr, default False)
 
 
 @dataclass
@@ -90,9 +88,9 @@ class KVCacheManager:
         # need before the next forward pass, and counters for the metrics.
         self.eviction = eviction
         if eviction is not None and eviction.block_size != block_size:
-            raise ValueError(f"the eviction policy's block size {eviction.block_size} is not the pool's {block_size}")
+            raise ValueError(f"the eviction policy's block size {eviction.block_size} is not the pool's")
         self._rope_shifts: list[RopeShift] = []
-        self.num_evicted_blocks_total = 0
+        self.num_evicted_blocks_total = 0  # blocks evicted inside sequences, ever
 
     @property
     def num_blocks(self) -> int:
@@ -139,9 +137,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def _max_hit_tokens(self, token_ids: Sequence[int]) -> int:
-        most = len(token_ids) - 1
-        if self.eviction is not None:
-            most = min(most, self.eviction.max_hit_tokens)
+        most = min(len(token_ids) - 1, self.eviction.max_hit_tokens if self.eviction else len(token_ids))
         return most // self.block_size * self.block_size
 
     # ---- the lower tier ------------------------------------------------------------------------
@@ -362,28 +358,13 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r} claims {request.num_computed_tokens} "
                              f"computed tokens but holds only {len(state.blocks)} blocks")
 
-        computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        computed = request.num_computed_tokens + len(new_computed_blocks) * bs  # text tokens before the step
         num_tokens = computed + num_new_tokens
-        # ---- plan: eviction (cache/eviction), then what the step needs, all before any change.
-        sinks, num_evict, rebase = 0, 0, False
-        if self.eviction is not None and getattr(request, "evicts", False):
-            plan = self.eviction.plan(SequenceView(computed, num_new_tokens, state.num_evicted_blocks,
-                                                   state.position_shift))
-            sinks, num_evict, rebase = self.eviction.sink_blocks, plan.num_evict, plan.rebase
-            if rebase and new_computed_blocks:
-                raise ValueError("a rebase on a request's first allocation (hits are capped to avoid it)")
-        kept = list(state.blocks) + list(new_computed_blocks)
-        dropped = kept[sinks:sinks + num_evict]
-        kept = kept[:sinks] + kept[sinks + num_evict:]
-        num_evicted = state.num_evicted_blocks + num_evict
-        num_required = -(-(num_tokens - num_evicted * bs) // bs)
-        num_new_blocks = max(0, num_required - len(kept))
-        num_copies = sum(1 for block in kept[sinks:] if block.ref_cnt > 1) if rebase else 0
-        # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block too
-        # (an evicted hit is touched and freed at once: it costs nothing).
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block not in dropped)
-        num_freed = sum(1 for block in dropped if block.ref_cnt == 1 and block not in new_computed_blocks)
-        if num_new_blocks + num_copies + num_evictable_hits > self.block_pool.num_free_blocks + num_freed:
+        plan = plan_allocation(self.eviction, getattr(request, "evicts", False), state.blocks, new_computed_blocks,
+                               state.num_evicted_blocks, state.position_shift, computed, num_new_tokens, bs)
+        # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block too.
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block not in plan.dropped)
+        if plan.num_new_blocks + plan.num_copies + num_evictable_hits > self.block_pool.num_free_blocks + plan.num_freed:
             return None
 
         # Hash before mutating anything, so a stale hit is reported with the pool untouched.
@@ -396,18 +377,18 @@ class KVCacheManager:
 
         self.block_pool.touch(new_computed_blocks)
         state.blocks.extend(new_computed_blocks)
-        if num_evicted:
+        if plan.num_evicted:
             # Blocks computed after an eviction depend on more than their tokens: never offered.
             state.block_hashes.extend(new_hashes[:len(new_computed_blocks)])
             new_hashes = []
-        if num_evict:
-            del state.blocks[sinks:sinks + num_evict]
-            self.block_pool.free_blocks(reversed(dropped))
-            state.num_evicted_blocks = num_evicted
-            self.num_evicted_blocks_total += num_evict
-        if rebase:
-            self._rebase(state, sinks, num_evicted * bs)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if plan.num_evict:
+            del state.blocks[plan.sinks:plan.sinks + plan.num_evict]
+            self.block_pool.free_blocks(reversed(plan.dropped))
+            state.num_evicted_blocks = plan.num_evicted
+            self.num_evicted_blocks_total += plan.num_evict
+        if plan.rebase:
+            self._rebase(state, plan.sinks, plan.num_evicted * bs)
+        new_blocks = self.block_pool.get_new_blocks(plan.num_new_blocks)
         state.blocks.extend(new_blocks)
         for block_hash in new_hashes:
             block = state.blocks[len(state.block_hashes)]
@@ -419,19 +400,10 @@ class KVCacheManager:
     def _rebase(self, state: _RequestBlocks, sinks: int, shift: int) -> None:
         """Move the kept tokens past the sinks to contiguous positions (``position_shift =
         shift``): their keys get rotated back by the difference before the next forward pass.
-        A block shared with another holder is copied first (the copy is rotated); a block of its
-        own leaves the prefix cache, since its content no longer matches its hash."""
-        copies: list[tuple[int, int]] = []
-        for j in range(sinks, len(state.blocks)):
-            block = state.blocks[j]
-            if block.ref_cnt > 1:
-                (copy,) = self.block_pool.get_new_blocks(1)
-                copies.append((block.block_id, copy.block_id))
-                self.block_pool.free_blocks([block])
-                state.blocks[j] = copy
-            elif block.block_hash is not None:
-                self.block_pool.uncache_block(block)
-                self._pending_writes = [w for w in self._pending_writes if w[0] != block.block_id]
+        Shared blocks are copied first, its own ones leave the prefix cache (``rebase_blocks``)."""
+        copies, uncached = rebase_blocks(self.block_pool, state.blocks, sinks)
+        if uncached:  # a write-through not taken yet would copy rotated keys under the old hash
+            self._pending_writes = [w for w in self._pending_writes if w[0] not in uncached]
         delta = shift - state.position_shift
         state.position_shift = shift
         self._rope_shifts.append(RopeShift(tuple(b.block_id for b in state.blocks[sinks:]), delta, tuple(copies)))
@@ -444,9 +416,7 @@ class KVCacheManager:
     def sequence_offsets(self, request_id: str) -> tuple[int, int]:
         """``(evicted tokens, position shift)`` of a request: its new token at text position ``t``
         goes to cache slot ``t - evicted`` and is rotated at position ``t - shift``."""
-        state = self._requests.get(request_id)
-        if state is None:
-            return 0, 0
+        state = self._requests.get(request_id) or _RequestBlocks()
         return state.num_evicted_blocks * self.block_size, state.position_shift
 
     def _hash_blocks(self, request: CacheRequest, state: _RequestBlocks,
@@ -521,17 +491,8 @@ class KVCacheManager:
             _check(len(state.block_hashes) <= len(state.blocks) + state.num_evicted_blocks,
                    f"request {request_id!r} has more hashes than blocks")
             sinks = self.eviction.sink_blocks if self.eviction is not None and state.num_evicted_blocks else 0
-            text_index = [j if j < sinks else j + state.num_evicted_blocks for j in range(len(state.blocks))]
-            for j, block in enumerate(state.blocks):
-                if text_index[j] >= len(state.block_hashes):
-                    continue
-                block_hash = state.block_hashes[text_index[j]]
-                _check(block.block_hash in (None, block_hash),
-                       f"request {request_id!r}: block {block.block_id} is cached under a different hash")
-            if state.position_shift:  # re-rotated keys never stay under the plain hash chain
-                for block in state.blocks[sinks:]:
-                    _check(block.block_hash is None, f"request {request_id!r}: re-rotated block "
-                           f"{block.block_id} is still cached")
+            check_kept_blocks(request_id, state.blocks, state.block_hashes, sinks, state.num_evicted_blocks,
+                              state.position_shift)
         for block in self.block_pool.blocks:
             _check(block.ref_cnt == holders[block.block_id],
                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders")

@@ -13,8 +13,9 @@ class EvictionConfig:
 
     ``streaming`` (StreamingLLM): a sequence keeps its first ``sink_tokens`` tokens (rounded up
     to whole blocks) and its most recent ``window_tokens`` (whole blocks: at least that many);
-    the blocks between go back to the pool. ``window_tokens`` None: the largest window whose
-    kept set plus one step's chunk fits the context (``resolve``). ``max_request_tokens`` caps a
+    the blocks between go back to the pool. ``window_tokens`` None: half the largest window
+    whose kept set plus one step's chunk fits the context (``resolve``; the rest is the room
+    positions grow into between rebases). ``max_request_tokens`` caps a
     request's prompt + output when its KV is evicted (None: unlimited; the context no longer
     bounds it). ``max_positions`` (set by ``resolve``) is the position ids' bound, the context.
     """
@@ -68,8 +69,10 @@ class EvictionConfig:
             return self
         window = self.window_tokens
         if window is None:
-            window = max_positions - self.sink_blocks * self.block_size - (self.block_size - 1) - max_chunk_tokens
-            window -= window % self.block_size
+            # Half of what fits: the other half is the slack that positions grow into between two
+            # rebases, so a rebase (rotating the window's keys) comes once per ~window tokens.
+            fits = max_positions - self.sink_blocks * self.block_size - (self.block_size - 1) - max_chunk_tokens
+            window = fits // 2 - (fits // 2) % self.block_size
             if window < self.block_size:
                 raise ValueError(f"the context of {max_positions} leaves no window for kv_eviction "
                                  f"{self.policy!r} beside {self.sink_blocks} sink blocks and a {max_chunk_tokens}-token "

@@ -234,6 +234,11 @@ class StepStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Eviction inside sequences (cache/eviction): blocks evicted (delta), and over the live
+    # evicting requests the tokens they computed and the tokens they hold (gauges).
+    kv_evicted_blocks: int = 0
+    kv_eviction_seen_tokens: int = 0
+    kv_eviction_held_tokens: int = 0
     time: float = field(default_factory=time.monotonic)  # when the snapshot was taken (CLOCK_MONOTONIC)
 
     @property
