@@ -93,6 +93,17 @@ def test_evicting_engine_equals_the_explicit_kept_set(hf, backend, sinks):
     assert engine.kv_cache.num_evicted_blocks_total > 0
 
 
+def test_triton_kernels_agree_on_an_evicting_sequence(hf):
+    """The Triton paged kernels (Triton's interpreter on the CPU, as tests/engine/attention runs
+    them): a shorter run, still crossing evictions in prefill and a rebase (70 + 10 > 64)."""
+    pytest.importorskip("triton")
+    engine = tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend="triton",
+                         kv_eviction="streaming", kv_sink_tokens=4, kv_window_tokens=16, cuda_graphs=False)
+    out = engine.generate([PROMPT[:70]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert out.token_ids == reference_generate(hf, PROMPT[:70], 10, 4, 16)
+    assert engine.kv_cache.num_evicted_blocks_total > 0
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_re_rotated_keys_equal_keys_rotated_at_the_new_position(kv_dtype):
     """A rebase's rotation of pool keys: keys written at position p and shifted back by delta
