@@ -46,6 +46,8 @@ def run(args: argparse.Namespace, policy: str, sinks: int, ids: list[int] | None
             held = request.num_computed_tokens - request.num_evicted_tokens
         for out in engine.step():
             logprobs = out.prompt_logprobs or logprobs
+    if policy == "none":
+        held = len(ids)  # it holds every token (the loop above last saw it before its final chunk)
     return [(lp.logprob, lp.top[0][0]) for lp in logprobs], held, engine.info.kv_bytes_per_token, ids
 
 
