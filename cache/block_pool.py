@@ -102,6 +102,14 @@ class BlockPool:
         block.block_hash = block_hash
         return True
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Drop a held block's hash (its content changed: a re-rotated block, cache/eviction)."""
+        if block.ref_cnt == 0:
+            raise ValueError(f"cannot uncache free block {block.block_id}")
+        if block.block_hash is not None:
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference per block, in the given order.
 

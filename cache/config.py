@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cache.eviction.config import EvictionConfig
 from cache.memory import KVCapacity, kv_bytes_per_token, num_blocks_for_memory
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -32,6 +33,12 @@ class CacheConfig:
     kv_offload_gib: float = 0.0
     # Pinned prefixes (cache_control) may hold at most this fraction of the pool.
     kv_pin_fraction: float = 0.25
+    # Eviction inside a sequence (cache/eviction): "none" or "streaming" (sinks + a recent window);
+    # None window: the largest that fits the context; None cap: a request's prompt + output unbounded.
+    kv_eviction: str = "none"
+    kv_sink_tokens: int = 4
+    kv_window_tokens: int | None = None
+    kv_max_request_tokens: int | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -59,6 +66,14 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cache_dtype is not None and self.cache_dtype not in DTYPE_BYTES:
             raise ValueError(f"cache_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.cache_dtype!r}")
+        self.eviction  # noqa: B018  (validates the kv_eviction fields)
+
+    @property
+    def eviction(self) -> EvictionConfig:
+        """The ``kv_eviction`` fields as one (unresolved) config; ValueError naming a bad field."""
+        return EvictionConfig(policy=self.kv_eviction, sink_tokens=self.kv_sink_tokens,
+                              window_tokens=self.kv_window_tokens, max_request_tokens=self.kv_max_request_tokens,
+                              block_size=self.block_size)
 
     @property
     def dtype_bytes(self) -> int:

@@ -11,6 +11,8 @@ from typing import Protocol
 
 from cache.block import KVBlock
 from cache.block_pool import BlockPool, _check
+from cache.eviction import EvictionPolicy, RopeShift
+from cache.eviction.allocation import check_kept_blocks, plan_allocation, rebase_blocks
 from cache.hashing import BlockHash, iter_block_hashes
 from cache.pins import Pin, PinInfo, salt_id
 from cache.tiers import KVTier, tier_members
@@ -33,15 +35,18 @@ class CacheRequest(Protocol):
         ...
 
     @property
-    def cache_salt(self) -> str | None: ...
+    def cache_salt(self) -> str | None: ...  # (and optionally ``evicts``: read with getattr, default False)
 
 
 @dataclass
 class _RequestBlocks:
     blocks: list[KVBlock] = field(default_factory=list)
-    # Chained hashes of blocks[:len(block_hashes)]. A block may be missing from the cache map (a
-    # duplicate of another request's block) but its hash is still needed to chain the next one.
+    # Chained hashes of the request's text blocks [0, len(block_hashes)). A block may be missing
+    # from the cache map (a duplicate of another request's block) but its hash is still needed to
+    # chain the next one. Kept block j is text block j, or j + num_evicted_blocks past the sinks.
     block_hashes: list[BlockHash] = field(default_factory=list)
+    num_evicted_blocks: int = 0  # evicted text blocks, the ones right after the sink blocks
+    position_shift: int = 0  # kept tokens past the sinks sit at text position - shift (cache/eviction)
 
 
 class KVCacheManager:
@@ -55,7 +60,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  tier: KVTier | None = None, pin_fraction: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 eviction: EvictionPolicy | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= pin_fraction < 1.0:
@@ -78,6 +84,13 @@ class KVCacheManager:
         self._pin_refs: Counter[int] = Counter()  # block id -> pins holding it
         self._unpin_requests: queue.SimpleQueue[BlockHash] = queue.SimpleQueue()
         self._pin_snapshot: tuple[PinInfo, ...] = ()
+        # ---- eviction inside a sequence (cache/eviction): the policy, the pool edits its plans
+        # need before the next forward pass, and counters for the metrics.
+        self.eviction = eviction
+        if eviction is not None and eviction.block_size != block_size:
+            raise ValueError(f"the eviction policy's block size {eviction.block_size} is not the pool's")
+        self._rope_shifts: list[RopeShift] = []
+        self.num_evicted_blocks_total = 0  # blocks evicted inside sequences, ever
 
     @property
     def num_blocks(self) -> int:
@@ -106,7 +119,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or not token_ids:
             return [], 0
-        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        max_hit_tokens = self._max_hit_tokens(token_ids)
         hits: list[KVBlock] = []
         refreshed = False
         for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt):
@@ -123,6 +136,10 @@ class KVCacheManager:
             self._refresh_snapshot()
         return hits, len(hits) * self.block_size
 
+    def _max_hit_tokens(self, token_ids: Sequence[int]) -> int:
+        most = min(len(token_ids) - 1, self.eviction.max_hit_tokens if self.eviction else len(token_ids))
+        return most // self.block_size * self.block_size
+
     # ---- the lower tier ------------------------------------------------------------------------
     def get_tier_hits(self, token_ids: Sequence[int], cache_salt: str | None,
                       device_hits: Sequence[KVBlock]) -> list[BlockHash]:
@@ -130,7 +147,7 @@ class KVCacheManager:
         following blocks the tier holds, up to its first miss (never covering the last token)."""
         if self.tier is None or not token_ids:
             return []
-        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        max_hit_tokens = self._max_hit_tokens(token_ids)
         parent = device_hits[-1].block_hash if device_hits else None
         found: list[BlockHash] = []
         for block_hash in iter_block_hashes(token_ids[:max_hit_tokens], self.block_size, cache_salt,
@@ -194,7 +211,11 @@ class KVCacheManager:
             return 0
         written = 0
         n = min(num_tokens // self.block_size, len(state.block_hashes))
-        for block, block_hash in zip(state.blocks[:n], state.block_hashes[:n]):
+        for i, block_hash in enumerate(state.block_hashes[:n]):
+            # past an eviction kept block i is another text block; an evicted one may still be cached
+            block = state.blocks[i] if not state.num_evicted_blocks else self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                continue
             if not self.tier.contains(block_hash):
                 written += self.block_size
             self._pending_writes.append((block.block_id, block_hash, expires_at))
@@ -334,22 +355,23 @@ class KVCacheManager:
         state = self._requests.get(request.request_id, _RequestBlocks())
         if new_computed_blocks and state.blocks:
             raise ValueError("new_computed_blocks are only allowed on a request's first allocation")
-        if request.num_computed_tokens > len(state.blocks) * self.block_size:
+        bs = self.block_size
+        if request.num_computed_tokens - state.num_evicted_blocks * bs > len(state.blocks) * bs:
             raise ValueError(f"request {request.request_id!r} claims {request.num_computed_tokens} "
                              f"computed tokens but holds only {len(state.blocks)} blocks")
 
-        num_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-                      + num_new_tokens)
-        num_required = -(-num_tokens // self.block_size)
-        num_new_blocks = max(0, num_required - len(state.blocks) - len(new_computed_blocks))
+        computed = request.num_computed_tokens + len(new_computed_blocks) * bs  # text tokens before the step
+        num_tokens = computed + num_new_tokens
+        plan = plan_allocation(self.eviction, getattr(request, "evicts", False), state.blocks, new_computed_blocks,
+                               state.num_evicted_blocks, state.position_shift, computed, num_new_tokens, bs)
         # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block too.
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block not in plan.dropped)
+        if plan.num_new_blocks + plan.num_copies + num_evictable_hits > self.block_pool.num_free_blocks + plan.num_freed:
             return None
 
         # Hash before mutating anything, so a stale hit is reported with the pool untouched.
-        num_full_blocks = min(num_tokens, len(request.all_token_ids)) // self.block_size
-        new_hashes = self._hash_blocks(request, state, num_full_blocks)
+        num_full_blocks = min(num_tokens, len(request.all_token_ids)) // bs
+        new_hashes = self._hash_blocks(request, state, num_full_blocks) if not state.num_evicted_blocks else []
         for i, block in enumerate(new_computed_blocks):
             if i >= len(new_hashes) or block.block_hash != new_hashes[i]:
                 raise ValueError(f"new_computed_blocks[{i}] (block {block.block_id}) is not a cache "
@@ -357,7 +379,18 @@ class KVCacheManager:
 
         self.block_pool.touch(new_computed_blocks)
         state.blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if plan.num_evicted:
+            # Blocks computed after an eviction depend on more than their tokens: never offered.
+            state.block_hashes.extend(new_hashes[:len(new_computed_blocks)])
+            new_hashes = []
+        if plan.num_evict:
+            del state.blocks[plan.sinks:plan.sinks + plan.num_evict]
+            self.block_pool.free_blocks(reversed(plan.dropped))
+            state.num_evicted_blocks = plan.num_evicted
+            self.num_evicted_blocks_total += plan.num_evict
+        if plan.rebase:
+            self._rebase(state, plan.sinks, plan.num_evicted * bs)
+        new_blocks = self.block_pool.get_new_blocks(plan.num_new_blocks)
         state.blocks.extend(new_blocks)
         for block_hash in new_hashes:
             block = state.blocks[len(state.block_hashes)]
@@ -365,6 +398,28 @@ class KVCacheManager:
             self.block_pool.cache_block(block, block_hash)  # False for a duplicate: stays unhashed
         self._requests[request.request_id] = state
         return new_blocks
+
+    def _rebase(self, state: _RequestBlocks, sinks: int, shift: int) -> None:
+        """Move the kept tokens past the sinks to contiguous positions (``position_shift =
+        shift``): their keys get rotated back by the difference before the next forward pass.
+        Shared blocks are copied first, its own ones leave the prefix cache (``rebase_blocks``)."""
+        copies, uncached = rebase_blocks(self.block_pool, state.blocks, sinks)
+        if uncached:  # a write-through not taken yet would copy rotated keys under the old hash
+            self._pending_writes = [w for w in self._pending_writes if w[0] not in uncached]
+        delta = shift - state.position_shift
+        state.position_shift = shift
+        self._rope_shifts.append(RopeShift(tuple(b.block_id for b in state.blocks[sinks:]), delta, tuple(copies)))
+
+    def take_rope_shifts(self) -> list[RopeShift]:
+        """The pool edits the step's rebases need, in order, before its forward pass (cache/eviction)."""
+        out, self._rope_shifts = self._rope_shifts, []
+        return out
+
+    def sequence_offsets(self, request_id: str) -> tuple[int, int]:
+        """``(evicted tokens, position shift)`` of a request: its new token at text position ``t``
+        goes to cache slot ``t - evicted`` and is rotated at position ``t - shift``."""
+        state = self._requests.get(request_id) or _RequestBlocks()
+        return state.num_evicted_blocks * self.block_size, state.position_shift
 
     def _hash_blocks(self, request: CacheRequest, state: _RequestBlocks,
                      num_full_blocks: int) -> list[BlockHash]:
@@ -395,6 +450,8 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         if state is None:
             return 0
+        if state.num_evicted_blocks:
+            raise ValueError(f"request {request_id!r}: cannot truncate a sequence that evicted blocks")
         keep = -(-num_tokens // self.block_size)
         tail = state.blocks[keep:]
         if len(state.block_hashes) > keep or any(block.block_hash is not None for block in tail):
@@ -433,11 +490,11 @@ class KVCacheManager:
             ids = [block.block_id for block in state.blocks]
             _check(len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}")
             holders.update(ids)
-            _check(len(state.block_hashes) <= len(state.blocks),
+            _check(len(state.block_hashes) <= len(state.blocks) + state.num_evicted_blocks,
                    f"request {request_id!r} has more hashes than blocks")
-            for block, block_hash in zip(state.blocks, state.block_hashes, strict=False):
-                _check(block.block_hash in (None, block_hash),
-                       f"request {request_id!r}: block {block.block_id} is cached under a different hash")
+            sinks = self.eviction.sink_blocks if self.eviction is not None and state.num_evicted_blocks else 0
+            check_kept_blocks(request_id, state.blocks, state.block_hashes, sinks, state.num_evicted_blocks,
+                              state.position_shift)
         for block in self.block_pool.blocks:
             _check(block.ref_cnt == holders[block.block_id],
                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders")

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from cache import CacheConfig, KVCacheManager, KVCapacity
+from cache import CacheConfig, KVCacheManager, KVCapacity, num_blocks_for_memory
+from cache.eviction import EvictionConfig, build_policy
 from cache.tiers import DiskTier, HostTier, KVTier, TierChain
 from engine.attention import resolve_backend, select_attention
 from engine.config import EngineConfig, ModelConfig
@@ -264,16 +265,36 @@ def chain_tiers(host: HostTier | None, disk: DiskTier | None) -> KVTier | None:
     return TierChain([host, disk]) if disk is not None else host
 
 
+def resolve_eviction(config: EngineConfig) -> EvictionConfig:
+    """``--kv-eviction`` against the resolved context and step budget; ValueError for what it
+    cannot run with (speculative decoding rolls back slots by text position; tensor-parallel
+    ranks would each need the re-rotations)."""
+    eviction = config.cache.eviction.resolve(config.scheduler.max_model_len, config.scheduler.max_num_batched_tokens)
+    if eviction.enabled:
+        if config.scheduler.speculative_config is not None:
+            raise ValueError(f"kv_eviction {eviction.policy!r} does not run with speculative decoding")
+        if config.model.tensor_parallel_size > 1:
+            raise ValueError(f"kv_eviction {eviction.policy!r} does not run with tensor_parallel_size > 1")
+        logger.info("KV eviction: %s, %d sink blocks + a %d-token window (a sequence holds at most %d tokens)",
+                    eviction.policy, eviction.sink_blocks, eviction.window_tokens, eviction.max_held_tokens)
+    return eviction
+
+
 def engine_info(config: EngineConfig, model_name: str, arch: ModelArch, capacity: KVCapacity,
-                kv_cache: KVCacheManager, has_tokenizer: bool, has_disk_tier: bool) -> EngineInfo:
+                kv_cache: KVCacheManager, has_tokenizer: bool, has_disk_tier: bool,
+                eviction: EvictionConfig | None = None) -> EngineInfo:
     cache_cfg = config.cache
+    evicting = eviction is not None and eviction.enabled
     return EngineInfo(model_name=model_name, max_model_len=config.scheduler.max_model_len,
                       vocab_size=arch.vocab_size, block_size=cache_cfg.block_size, num_blocks=capacity.num_blocks,
                       max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                       dtype=config.model.dtype, enable_prefix_caching=cache_cfg.enable_prefix_caching,
                       has_tokenizer=has_tokenizer, has_disk_tier=has_disk_tier,
                       kv_bytes_per_token=capacity.bytes_per_token, kv_cache_dtype=cache_cfg.kv_cache_dtype,
-                      max_pinned_blocks=kv_cache.max_pinned_blocks, scheduling_policy=config.scheduler.policy)
+                      max_pinned_blocks=kv_cache.max_pinned_blocks, scheduling_policy=config.scheduler.policy,
+                      kv_eviction=eviction.policy if evicting else "none",
+                      kv_max_request_tokens=eviction.max_request_tokens if evicting else None,
+                      kv_max_held_tokens=eviction.max_held_tokens if evicting else 0)
 
 
 class _EngineBuild:
@@ -322,8 +343,9 @@ class _EngineBuild:
         copier = self.runner.model.block_copier(self.runner.kv_caches)
         host, arena = make_host_tier(cache_cfg, copier.payload_bytes, device)
         tier = chain_tiers(host, disk)
+        eviction = resolve_eviction(config)
         kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
-                                  tier=tier, pin_fraction=cache_cfg.kv_pin_fraction)
+                                  tier=tier, pin_fraction=cache_cfg.kv_pin_fraction, eviction=build_policy(eviction))
         if self.runner.kv_residual is not None:  # int4: reclaim open blocks that went back to the pool
             blocks = kv_cache.block_pool.blocks
             self.runner.kv_residual.block_in_use = lambda b: b < len(blocks) and blocks[b].ref_cnt > 0
@@ -335,7 +357,8 @@ class _EngineBuild:
             offloader=KVOffloader(tier, copier) if tier is not None else None, disk_tier=disk, host_arena=arena,
             # Structured output: grammars compile on the compiler's thread.
             grammars=GrammarCompiler(tokenizer, arch.vocab_size) if tokenizer is not None else None,
-            info=engine_info(config, model_name, arch, capacity, kv_cache, tokenizer is not None, disk is not None))
+            info=engine_info(config, model_name, arch, capacity, kv_cache, tokenizer is not None, disk is not None,
+                             eviction))
 
 
 # ---- choices made once at build time, each with its log line --------------------------------

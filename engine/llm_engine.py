@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 # Test-only fault hook: when set, a step that runs a request whose prompt starts with this
 # token id raises (see tests/server/test_core_faults.py). Unset in production: one None check.
 FAULT_TOKEN_ENV = "KVSERVE_TEST_FAULT_TOKEN"
+# An evicting request without a cap on its length (--kv-max-request-tokens unset) runs until EOS.
+UNLIMITED_TOKENS = 1 << 62
 
 
 @dataclass
@@ -113,11 +115,13 @@ class LLMEngine:
             prompt_ids = [int(t) for t in prompt]
         self.validate_prompt(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        room = self.max_model_len - len(prompt_ids)
+        evicts = self.info.evicts(params)
+        limit = (self.info.kv_max_request_tokens or UNLIMITED_TOKENS) if evicts else self.max_model_len
+        room = limit - len(prompt_ids)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
                           max_tokens=min(params.max_tokens or room, room),
                           eos_token_ids=self.arch.eos_token_ids, cache_salt=cache_salt, priority=priority,
-                          tenant=tenant)
+                          tenant=tenant, evicts=evicts, max_total_tokens=limit if evicts else None)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if params.structured_output is not None:
@@ -159,6 +163,7 @@ class LLMEngine:
                                 logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
                                 num_cached_tokens=max(request.num_cached_tokens, 0),
                                 num_cache_write_tokens=request.num_cache_write_tokens,
+                                num_evicted_tokens=request.num_evicted_tokens,
                                 first_scheduled_time=request.first_scheduled_time,
                                 prompt_logprobs=prompt_logprobs, error=error)
 

@@ -48,6 +48,7 @@ class EngineCounters:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    kv_evicted_blocks: int = 0
 
     @classmethod
     def read(cls, scheduler: Scheduler, tiers: list[KVTier]) -> EngineCounters:
@@ -59,7 +60,8 @@ class EngineCounters:
                    tier_bytes_written={t.name: t.stats.bytes_written for t in tiers},
                    spec_num_drafts=sched.spec_num_drafts, spec_num_draft_tokens=sched.spec_draft_tokens,
                    spec_num_accepted_tokens=sched.spec_accepted_tokens,
-                   spec_num_accepted_tokens_per_pos=tuple(sched.spec_accepted_per_pos))
+                   spec_num_accepted_tokens_per_pos=tuple(sched.spec_accepted_per_pos),
+                   kv_evicted_blocks=scheduler.kv_cache.num_evicted_blocks_total)
 
     def since(self, before: EngineCounters) -> EngineCounters:
         """The counts from ``before`` to this."""
@@ -75,7 +77,8 @@ class EngineCounters:
             spec_num_draft_tokens=self.spec_num_draft_tokens - before.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=_minus_pos(self.spec_num_accepted_tokens_per_pos,
-                                                        before.spec_num_accepted_tokens_per_pos))
+                                                        before.spec_num_accepted_tokens_per_pos),
+            kv_evicted_blocks=self.kv_evicted_blocks - before.kv_evicted_blocks)
 
 
 def pin_snapshots(kv_cache: KVCacheManager) -> tuple[PinSnapshot, ...]:
@@ -128,6 +131,10 @@ class StatsReporter:
                          offload_write_seconds={t.name: t.stats.drain_recent("write") for t in tiers},
                          offload_read_seconds={t.name: t.stats.drain_recent("read") for t in tiers},
                          kv_pinned_blocks=self.kv_cache.num_pinned_blocks, pins=pins,
+                         kv_evicted_blocks=delta.kv_evicted_blocks,
+                         kv_eviction_seen_tokens=sum(r.num_computed_tokens for r in sched.running if r.evicts),
+                         kv_eviction_held_tokens=sum(r.num_computed_tokens - r.num_evicted_tokens
+                                                     for r in sched.running if r.evicts),
                          spec_num_drafts=delta.spec_num_drafts, spec_num_draft_tokens=delta.spec_num_draft_tokens,
                          spec_num_accepted_tokens=delta.spec_num_accepted_tokens,
                          spec_num_accepted_tokens_per_pos=delta.spec_num_accepted_tokens_per_pos)

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from cache.eviction import EVICTION_POLICIES
 from cache.config import KV_CACHE_DTYPES
 from configs import build_section, check_sections, read_profile
 from engine.attention.base import ATTENTION_BACKENDS
@@ -53,6 +54,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(pinned memory on GPU; 0 = off, the default)")
     g.add_argument("--kv-pin-fraction", dest="kv_pin_fraction", type=float,
                    help="most of the pool that cache_control pins may hold (default 0.25)")
+    g.add_argument("--kv-eviction", dest="kv_eviction", choices=EVICTION_POLICIES,
+                   help="evict KV inside a sequence: streaming keeps the first --kv-sink-tokens and the last "
+                        "--kv-window-tokens (StreamingLLM), so a request may run past the context (default none)")
+    g.add_argument("--kv-sink-tokens", dest="kv_sink_tokens", type=int, metavar="S",
+                   help="streaming: tokens kept at the start of every sequence, in whole blocks (default 4)")
+    g.add_argument("--kv-window-tokens", dest="kv_window_tokens", type=int, metavar="W",
+                   help="streaming: most recent tokens kept, in whole blocks (default: the largest that fits the context)")
+    g.add_argument("--kv-max-request-tokens", dest="kv_max_request_tokens", type=int, metavar="N",
+                   help="under --kv-eviction: the most tokens (prompt + output) one request may run (default unlimited)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
     g.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)

@@ -29,6 +29,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0  # tokens written into retained cache (pins, 24h retention)
+    num_evicted_tokens: int = 0  # tokens whose KV the eviction policy dropped so far (cache/eviction)
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     arrival_time: float | None = None  # time.monotonic() when the request arrived

@@ -63,6 +63,9 @@ class SamplingParams:
     # A reasoning model's think tags, budget and where the prompt left the block; None: the
     # output is not read for reasoning in the engine (no budget, grammar from the first token)
     reasoning: ReasoningSpec | None = None
+    # Eviction inside the sequence (the server's --kv-eviction policy): None follows the server,
+    # False opts out (the context bounds the request), True opts in (needs a policy on the server).
+    kv_eviction: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -106,6 +109,8 @@ class SamplingParams:
             raise ValueError(f"cache_policy must be a CachePolicy, got {self.cache_policy!r}")
         if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpec):
             raise ValueError(f"reasoning must be a ReasoningSpec, got {self.reasoning!r}")
+        if self.kv_eviction is not None and not isinstance(self.kv_eviction, bool):
+            raise ValueError(f"kv_eviction must be a boolean or null, got {self.kv_eviction!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cache.eviction import RopeShift
 from cache.hashing import BlockHash
 from scheduler.request import Request
 
@@ -20,6 +21,10 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     draft_token_ids: list[int] = field(default_factory=list)
+    # Eviction inside the sequence (cache/eviction): its new token at text position t goes to
+    # cache slot t - num_evicted_tokens of block_ids and is rotated at position t - position_shift.
+    num_evicted_tokens: int = 0
+    position_shift: int = 0
 
     @property
     def samples(self) -> bool:
@@ -40,6 +45,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests that began loading their prefix from the lower tier: (request, [(block id, hash)]).
     loads: list[tuple[Request, list[tuple[int, BlockHash]]]] = field(default_factory=list)
+    # Re-rotations of kept keys (and their copies on write) to apply before the forward pass.
+    rope_shifts: list[RopeShift] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

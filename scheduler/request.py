@@ -80,6 +80,11 @@ class Request:
     # draft it proposed but did not verify, to be checked against the token plain decode samples.
     spec_acceptance: float = 0.5
     spec_shadow_token: int | None = None
+    # Eviction inside the sequence (cache/eviction): whether the policy applies to it, its cap on
+    # prompt + output (None: the scheduler's max_model_len) and the tokens its KV dropped so far.
+    evicts: bool = False
+    max_total_tokens: int | None = None
+    num_evicted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -205,7 +205,7 @@ class Scheduler:
                     break
             if request.status is RequestStatus.PREEMPTED:
                 break
-            out.scheduled.append(ScheduledRequest(request, num_new, self.kv_cache.get_block_ids(request.request_id)))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
 
@@ -265,10 +265,18 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, self.kv_cache.get_block_ids(request.request_id)))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))
+        out.rope_shifts = self.kv_cache.take_rope_shifts()
         return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The request's run this step, with where its evicted KV leaves its new tokens (cache/eviction)."""
+        evicted, shift = self.kv_cache.sequence_offsets(request.request_id)
+        request.num_evicted_tokens = evicted
+        return ScheduledRequest(request, num_new, self.kv_cache.get_block_ids(request.request_id),
+                                num_evicted_tokens=evicted, position_shift=shift)
 
     def _plan_drafts(self) -> dict[str, list[int]]:
         """This step's drafts by request id: every decoding request that may speculate proposes
@@ -393,6 +401,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        limit = request.max_total_tokens or self.max_model_len  # evicting requests: their own cap
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= limit:
             return RequestStatus.FINISHED_LENGTH
         return None

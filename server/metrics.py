@@ -24,6 +24,10 @@ Exported families (every one labelled ``model_name``; ``promtool check metrics``
   normally only (so disconnects and engine failures do not skew the percentiles),
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prompt_tokens``,
   ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step);
+- eviction inside sequences (``--kv-eviction``, labelled ``policy``, ``none`` when off): the
+  counters ``kv_evicted_blocks_total`` and ``kv_evicted_tokens_total`` and the gauge
+  ``kv_eviction_compression_ratio`` (tokens the running evicting requests computed / tokens they
+  hold; 1 when none runs);
 - the KV tier and pin families of ``server/cache_metrics.py``, fed the same snapshots;
 - the per-tenant counters ``kvserve_tenant_*`` of ``server/tenants/metrics.py`` (requests, tokens,
   admission rejections, labelled ``tenant``), counted by the serving layer as responses end.
@@ -164,6 +168,11 @@ class Metrics:
                                                 "Draft tokens accepted.").labels(model_name)
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Drafts whose token at this position was accepted.", ("position",))
+        policy = info.kv_eviction
+        self.kv_evicted_blocks = counter("kv_evicted_blocks", "KV blocks evicted inside sequences "
+                                         "(--kv-eviction), by policy.", ("policy",)).labels(model_name, policy)
+        self.kv_evicted_tokens = counter("kv_evicted_tokens", "Tokens whose KV was evicted inside sequences, "
+                                         "by policy.", ("policy",)).labels(model_name, policy)
         self.registry.register(_EngineStateCollector(self))
         # KV tier and pin families (server/cache_metrics.py), fed the same snapshots
         self.tiers = KVTierCollector(model_name, info)
@@ -200,6 +209,9 @@ class Metrics:
                 self._num_hits += stats.prefix_cache_hits
             if stats.num_preemptions:
                 self.num_preemptions.inc(stats.num_preemptions)
+            if stats.kv_evicted_blocks:
+                self.kv_evicted_blocks.inc(stats.kv_evicted_blocks)
+                self.kv_evicted_tokens.inc(stats.kv_evicted_blocks * self.info.block_size)
             if stats.spec_num_drafts:
                 self._on_spec(stats)
         now = time.monotonic()
@@ -290,6 +302,12 @@ class _EngineStateCollector:
         yield gauge("kv_cache_used_tokens", "KV token slots in blocks held by live requests.", state.kv_used_tokens)
         yield gauge("kv_cache_capacity_tokens", "KV token slots in the whole pool.", info.num_tokens)
         yield gauge("kv_cache_cached_blocks", "Free blocks kept for prefix reuse (evictable).", state.kv_cached_blocks)
+        ratio = GaugeMetricFamily(f"{NAMESPACE}_kv_eviction_compression_ratio", "Tokens the running evicting "
+                                  "requests computed over the tokens they hold (1 when none evicts).",
+                                  labels=["model_name", "policy"])
+        held = state.kv_eviction_held_tokens
+        ratio.add_metric([name, info.kv_eviction], state.kv_eviction_seen_tokens / held if held else 1.0)
+        yield ratio
         cache_info = InfoMetricFamily(f"{NAMESPACE}_cache_config", "KV cache configuration.", labels=["model_name"])
         cache_info.add_metric([name], {"block_size": str(info.block_size), "num_blocks": str(info.num_blocks),
                                        "cache_dtype": info.dtype if info.kv_cache_dtype == "auto" else info.kv_cache_dtype,

@@ -108,16 +108,21 @@ _BUDGET = ("at most this many tokens inside a reasoning model's think block: the
            "earlier thinks less; a model without think tags has no block to cap")
 _PRIORITY = _supported("priority", "vLLM's extra, an integer: lower runs first, under `--scheduling-policy priority` "
                                    "only (a non-zero value is a 400 under `fcfs`); never below the tenant's `priority`")
+_KV_EVICTION = ("`false`: this request keeps all of its KV (the context bounds it) on a server started with "
+                "`--kv-eviction`; `true`: asks for eviction (400 on a server without a policy); unset: the server's "
+                "policy. Tokens evicted are reported as `usage.evicted_tokens`")
 CHAT_EXTRA_FIELDS: list[FieldRule] = [
     _supported("chat_template_kwargs", "variables for the model's chat template, e.g. `{\"enable_thinking\": false}` "
                                        "(Qwen3); an argument of the template call itself (`tools`, `tokenize`, ...) "
                                        "is a 400"),
+    _supported("kv_eviction", _KV_EVICTION),
     _supported("max_reasoning_tokens", f"an integer >= 0; {_BUDGET}; the same as `thinking_token_budget`"),
     _supported("thinking_token_budget", f"vLLM's name; an integer >= 0; {_BUDGET}"),
     _PRIORITY,
 ]
 
-EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS, "completions": [_PRIORITY]}
+EXTRAS: dict[str, list[FieldRule]] = {"chat": CHAT_EXTRA_FIELDS,
+                                      "completions": [_supported("kv_eviction", _KV_EVICTION), _PRIORITY]}
 
 
 def check_fields(kind: str, body: dict[str, Any], n: int = 1) -> None:

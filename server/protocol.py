@@ -166,6 +166,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     cache_salt: str | None = None
     priority: Integer = 0  # vLLM's extra: lower runs first (scheduler policy 'priority' only)
+    kv_eviction: bool | None = None  # kvserve's extra: opt out of (false) or into (true) --kv-eviction
     logit_bias: dict[str, float] | None = None
     # vLLM's structured-output extras (accepted because clients of vLLM send them)
     guided_json: Union[dict[str, Any], str, None] = None
@@ -242,6 +243,7 @@ class SamplingFields(OpenAIModel):
                 logit_bias=dict(self.logit_bias) if self.logit_bias else None,
                 structured_output=structured_output,
                 prompt_logprobs=prompt_logprobs,
+                kv_eviction=self.kv_eviction,
             )
         except ValueError as exc:
             message = str(exc)

@@ -39,6 +39,7 @@ class Choice:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
+    num_evicted_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs on /v1/completions
@@ -77,9 +78,13 @@ def usage(choices: Sequence[Choice], prompt_lengths: Sequence[int]) -> dict[str,
     firsts = [c for c in choices if c.index == c.prompt_index * (len(choices) // len(prompt_lengths))]
     cached = sum(c.num_cached_tokens for c in firsts)
     written = sum(c.num_cache_write_tokens for c in choices)  # tokens written into retained cache
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written}}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+           "total_tokens": prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written}}
+    evicted = sum(c.num_evicted_tokens for c in choices)
+    if evicted:  # kvserve's extension: tokens whose KV --kv-eviction dropped (docs/api.md)
+        out["evicted_tokens"] = evicted
+    return out
 
 
 def checked(choice: Choice, out: RequestOutput) -> RequestOutput:
@@ -102,6 +107,7 @@ def apply(choice: Choice, out: RequestOutput) -> None:
     choice.num_output_tokens = out.num_output_tokens
     choice.num_cached_tokens = out.num_cached_tokens
     choice.num_cache_write_tokens = out.num_cache_write_tokens
+    choice.num_evicted_tokens = out.num_evicted_tokens
     if out.logprobs:
         choice.logprobs.extend(out.logprobs)
     if out.finished:

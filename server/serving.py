@@ -81,6 +81,15 @@ class OpenAIServing:
                            f"{weight}); retry later", "rate_limit_error", None, "rate_limit_exceeded",
                            headers={"Retry-After": "1"})
 
+    def _evicts(self, params: SamplingParams) -> bool:
+        """Whether the engine's eviction policy applies to a request (then the context does not
+        bound its prompt + max_tokens); False where it cannot (validation then says why)."""
+        info = getattr(self.engine, "info", None)
+        try:
+            return bool(info is not None and info.evicts(params))
+        except ValueError:
+            return False
+
     def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
             self.engine.validate(prompt_ids, params)
@@ -88,7 +97,8 @@ class OpenAIServing:
             raise bad_request(str(exc), param, "context_length_exceeded") from None
         except ValueError as exc:
             message = str(exc)
-            raise bad_request(message, "logit_bias" if message.startswith("logit_bias") else param) from None
+            named = next((f for f in ("logit_bias", "kv_eviction") if message.startswith(f)), param)
+            raise bad_request(message, named) from None
 
     @staticmethod
     def _check_spec(spec: Any, what: str, param: str) -> None:
@@ -165,7 +175,7 @@ class OpenAIServing:
                                                                   template_kwargs=body.chat_template_kwargs))
         except TemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        if clamp_max_tokens and params.max_tokens is not None:
+        if clamp_max_tokens and params.max_tokens is not None and not self._evicts(params):
             info = getattr(self.engine, "info", None)  # the pool may hold less than a context
             room = min(self.engine.max_model_len, getattr(info, "num_tokens", None) or self.engine.max_model_len) \
                 - len(prompt_ids)

@@ -76,7 +76,7 @@ class OutputProcessor:
                 finished=finished, finish_reason=finish_reason, stop_reason=stop_reason,
                 num_prompt_tokens=state.num_prompt_tokens, num_output_tokens=state.num_output_tokens,
                 num_cached_tokens=out.num_cached_tokens, num_cache_write_tokens=out.num_cache_write_tokens,
-                logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+                num_evicted_tokens=out.num_evicted_tokens, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
                 error=(out.error or GENERIC_ENGINE_ERROR) if finish_reason == "error" else None,
                 arrival_time=state.arrival_time, first_scheduled_time=out.first_scheduled_time))
             if finished:

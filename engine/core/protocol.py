@@ -56,10 +56,22 @@ class EngineInfo:
     kv_cache_dtype: str = "auto"
     max_pinned_blocks: int = 0
     scheduling_policy: str = "fcfs"  # "priority": the request field ``priority`` orders admission
+    # Eviction inside a sequence (cache/eviction): the policy, the cap on an evicting request's
+    # prompt + output (None: unlimited) and the most tokens such a request holds in the pool.
+    kv_eviction: str = "none"
+    kv_max_request_tokens: int | None = None
+    kv_max_held_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    def evicts(self, params: SamplingParams) -> bool:
+        """Whether the eviction policy applies to a request (its ``kv_eviction`` or the server's);
+        ValueError when it opts in and the server runs none."""
+        if params.kv_eviction and self.kv_eviction == "none":
+            raise ValueError("kv_eviction: this server evicts no KV (start it with --kv-eviction streaming)")
+        return self.kv_eviction != "none" and params.kv_eviction is not False
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError (PromptTooLongError for length) with a client-facing message."""
@@ -74,6 +86,9 @@ class EngineInfo:
             raise ValueError(f"logit_bias token id {bad_bias[0]} is out of range [0, {self.vocab_size})")
         if params.structured_output is not None and not self.has_tokenizer:
             raise ValueError("structured output needs a tokenizer; this engine has none")
+        if self.evicts(params):
+            self._validate_evicting(n, params)
+            return
         if n >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n} tokens but the context length is {self.max_model_len} "
                                      "tokens (at least one must be left to generate)")
@@ -87,6 +102,23 @@ class EngineInfo:
                 f"the request needs up to {need} tokens of KV cache but the pool holds only "
                 f"{self.num_tokens} ({self.num_blocks} blocks); raise --num-blocks or "
                 "--kv-cache-memory, or ask for fewer tokens")
+
+
+    def _validate_evicting(self, n: int, params: SamplingParams) -> None:
+        """An evicting request: its own cap bounds prompt + output, and it holds at most
+        ``kv_max_held_tokens`` of the pool whatever its length."""
+        cap = self.kv_max_request_tokens
+        if cap is not None and n >= cap:
+            raise PromptTooLongError(f"the prompt has {n} tokens but a request may hold at most {cap} "
+                                     "(--kv-max-request-tokens; at least one must be left to generate)")
+        if cap is not None and params.max_tokens is not None and n + params.max_tokens > cap:
+            raise PromptTooLongError(f"a request may hold at most {cap} tokens (--kv-max-request-tokens), but "
+                                     f"{n + params.max_tokens} were requested ({n} in the prompt, "
+                                     f"{params.max_tokens} to generate)")
+        if math.ceil(self.kv_max_held_tokens / self.block_size) > self.num_blocks:
+            raise PromptTooLongError(f"a sequence under kv_eviction {self.kv_eviction!r} holds up to "
+                                     f"{self.kv_max_held_tokens} tokens of KV cache but the pool holds only "
+                                     f"{self.num_tokens}; raise --num-blocks or lower --kv-window-tokens")
 
 
 @dataclass
@@ -142,6 +174,7 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0  # tokens written into retained cache (pins, 24h retention)
+    num_evicted_tokens: int = 0  # tokens whose KV the eviction policy dropped (cache/eviction)
     first_scheduled_time: float | None = None
     # On the first output of a request that asked for prompt logprobs (see RequestOutput)
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -204,6 +237,11 @@ class StepStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Eviction inside sequences (cache/eviction): blocks evicted (delta), and over the live
+    # evicting requests the tokens they computed and the tokens they hold (gauges).
+    kv_evicted_blocks: int = 0
+    kv_eviction_seen_tokens: int = 0
+    kv_eviction_held_tokens: int = 0
     time: float = field(default_factory=time.monotonic)  # when the snapshot was taken (CLOCK_MONOTONIC)
 
     @property

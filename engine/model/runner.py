@@ -13,6 +13,7 @@ import torch
 from engine.attention import AttentionMetadata, DecodeGroup, PagedLayout, PrefillChunk
 from engine.model.cuda_graphs import CudaGraphRunner
 from engine.kv.pool import allocate_kv_pool
+from engine.model.rope_shift import apply_rope_shifts
 from engine.model.llama import LlamaForCausalLM
 from kvtypes.outputs import TokenLogprob
 from engine.sampling.sampler import Sampler, SamplingRow, greedy_token_ids
@@ -148,13 +149,17 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
 
+        # Past an eviction (cache/eviction) a token's cache slot and rotary position differ from
+        # its text position t: slot index t - num_evicted_tokens, position t - position_shift.
+        ctx_lens: list[int] = []
         for item in decodes:  # sorted by context length (see execute)
             pos = item.request.num_computed_tokens
             input_ids.append(item.request.all_token_ids[pos])
-            positions.append(pos)
-            slots.append(item.block_ids[pos // bs] * bs + pos % bs)
+            positions.append(pos - item.position_shift)
+            at = pos - item.num_evicted_tokens
+            slots.append(item.block_ids[at // bs] * bs + at % bs)
+            ctx_lens.append(at + 1)
         groups = []
-        ctx_lens = [p + 1 for p in positions]
         # A kernel that reads each row's own length in place pays nothing for padding.
         native = self.model.attn.reads_lengths_in_place
         split = [(0, len(ctx_lens))] if native and ctx_lens else \
@@ -178,11 +183,13 @@ class ModelRunner:
 
         chunks = []
         for item in prefills:
-            start = item.request.num_computed_tokens
-            end = start + item.num_new_tokens
             row = len(input_ids)
             input_ids.extend(item.input_token_ids())
-            positions.extend(range(start, end))
+            text_start = item.request.num_computed_tokens
+            positions.extend(range(text_start - item.position_shift, text_start - item.position_shift
+                                   + item.num_new_tokens))
+            start = text_start - item.num_evicted_tokens  # in the cache from here on
+            end = start + item.num_new_tokens
             block_ids = item.block_ids
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             table = mask = None
@@ -204,7 +211,8 @@ class ModelRunner:
 
     def _graph_logits(self, ordered: list[ScheduledRequest]) -> torch.Tensor | None:
         """Logits from a captured graph when the step is pure decode and a bucket fits, else None."""
-        if self.graphs is None or any(s.num_new_tokens != 1 or not s.samples for s in ordered):
+        if self.graphs is None or any(s.num_new_tokens != 1 or not s.samples or s.num_evicted_tokens
+                                      or s.position_shift for s in ordered):
             return None
         positions = [s.request.num_computed_tokens for s in ordered]
         logits = self.graphs.run([s.request.all_token_ids[p] for s, p in zip(ordered, positions)], positions,
@@ -216,7 +224,7 @@ class ModelRunner:
     def _paged_layout(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> PagedLayout:
         """The step as one varlen batch (see PagedLayout), built on the host and copied once."""
         items = decodes + prefills
-        lens = [s.request.num_computed_tokens + s.num_new_tokens for s in items]
+        lens = [s.request.num_computed_tokens - s.num_evicted_tokens + s.num_new_tokens for s in items]
         widths = [(n + self.block_size - 1) // self.block_size for n in lens]
         width = max(widths)
         table = torch.zeros((len(items), width), dtype=torch.int32)
@@ -234,6 +242,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the step; return the sampled token of every request whose step reaches its end."""
+        if out.rope_shifts:  # before anything reads or writes the pool this step
+            apply_rope_shifts(self.kv_caches, out.rope_shifts, self.model.rope_cos, self.model.rope_sin)
         if out.is_empty:
             return {}
         # The attention layout puts single-token sequences first; keep the same order here.
