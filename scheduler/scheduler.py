@@ -35,7 +35,7 @@ from cache import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.speculative import (accept_greedy, can_speculate, choose_speculators, observe_acceptance,
+from scheduler.speculative import (can_speculate, check_run, choose_speculators, observe_acceptance,
                                    propose_ngram)
 
 
@@ -310,9 +310,9 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish what is done.
 
         ``sampled`` maps request id -> token for every scheduled request with ``samples``;
-        ``verified`` maps each request that ran a draft to the model's token after its last known
-        token and after each draft token (``_apply_draft``). Returns the requests that received
-        tokens this step (finished ones included); ``new_token_ids`` says which.
+        ``verified`` maps each request that ran a draft to the run its verification emitted: the
+        accepted draft tokens, then the model's token after them (``_apply_draft``). Returns the
+        requests that received tokens this step (finished ones included); ``new_token_ids`` says which.
         """
         touched = []
         self.new_token_ids = {}
@@ -344,7 +344,7 @@ class Scheduler:
                 self._finish(request, status)
         return touched
 
-    def _apply_draft(self, item: ScheduledRequest, targets: list[int]) -> None:
+    def _apply_draft(self, item: ScheduledRequest, accepted: list[int]) -> None:
         """Append the accepted run (up to its first stop), roll the rest back.
 
         The step computed K/V for the last known token and every draft token; of those, the
@@ -354,7 +354,7 @@ class Scheduler:
         enter ``all_token_ids`` before acceptance, so no hashed block holds a rejected token.
         """
         request = item.request
-        accepted = accept_greedy(item.draft_token_ids, targets)
+        check_run(item.draft_token_ids, accepted)
         self.stats.spec_num_drafts += 1
         self.stats.spec_draft_tokens += len(item.draft_token_ids)
         self.stats.spec_accepted_tokens += len(accepted) - 1

@@ -87,9 +87,9 @@ def test_speculation_with_eos_stop_ids_and_max_tokens(hf_model):
     assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
 
 
-def test_non_greedy_and_logprob_requests_do_not_speculate(hf_model):
+def test_logprob_requests_do_not_speculate(hf_model):
     ps = prompts()
-    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+    params = [SamplingParams(temperature=0.8, seed=3, logprobs=1, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, logprobs=2, max_tokens=12, ignore_eos=True)]
     plain = tiny_engine(hf_model).generate(ps[:2], params)
     engine = spec_engine(hf_model)
@@ -97,6 +97,25 @@ def test_non_greedy_and_logprob_requests_do_not_speculate(hf_model):
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert [r.logprobs for r in spec] == [r.logprobs for r in plain]
     assert engine.scheduler.stats.spec_num_drafts == 0
+
+
+def test_seeded_sampling_and_penalties_speculate_and_emit_the_plain_tokens(hf_model):
+    # Rejection sampling draws one uniform per emitted token, the one plain decode draws for it;
+    # penalties and min_tokens see the accepted draft tokens (engine/sampling/verification.py).
+    ps = prompts()
+    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, max_tokens=16,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.6, min_p=0.1, frequency_penalty=0.5, min_tokens=8, seed=7,
+                             logit_bias={5: 1.5}, max_tokens=16)]
+    plain = tiny_engine(hf_model).generate(ps, params)
+    engine = spec_engine(hf_model)
+    spec = engine.generate(ps, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = engine.scheduler.stats
+    assert stats.spec_num_drafts > 0 and stats.spec_accepted_tokens > 0
+    assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
 
 
 def test_preemption_chunked_prefill_and_prefix_hits_keep_speculation_exact(hf_model):

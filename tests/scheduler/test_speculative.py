@@ -22,7 +22,7 @@ from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
-from scheduler.speculative import (ACCEPTANCE_WEIGHT, accept_greedy, can_speculate, choose_speculators,
+from scheduler.speculative import (ACCEPTANCE_WEIGHT, can_speculate, check_run, choose_speculators,
                                    expected_tokens, observe_acceptance, propose_ngram)
 
 EOS = 2
@@ -104,22 +104,33 @@ def test_propose_takes_the_longest_most_recent_match():
     assert propose_ngram([1], 3, 1, 3) == []
 
 
-def test_accept_greedy():
-    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
-    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch: the model's token
-    assert accept_greedy([5], [4, 1]) == [4]
-    with pytest.raises(ValueError):
-        accept_greedy([5, 6], [5, 6])
+def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+    """The fake model's verification: the longest draft prefix equal to its argmaxes, then its
+    argmax after it (what engine/sampling/verification.py does for a greedy row)."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return targets[:n + 1]
+
+
+def test_check_run_takes_what_a_verification_may_emit():
+    for run in ([5, 6, 7, 8], [5, 9], [4], [5, 6, 7]):
+        check_run([5, 6, 7], run)
+    for run in ([], [5, 6, 7, 8, 9], [4, 6], [5, 7, 1]):
+        with pytest.raises(ValueError, match="does not continue an accepted prefix"):
+            check_run([5, 6, 7], run)
 
 
 @pytest.mark.parametrize("params, speculates", [
     (dict(temperature=0.0), True),
-    (dict(temperature=0.7), False),
+    (dict(temperature=0.7), True),  # rejection sampling
+    (dict(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3), True),
     (dict(temperature=0.0, logprobs=0), False),
-    (dict(temperature=0.0, logit_bias={5: 1.0}), False),
-    (dict(temperature=0.0, repetition_penalty=1.1), False),
-    (dict(temperature=0.0, presence_penalty=0.5), False),
-    (dict(temperature=0.0, min_tokens=3), False),  # until 3 tokens exist
+    (dict(temperature=0.9, logprobs=2), False),
+    (dict(temperature=0.0, logit_bias={5: 1.0}), True),  # verified per position with the sampler's steps
+    (dict(temperature=0.0, repetition_penalty=1.1), True),
+    (dict(temperature=0.5, presence_penalty=0.5), True),
+    (dict(temperature=0.0, min_tokens=3), True),
 ])
 def test_who_speculates(params, speculates):
     r = Request("r", [3, 4, 5], SamplingParams(max_tokens=8, **params), max_tokens=8)
@@ -161,8 +172,8 @@ class Sim:
                 assert self.store.get(item.block_ids[pos // self.bs] * self.bs + pos % self.bs) == seq[pos], \
                     f"{r.request_id}: position {pos} reads another token's KV"
             if item.draft_token_ids:
-                verified[r.request_id] = [oracle(seq[:p + 1]) for p in range(start, start + item.num_new_tokens)]
-                accepted = accept_greedy(item.draft_token_ids, verified[r.request_id])
+                targets = [oracle(seq[:p + 1]) for p in range(start, start + item.num_new_tokens)]
+                accepted = verified[r.request_id] = accept_greedy(item.draft_token_ids, targets)
                 self.rejected += len(item.draft_token_ids) - (len(accepted) - 1)
             elif item.samples:
                 sampled[r.request_id] = oracle(seq)
