@@ -1,5 +1,5 @@
-"""Draft-free speculative decoding's token logic: who may speculate, the n-gram (prompt-lookup)
-draft, the shape of a verified run, and the adaptive rule that decides per step who drafts. Pure functions
+"""Draft-free speculative decoding's token logic: who may speculate, the shape of a verified run,
+and the adaptive rule that decides per step who drafts. Pure functions
 over token lists and estimates; the scheduler calls them.
 
 Exactness: the engine verifies a draft (engine/sampling/verification.py: greedy acceptance, or
@@ -27,32 +27,6 @@ def can_speculate(request: Request) -> bool:
     (engine/sampling/verification.py): not under a grammar (its matcher would have to walk the
     draft and back) and without logprobs (a multi-token run carries no per-token logprobs)."""
     return request.sampling_params.logprobs is None and request.grammar is None
-
-
-def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest trailing
-    n-gram of ``tokens`` (``max_n`` down to ``min_n`` tokens); [] when none matches.
-
-    One backward scan over the positions holding the last token, O(len(tokens) * max_n)."""
-    n_tok = len(tokens)
-    if k < 1 or n_tok < min_n + 1:
-        return []
-    last = tokens[-1]
-    best_len, best_end = 0, -1
-    for j in range(n_tok - 2, -1, -1):  # j: the last token of a candidate earlier occurrence
-        if tokens[j] != last:
-            continue
-        length = 1
-        limit = min(max_n, j + 1)
-        while length < limit and tokens[j - length] == tokens[n_tok - 1 - length]:
-            length += 1
-        if length > best_len:
-            best_len, best_end = length, j
-            if length == max_n:
-                break
-    if best_len < min_n:
-        return []
-    return list(tokens[best_end + 1:best_end + 1 + k])
 
 
 def check_run(draft: Sequence[int], run: Sequence[int]) -> None:

@@ -2,6 +2,7 @@
 token for token, and the pool ends empty with only accepted tokens under its hashes."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -235,3 +236,42 @@ def test_the_adaptive_rule_at_its_defaults_is_exact_too(hf_model):
     spec = engine.generate(ps, GREEDY) + engine.generate([ps[0]], GREEDY)  # the copy prompt alone too
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
+
+
+SUFFIX = dataclasses.replace(SPEC, method="suffix")
+
+
+def suffix_engine(hf_model, **keys):
+    engine = tiny_engine(hf_model)
+    engine.scheduler.config.speculative_config = dataclasses.replace(SUFFIX, **keys)
+    return engine
+
+
+def test_suffix_method_greedy_equals_plain_greedy(hf_model):
+    ps = prompts()
+    plain = tiny_engine(hf_model).generate(ps, GREEDY)
+    engine = suffix_engine(hf_model)
+    spec = engine.generate(ps, GREEDY)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = engine.scheduler.stats
+    assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert not engine.scheduler.drafter().live  # nothing kept per request once all finished
+    assert len(engine.scheduler.drafter().cache) == len(ps)
+    assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
+
+
+def test_suffix_drafts_from_a_previous_requests_output(hf_model):
+    """An agent-like repeat (a retried step, a repeated rollout): the second run of the same prompt
+    drafts from the first run's cached output, which its own prompt does not hold."""
+    prompt = prompts()[1]
+    plain = tiny_engine(hf_model).generate([prompt], GREEDY)[0].token_ids
+
+    def accepted_in_second_run(cached: int) -> int:
+        engine = suffix_engine(hf_model, suffix_decoding_max_cached_requests=cached)
+        assert engine.generate([prompt], GREEDY)[0].token_ids == plain
+        before = engine.scheduler.stats.spec_accepted_tokens
+        assert engine.generate([prompt], GREEDY)[0].token_ids == plain
+        return engine.scheduler.stats.spec_accepted_tokens - before
+
+    with_cache, without = accepted_in_second_run(1000), accepted_in_second_run(0)
+    assert with_cache > without and with_cache >= len(plain) // 2, (with_cache, without)

@@ -22,8 +22,9 @@ from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from scheduler.drafting.ngram import propose_ngram
 from scheduler.speculative import (ACCEPTANCE_WEIGHT, can_speculate, check_run, choose_speculators,
-                                   expected_tokens, observe_acceptance, propose_ngram)
+                                   expected_tokens, observe_acceptance)
 
 EOS = 2
 
@@ -74,8 +75,8 @@ def test_cli_flag_reaches_the_scheduler_config_and_bad_values_fail_at_start(caps
     assert config.scheduler.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     config, _ = build_engine_config(parser.parse_args([]))
     assert config.scheduler.speculative_config is None
-    assert main(["generate", "hi", "--speculative-config", '{"method": "suffix"}']) == 2
-    assert "speculative_config.method must be one of ngram, got 'suffix'" in capsys.readouterr().err
+    assert main(["generate", "hi", "--speculative-config", '{"method": "eagle"}']) == 2
+    assert "speculative_config.method must be one of ngram, suffix, got 'eagle'" in capsys.readouterr().err
 
 
 def test_profile_mapping_builds_the_config(tmp_path):
