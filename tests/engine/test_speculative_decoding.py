@@ -139,9 +139,11 @@ def test_preemption_chunked_prefill_and_prefix_hits_keep_speculation_exact(hf_mo
     assert_pool_clean(second, [r.prompt_token_ids + r.token_ids for r in res])
 
 
-def test_abort_mid_speculation_frees_everything(hf_model):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_abort_mid_speculation_frees_everything(hf_model, method):
     ps = prompts()
     engine = spec_engine(hf_model)
+    engine.scheduler.config.speculative_config = dataclasses.replace(SPEC, method=method)
     ids = [engine.add_request(p, GREEDY) for p in ps]
     seen: dict[str, list[int]] = {rid: [] for rid in ids}
     for step in range(6):
@@ -160,6 +162,10 @@ def test_abort_mid_speculation_frees_everything(hf_model):
     assert seen[ids[1]] == plain[1].token_ids
     assert engine.scheduler.stats.spec_accepted_tokens > 0
     assert_pool_clean(engine, [p + seen[rid] for p, rid in zip(ps, ids)])
+    drafter = engine.scheduler.drafter()
+    assert not getattr(drafter, "live", {})
+    if method == "suffix":  # the two that completed are cached, the aborted ones are not
+        assert sorted(map(tuple, drafter.cache.sequences.values())) == sorted(tuple(seen[i]) for i in ids[1::2])
 
 
 def test_python_decode_path_too(hf_model):

@@ -143,13 +143,14 @@ class Sim:
     """A Scheduler with a fake model that writes tokens into a simulated paged store."""
 
     def __init__(self, num_blocks: int, block_size: int, budget: int = 32, k: int = 4,
-                 prefix_caching: bool = True, max_model_len: int = 96, **rule) -> None:
+                 prefix_caching: bool = True, max_model_len: int = 96, method: str = "ngram", **rule) -> None:
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
         # By default every draft is verified (verify_cost_ratio 0, no batch cutoff): the tests
         # are about the mechanics; ``rule`` sets the adaptive rule's knobs for its own tests.
         rule = {"verify_cost_ratio": 0, "disable_by_batch_size": None, **rule}
-        spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, **rule)
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
+                                 **rule)
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
                                            max_model_len=max_model_len, speculative_config=spec), self.kv)
         self.store: dict[int, int | None] = {}  # slot -> token whose KV it holds
@@ -284,11 +285,11 @@ class SpecMachine(RuleBasedStateMachine):
     plain decode's, the pool stays consistent, and the hash chain holds only accepted tokens."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 20),
-                k=st.integers(1, 5), prefix_caching=st.booleans())
-    def setup(self, block_size, num_blocks, k, prefix_caching):
+                k=st.integers(1, 5), prefix_caching=st.booleans(), method=st.sampled_from(["ngram", "suffix"]))
+    def setup(self, block_size, num_blocks, k, prefix_caching, method):
         self.max_len = min(40, num_blocks * block_size)  # one request alone always fits the pool
         self.sim = Sim(num_blocks, block_size, budget=12, k=k, prefix_caching=prefix_caching,
-                       max_model_len=self.max_len)
+                       max_model_len=self.max_len, method=method)
         self.expected: dict[str, list[int]] = {}
         self.reqs: dict[str, Request] = {}
         self.n = 0
@@ -325,6 +326,8 @@ class SpecMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "sim"):
             self.sim.kv.check_invariants()
+            drafter = self.sim.s.drafter()  # keeps per-request state only for live requests
+            assert set(getattr(drafter, "live", {})) <= set(self.sim.s.requests)
             for rid, r in self.reqs.items():
                 if rid in self.expected:  # a prefix of plain decode's tokens, all along
                     assert r.output_token_ids == self.expected[rid][:len(r.output_token_ids)]
