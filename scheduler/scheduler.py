@@ -119,8 +119,8 @@ class Scheduler:
         completed = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if completed:
             self._retain(request)
-        if self._drafter is not None:
-            self._drafter[1].finish(request, completed)
+        if self._drafter is not None and self._drafter[0] is self.config.speculative_config:
+            self._drafter[1].finish(request, completed)  # a request run with speculation off teaches it nothing
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
 

@@ -261,8 +261,13 @@ def test_suffix_method_greedy_equals_plain_greedy(hf_model):
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     stats = engine.scheduler.stats
     assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
-    assert not engine.scheduler.drafter().live  # nothing kept per request once all finished
-    assert len(engine.scheduler.drafter().cache) == len(ps)
+    drafter = engine.scheduler.drafter()
+    assert not drafter.live  # nothing kept per request once all finished
+    assert len(drafter.cache) == len(ps)
+    spec_config, engine.scheduler.config.speculative_config = engine.scheduler.config.speculative_config, None
+    engine.generate(ps[:1], GREEDY)  # speculation off: its output is not cached
+    engine.scheduler.config.speculative_config = spec_config
+    assert engine.scheduler.drafter() is drafter and len(drafter.cache) == len(ps)
     assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
 
 
