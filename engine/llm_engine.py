@@ -236,8 +236,8 @@ class LLMEngine:
             for request in self.scheduler.finish_requests(list(failed_ids), RequestStatus.FINISHED_ERROR):
                 outputs.append(self._final(request))
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()},
-                                        {rid: s.verified_token_ids for rid, s in sampled.items()
-                                         if s.verified_token_ids is not None})
+                                        {rid: s.run_token_ids for rid, s in sampled.items()
+                                         if s.run_token_ids is not None})
         for request in touched:
             rid = request.request_id
             new_tokens = self.scheduler.new_token_ids[rid]  # one, or a speculative run (no grammar, no logprobs)

@@ -73,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_const", const=False)
     g.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (greedy requests; default off)')
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' or \'{"method": "suffix"}\' '
+                        '(requests without logprobs or a grammar; default off)')
     c = parser.add_argument_group("engine core")
     c.add_argument("--engine-mode", dest="mode", choices=["process", "thread"],
                    help="run the engine core in its own process (default; restarted if it dies) or in a thread")

@@ -5,18 +5,27 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")  # the drafters' registry (scheduler/drafting) has one each
+# Keys that only one method reads; the others are common to every method.
+METHOD_KEYS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+}
 
 
 @dataclass
 class SpeculativeConfig:
     """Draft-free speculative decoding, in vLLM's ``--speculative-config`` shape.
 
-    ``ngram`` (prompt lookup): a running greedy request proposes up to ``num_speculative_tokens``
+    ``ngram`` (prompt lookup): a running request proposes up to ``num_speculative_tokens``
     draft tokens: the tokens that followed the most recent earlier occurrence of its longest
     trailing n-gram, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long, in its
-    prompt + output. One forward pass verifies them (scheduler/speculative.py). Per step the
-    adaptive rule decides who drafts (``verify_cost_ratio``, ``disable_by_batch_size``).
+    prompt + output (scheduler/drafting/ngram.py). ``suffix``: the most frequent continuation of
+    its longest matching suffix in its prompt + output and recent requests' outputs
+    (scheduler/drafting/suffix.py, the ``suffix_decoding_*`` keys). One forward pass verifies the
+    draft (engine/sampling/verification.py). Per step the adaptive rule decides who drafts
+    (``verify_cost_ratio``, ``disable_by_batch_size``).
     """
 
     method: str = "ngram"
@@ -32,6 +41,14 @@ class SpeculativeConfig:
     # vLLM's name: no request speculates in a step that runs more decoding requests than this
     # (None: no cutoff). At a large batch the plain step is already compute-bound.
     disable_by_batch_size: int | None = 8
+    # suffix (vLLM's names): the longest suffix matched, in tokens; completed requests whose outputs
+    # stay drafted from (vLLM: 10000; here each cached token costs an index entry in Python, so
+    # fewer); a draft is at most this factor times the match length; a draft stops before a token
+    # whose estimated probability (a product of continuation frequencies) is below this.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -41,6 +58,21 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        depth = self.suffix_decoding_max_tree_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+            raise ValueError(f"speculative_config.suffix_decoding_max_tree_depth must be an integer >= 2, "
+                             f"got {depth!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, "
+                             f"got {cached!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be a number in [0, 1], "
+                             f"got {prob!r}")
         ratio = self.verify_cost_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
             raise ValueError(f"speculative_config.verify_cost_ratio must be a number >= 0, got {ratio!r}")
@@ -72,6 +104,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown key(s) in speculative_config: {', '.join(sorted(unknown))} "
                              f"(known: {', '.join(sorted(known))})")
+        for method, keys in METHOD_KEYS.items():
+            foreign = [key for key in keys if key in value and method != value["method"]]
+            if foreign and value["method"] in METHOD_KEYS:
+                raise ValueError(f"speculative_config.{foreign[0]} applies to method {method}, not "
+                                 f"{value['method']}")
         return cls(**value)
 
 

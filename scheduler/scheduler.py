@@ -8,7 +8,7 @@ Each ``schedule()`` call plans one engine step:
    the lowest-priority one: scheduler/fairness.py; its blocks go back to the pool, full ones
    stay in the prefix cache, so recomputing it later is mostly a hit).
    With ``speculative_config`` a decoding request that may speculate (scheduler/speculative.py)
-   runs its last token plus an n-gram draft instead, when the adaptive rule
+   runs its last token plus a draft (scheduler/drafting: n-gram or suffix) instead, when the adaptive rule
    (``speculative.choose_speculators``) says the verify step pays; the budget counts every draft
    token, and when the pool cannot hold the draft it decodes one token as usual.
 2. Then, only if nobody was preempted this step, waiting requests in queue order (newcomers
@@ -38,8 +38,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.fairness import preemption_victim, queue_position
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.speculative import (accept_greedy, can_speculate, choose_speculators, observe_acceptance,
-                                   propose_ngram)
+from scheduler.drafting import Drafter, build_drafter
+from scheduler.speculative import can_speculate, check_run, choose_speculators, observe_acceptance
 
 
 @dataclass
@@ -71,6 +71,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.new_token_ids: dict[str, list[int]] = {}  # of the latest update(): request id -> its tokens
+        self._drafter: tuple[object, Drafter] | None = None  # (the speculative config it was built for, it)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -116,8 +117,11 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        completed = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if completed:
             self._retain(request)
+        if self._drafter is not None and self._drafter[0] is self.config.speculative_config:
+            self._drafter[1].finish(request, completed)  # a request run with speculation off teaches it nothing
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
 
@@ -302,8 +306,17 @@ class Scheduler:
                 request.spec_shadow_token = proposals.pop(request.request_id)[0]
         return proposals
 
+    def drafter(self) -> Drafter | None:
+        """The drafter of the current ``speculative_config`` (rebuilt when the config changes)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self._drafter is None or self._drafter[0] is not spec:
+            self._drafter = (spec, build_drafter(spec))
+        return self._drafter[1]
+
     def _propose(self, request: Request) -> list[int]:
-        """The n-gram draft of a decoding request ([] when it may not speculate): no more than
+        """The draft of a decoding request ([] when it may not speculate): no more than
         ``max_tokens`` and the context length leave room for."""
         spec = self.config.speculative_config
         if not can_speculate(request):
@@ -312,7 +325,7 @@ class Scheduler:
                    self.max_model_len - request.num_tokens - 1)
         if room < 1:
             return []
-        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return self.drafter().propose(request, room)
 
     # ---- applying a step's results ------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
@@ -320,9 +333,9 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish what is done.
 
         ``sampled`` maps request id -> token for every scheduled request with ``samples``;
-        ``verified`` maps each request that ran a draft to the model's token after its last known
-        token and after each draft token (``_apply_draft``). Returns the requests that received
-        tokens this step (finished ones included); ``new_token_ids`` says which.
+        ``verified`` maps each request that ran a draft to the run its verification emitted: the
+        accepted draft tokens, then the model's token after them (``_apply_draft``). Returns the
+        requests that received tokens this step (finished ones included); ``new_token_ids`` says which.
         """
         touched = []
         self.new_token_ids = {}
@@ -354,7 +367,7 @@ class Scheduler:
                 self._finish(request, status)
         return touched
 
-    def _apply_draft(self, item: ScheduledRequest, targets: list[int]) -> None:
+    def _apply_draft(self, item: ScheduledRequest, accepted: list[int]) -> None:
         """Append the accepted run (up to its first stop), roll the rest back.
 
         The step computed K/V for the last known token and every draft token; of those, the
@@ -364,7 +377,7 @@ class Scheduler:
         enter ``all_token_ids`` before acceptance, so no hashed block holds a rejected token.
         """
         request = item.request
-        accepted = accept_greedy(item.draft_token_ids, targets)
+        check_run(item.draft_token_ids, accepted)
         self.stats.spec_num_drafts += 1
         self.stats.spec_draft_tokens += len(item.draft_token_ids)
         self.stats.spec_accepted_tokens += len(accepted) - 1

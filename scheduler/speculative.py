@@ -1,11 +1,11 @@
-"""Draft-free speculative decoding's token logic: who may speculate, the n-gram (prompt-lookup)
-draft, greedy acceptance, and the adaptive rule that decides per step who drafts. Pure functions
+"""Draft-free speculative decoding's token logic: who may speculate, the shape of a verified run,
+and the adaptive rule that decides per step who drafts. Pure functions
 over token lists and estimates; the scheduler calls them.
 
-Exactness: a request speculates only when its next tokens are each row's plain argmax (greedy,
-no logprobs, penalties, logit bias, active min_tokens or grammar), so accepting the longest
-draft prefix that equals the model's argmax at each verified position, plus the model's own
-token after it, yields exactly the tokens plain decode would (up to float summation order).
+Exactness: the engine verifies a draft (engine/sampling/verification.py: greedy acceptance, or
+rejection sampling for temperature > 0) so that the run it emits is distributed as plain decode's
+tokens (greedy: the same tokens, up to float summation order); the scheduler appends that run and
+rolls the rejected slots back. Requests under a grammar or asking for logprobs do not speculate.
 """
 from __future__ import annotations
 
@@ -23,50 +23,18 @@ ACCEPTANCE_WEIGHT = 0.25
 
 
 def can_speculate(request: Request) -> bool:
-    """True when greedy verification reproduces plain decode for this request's next tokens."""
-    p = request.sampling_params
-    return (p.is_greedy and p.logprobs is None and not p.logit_bias and request.grammar is None
-            and request.reasoning is None
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and request.num_output_tokens >= p.min_tokens)
+    """True when verification reproduces plain decode's distribution for this request's next tokens
+    (engine/sampling/verification.py): not under a grammar (its matcher would have to walk the
+    draft and back), without logprobs (a multi-token run carries no per-token logprobs) and outside
+    a budgeted or structured think block (its state advances one token at a time)."""
+    return request.sampling_params.logprobs is None and request.grammar is None and request.reasoning is None
 
 
-def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest trailing
-    n-gram of ``tokens`` (``max_n`` down to ``min_n`` tokens); [] when none matches.
-
-    One backward scan over the positions holding the last token, O(len(tokens) * max_n)."""
-    n_tok = len(tokens)
-    if k < 1 or n_tok < min_n + 1:
-        return []
-    last = tokens[-1]
-    best_len, best_end = 0, -1
-    for j in range(n_tok - 2, -1, -1):  # j: the last token of a candidate earlier occurrence
-        if tokens[j] != last:
-            continue
-        length = 1
-        limit = min(max_n, j + 1)
-        while length < limit and tokens[j - length] == tokens[n_tok - 1 - length]:
-            length += 1
-        if length > best_len:
-            best_len, best_end = length, j
-            if length == max_n:
-                break
-    if best_len < min_n:
-        return []
-    return list(tokens[best_end + 1:best_end + 1 + k])
-
-
-def accept_greedy(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
-    """The accepted run: the longest prefix of ``draft`` equal to ``targets`` (the model's argmax
-    after the last known token and after each draft token: ``len(draft) + 1`` of them), then the
-    model's token at the first mismatch (the bonus token when the whole draft matched)."""
-    if len(targets) != len(draft) + 1:
-        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} targets, got {len(targets)}")
-    n = 0
-    while n < len(draft) and draft[n] == targets[n]:
-        n += 1
-    return list(targets[:n + 1])
+def check_run(draft: Sequence[int], run: Sequence[int]) -> None:
+    """Raise unless ``run`` is what a verification of ``draft`` may emit: the accepted draft prefix,
+    then one token of the model's (1 .. ``len(draft) + 1`` tokens)."""
+    if not 1 <= len(run) <= len(draft) + 1 or list(run[:-1]) != list(draft[:len(run) - 1]):
+        raise ValueError(f"run {list(run)} does not continue an accepted prefix of draft {list(draft)}")
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

@@ -1,19 +1,24 @@
-"""Speculative decoding (n-gram prompt lookup, in the scheduler) against plain decode, single stream.
+"""Speculative decoding (n-gram prompt lookup or suffix decoding, in the scheduler) against plain
+decode, single stream or ``--streams`` concurrent ones.
 
 Each prompt runs greedy through ``LLMEngine.step()`` twice on the same engine, speculation off
 then on (``scheduler.speculative_config`` switched between the runs, the prefix cache reset
 before each), and reports decode tok/s (after the first token), the acceptance rate (accepted
 draft tokens / draft tokens), tokens per step and whether both runs gave the same tokens.
 Prompt classes: ``copy`` (outputs that copy from the context: repeat a passage with one edit,
-quote a document, edit a function) and ``chat`` (ordinary questions).
+quote a document, edit a function) and ``chat`` (ordinary questions). With ``--streams N`` each
+class runs N requests at once (its prompts repeated), plain then speculative, through
+``LLMEngine.generate``; tok/s is then all output tokens over the whole run, prefill included.
 
     python -m bench.probes.spec_decode                 # default model, k = 4, ngram 1..3
     python -m bench.probes.spec_decode --k 6 --tokens 128 --classes copy
+    python -m bench.probes.spec_decode --streams 16 --method suffix
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from typing import Any, Sequence
 
 from bench.engine_runs import kvserve_single, load_default_pair
@@ -62,14 +67,17 @@ def copy_prompts(tokenizer: Any, vocab_size: int, n: int) -> list[list[int]]:
 
 def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]], new_tokens: int = 128,
                     k: int = 4, ngram_min: int = 1, ngram_max: int = 3, quiet_wait_s: float = 0.0,
-                    verify_cost_ratio: float | None = None) -> dict[str, Any]:
+                    verify_cost_ratio: float | None = None, method: str = "ngram",
+                    streams: int = 1) -> dict[str, Any]:
     """Plain and speculative decode of every prompt, by class (greedy, EOS ends a run).
-    ``verify_cost_ratio``: the adaptive rule's (None: the config default; 0: verify every draft)."""
+    ``verify_cost_ratio``: the adaptive rule's (None: the config default; 0: verify every draft).
+    ``streams`` > 1: each class as one batch of that many concurrent requests."""
     from kvtypes.sampling_params import SamplingParams
     from scheduler.config import SpeculativeConfig
 
     config = engine.scheduler.config
-    spec = SpeculativeConfig("ngram", k, ngram_min, ngram_max)
+    spec = (SpeculativeConfig("ngram", k, ngram_min, ngram_max) if method == "ngram"
+            else SpeculativeConfig(method, num_speculative_tokens=k))
     if verify_cost_ratio is not None:
         spec = dataclasses.replace(spec, verify_cost_ratio=verify_cost_ratio)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
@@ -84,6 +92,15 @@ def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]]
                    drafts=stats.spec_num_drafts - drafts)
         return run
 
+    def batch(prompts: Sequence[Sequence[int]], speculative: bool) -> dict[str, Any]:
+        config.speculative_config = spec if speculative else None
+        engine.kv_cache.reset_prefix_cache()
+        drafted, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
+        start = time.perf_counter()
+        results = engine.generate([list(p) for p in prompts], params)
+        return {"tokens": [r.token_ids for r in results], "elapsed_s": time.perf_counter() - start,
+                "drafted": stats.spec_draft_tokens - drafted, "accepted": stats.spec_accepted_tokens - accepted}
+
     first = next(iter(prompt_sets.values()))[0]
     one(first[:8], False)  # warm-up: kernels, both paths
     one(first[:8], True)
@@ -93,6 +110,9 @@ def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]]
     try:
         with CpuMonitor() as cpu:
             for name, prompts in prompt_sets.items():
+                if streams > 1:
+                    classes[name] = _concurrent_class(batch, [prompts[i % len(prompts)] for i in range(streams)])
+                    continue
                 runs = [(one(p, False), one(p, True)) for p in prompts]
                 base_tok = sum(len(b["tokens"]) - 1 for b, _ in runs)
                 spec_tok = sum(len(s["tokens"]) - 1 for _, s in runs)
@@ -113,9 +133,22 @@ def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]]
     finally:
         config.speculative_config = None
         engine.kv_cache.reset_prefix_cache()
-    return {"benchmark": "spec_decode", "machine": machine_info(), "k": k, "ngram_min": ngram_min,
-            "ngram_max": ngram_max, "new_tokens": new_tokens, "classes": classes,
+    return {"benchmark": "spec_decode", "machine": machine_info(), "method": method, "streams": streams, "k": k,
+            "ngram_min": ngram_min, "ngram_max": ngram_max, "new_tokens": new_tokens, "classes": classes,
             "foreign_cpu_cores": cpu.foreign_cores}
+
+
+def _concurrent_class(batch: Any, prompts: list[Sequence[int]]) -> dict[str, Any]:
+    """One class as one concurrent batch, plain then speculative; tok/s over the whole run."""
+    base, spec = batch(prompts, False), batch(prompts, True)
+    base_tok, spec_tok = sum(map(len, base["tokens"])), sum(map(len, spec["tokens"]))
+    base_tps, spec_tps = base_tok / max(base["elapsed_s"], 1e-9), spec_tok / max(spec["elapsed_s"], 1e-9)
+    return {"prompts": len(prompts), "output_tokens": spec_tok, "plain_decode_tps": round(base_tps, 2),
+            "spec_decode_tps": round(spec_tps, 2), "speedup": ratio(spec_tps, base_tps),
+            "acceptance_rate": round(spec["accepted"] / spec["drafted"], 3) if spec["drafted"] else 0.0,
+            "draft_tokens": spec["drafted"], "accepted_tokens": spec["accepted"],
+            "tokens_per_step": round(spec_tok / max(spec_tok - spec["accepted"], 1), 3),
+            "token_match": f"{sum(a == b for a, b in zip(base['tokens'], spec['tokens']))}/{len(prompts)}"}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -130,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quiet-wait", type=float, default=30.0)
     parser.add_argument("--verify-cost-ratio", type=float, default=None,
                         help="the adaptive rule's cost ratio (default: the config's; 0 verifies every draft)")
+    parser.add_argument("--method", choices=["ngram", "suffix"], default="ngram")
+    parser.add_argument("--streams", type=int, default=1, help="concurrent requests per class (1: one at a time)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     engine, _ = load_default_pair(args.num_threads, kv_cache_gib=0.5, with_hf=False)
@@ -137,8 +172,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "chat": chat_prompts(engine.tokenizer, args.prompts, offset=1)}
     sets = {name: sets[name] for name in args.classes.split(",")}
     result = run_spec_decode(engine, sets, args.tokens, args.k, args.ngram_min, args.ngram_max, args.quiet_wait,
-                             args.verify_cost_ratio)
-    title = f"n-gram speculative decoding, single stream, greedy (k={args.k}, ngram {args.ngram_min}..{args.ngram_max})"
+                             args.verify_cost_ratio, args.method, args.streams)
+    shape = "single stream" if args.streams == 1 else f"{args.streams} streams"
+    lookup = f", ngram {args.ngram_min}..{args.ngram_max}" if args.method == "ngram" else ""
+    title = f"{args.method} speculative decoding, {shape}, greedy (k={args.k}{lookup})"
     print_table(title,
                 [[name, c["plain_decode_tps"], c["spec_decode_tps"], c["speedup"], c["acceptance_rate"],
                   c["tokens_per_step"], c["token_match"]] for name, c in result["classes"].items()],

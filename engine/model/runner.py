@@ -16,7 +16,8 @@ from engine.kv.pool import allocate_kv_pool
 from engine.model.rope_shift import apply_rope_shifts
 from engine.model.llama import LlamaForCausalLM
 from kvtypes.outputs import TokenLogprob
-from engine.sampling.sampler import Sampler, SamplingRow, greedy_token_ids
+from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.verification import verify_drafts
 from kvtypes.sampling_params import SamplingParams
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
@@ -27,9 +28,14 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    # A row that ran a draft: the argmax after its last known token and after each draft token
-    # (token_id is the first of them); the scheduler accepts from these.
-    verified_token_ids: list[int] | None = None
+    # A row that ran a draft: the run it emits (engine/sampling/verification.py), the accepted
+    # draft tokens then the model's own token after them; token_id is the first of the run.
+    run_token_ids: list[int] | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens accepted (0 for a row without a draft)."""
+        return len(self.run_token_ids) - 1 if self.run_token_ids else 0
 
 
 def split_by_length(lengths: list[int], group_cost: int) -> list[tuple[int, int]]:
@@ -281,12 +287,7 @@ class ModelRunner:
         logits = logits.float()
         sampled = self._verify(verifying, logits[len(sampling):]) if verifying else {}
         logits = logits[:len(sampling)]
-        rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
-                            output_token_ids=s.request.output_token_ids, generator=self._generator(s),
-                            eos_token_ids=s.request.eos_token_ids, grammar=s.request.grammar,
-                            reasoning=s.request.reasoning)
-                for s in sampling]
-        result = self.sampler(logits, rows)
+        result = self.sampler(logits, [self._row(s) for s in sampling])
         for i, item in enumerate(sampling):
             sampled[item.request.request_id] = SampledToken(
                 token_id=result.token_ids[i],
@@ -298,17 +299,18 @@ class ModelRunner:
         return sampled
 
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
-        """The argmax at every row of each draft-carrying item (their rows follow one another in
-        ``logits``): such requests are plain greedy (scheduler.speculative.can_speculate), so
-        this is the token the sampler would pick at each position."""
-        targets = greedy_token_ids(logits)
-        out = {}
-        first = 0
-        for item in verifying:
-            ids = targets[first:first + item.num_new_tokens]
-            first += item.num_new_tokens
-            out[item.request.request_id] = SampledToken(token_id=ids[0], verified_token_ids=ids)
-        return out
+        """Each draft-carrying item's emitted run (their rows follow one another in ``logits``):
+        greedy acceptance or rejection sampling, as the request samples (verify_drafts)."""
+        runs = verify_drafts(logits, [self._row(s) for s in verifying], [s.draft_token_ids for s in verifying])
+        return {item.request.request_id: SampledToken(token_id=run[0], run_token_ids=run)
+                for item, run in zip(verifying, runs)}
+
+    def _row(self, item: ScheduledRequest) -> SamplingRow:
+        request = item.request
+        return SamplingRow(params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=request.output_token_ids, generator=self._generator(item),
+                           eos_token_ids=request.eos_token_ids, grammar=request.grammar,
+                           reasoning=request.reasoning)
 
     # Logits of this many prompt positions at a time: [256, vocab] floats, not [prompt, vocab].
     _PROMPT_LOGITS_SLICE = 256

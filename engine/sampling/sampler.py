@@ -21,9 +21,10 @@ Logprobs are always those of the *raw* logits (log_softmax of the unmodified mod
 output), which is what vLLM returns by default.
 
 Randomness: a row with a ``generator`` draws exactly one uniform number from it per
-step (inverse-CDF sampling), and nothing else touches that generator, so a seeded
-request yields the same tokens whatever else is in the batch. Rows without a generator
-use torch's default RNG.
+token it emits (inverse-CDF sampling; one per step, or one per token of a verified
+speculative run, ``engine/sampling/verification.py``), and nothing else touches that
+generator, so a seeded request yields the same tokens whatever else is in the batch and
+whether it speculates or not. Rows without a generator use torch's default RNG.
 """
 
 from __future__ import annotations
@@ -99,12 +100,7 @@ class Sampler:
         if all(_is_plain_greedy(row) for row in rows):
             return SamplerOutput(_force(_argmax(logits).tolist(), rows), None, None)
 
-        work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
-        apply_penalties(work, rows)
-        apply_logit_bias(work, rows)
-        apply_min_tokens(work, rows)
-        apply_grammar(work, rows, logits)
-        token_ids = _sample(work, rows)
+        token_ids = _sample(process_logits(logits, rows), rows)
         ids = token_ids.tolist()
         forced = _force(list(ids), rows)
         if forced != ids:
@@ -122,6 +118,17 @@ def _force(token_ids: list[int], rows: Sequence[SamplingRow]) -> list[int]:
             if forced is not None:
                 token_ids[i] = forced
     return token_ids
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Steps 1-4 (penalties, logit_bias, min_tokens, grammar) on a float32 copy of ``logits``
+    (``[len(rows), vocab]``, never modified); returns the copy."""
+    work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+    apply_penalties(work, rows)
+    apply_logit_bias(work, rows)
+    apply_min_tokens(work, rows)
+    apply_grammar(work, rows, logits)
+    return work
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -236,9 +243,13 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
+    return row.params.is_greedy and row.params.logprobs is None and not needs_processing(row)
+
+
+def needs_processing(row: SamplingRow) -> bool:
+    """True when steps 1-4 may change this row's logits."""
     p = row.params
-    return (p.is_greedy and p.logprobs is None and not _has_penalties(p) and not _min_tokens_active(row)
-            and not p.logit_bias and row.grammar is None)
+    return _has_penalties(p) or _min_tokens_active(row) or bool(p.logit_bias) or row.grammar is not None
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -293,11 +304,24 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k / top-p / min-p truncation, then one draw per row."""
+    return draw(sampling_probs(logits, rows), rows)
+
+
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Step 5 for non-greedy rows: each row's distribution (``[len(rows), vocab]``, unnormalised
+    after truncation: dropped tokens are 0) from processed ``logits``, which it divides by the
+    temperature in place."""
     temperature = _row_values(rows, lambda p: p.temperature, logits).unsqueeze(1)
     probs = torch.softmax(logits.div_(temperature), dim=-1)
     threshold = _truncation_threshold(probs, [r.params for r in rows])
     if threshold is not None:
         probs.masked_fill_(probs < threshold, 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row from ``probs`` (as ``sampling_probs`` returns), consuming exactly one
+    uniform of each row's generator (the module doc's contract)."""
     return _inverse_cdf(probs, _uniforms(rows, probs.device))
 
 

@@ -2,6 +2,7 @@
 token for token, and the pool ends empty with only accepted tokens under its hashes."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -87,9 +88,9 @@ def test_speculation_with_eos_stop_ids_and_max_tokens(hf_model):
     assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
 
 
-def test_non_greedy_and_logprob_requests_do_not_speculate(hf_model):
+def test_logprob_requests_do_not_speculate(hf_model):
     ps = prompts()
-    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+    params = [SamplingParams(temperature=0.8, seed=3, logprobs=1, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, logprobs=2, max_tokens=12, ignore_eos=True)]
     plain = tiny_engine(hf_model).generate(ps[:2], params)
     engine = spec_engine(hf_model)
@@ -97,6 +98,25 @@ def test_non_greedy_and_logprob_requests_do_not_speculate(hf_model):
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert [r.logprobs for r in spec] == [r.logprobs for r in plain]
     assert engine.scheduler.stats.spec_num_drafts == 0
+
+
+def test_seeded_sampling_and_penalties_speculate_and_emit_the_plain_tokens(hf_model):
+    # Rejection sampling draws one uniform per emitted token, the one plain decode draws for it;
+    # penalties and min_tokens see the accepted draft tokens (engine/sampling/verification.py).
+    ps = prompts()
+    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, max_tokens=16,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.6, min_p=0.1, frequency_penalty=0.5, min_tokens=8, seed=7,
+                             logit_bias={5: 1.5}, max_tokens=16)]
+    plain = tiny_engine(hf_model).generate(ps, params)
+    engine = spec_engine(hf_model)
+    spec = engine.generate(ps, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = engine.scheduler.stats
+    assert stats.spec_num_drafts > 0 and stats.spec_accepted_tokens > 0
+    assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
 
 
 def test_preemption_chunked_prefill_and_prefix_hits_keep_speculation_exact(hf_model):
@@ -119,9 +139,11 @@ def test_preemption_chunked_prefill_and_prefix_hits_keep_speculation_exact(hf_mo
     assert_pool_clean(second, [r.prompt_token_ids + r.token_ids for r in res])
 
 
-def test_abort_mid_speculation_frees_everything(hf_model):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_abort_mid_speculation_frees_everything(hf_model, method):
     ps = prompts()
     engine = spec_engine(hf_model)
+    engine.scheduler.config.speculative_config = dataclasses.replace(SPEC, method=method)
     ids = [engine.add_request(p, GREEDY) for p in ps]
     seen: dict[str, list[int]] = {rid: [] for rid in ids}
     for step in range(6):
@@ -140,6 +162,10 @@ def test_abort_mid_speculation_frees_everything(hf_model):
     assert seen[ids[1]] == plain[1].token_ids
     assert engine.scheduler.stats.spec_accepted_tokens > 0
     assert_pool_clean(engine, [p + seen[rid] for p, rid in zip(ps, ids)])
+    drafter = engine.scheduler.drafter()
+    assert not getattr(drafter, "live", {})
+    if method == "suffix":  # the two that completed are cached, the aborted ones are not
+        assert sorted(map(tuple, drafter.cache.sequences.values())) == sorted(tuple(seen[i]) for i in ids[1::2])
 
 
 def test_python_decode_path_too(hf_model):
@@ -216,3 +242,47 @@ def test_the_adaptive_rule_at_its_defaults_is_exact_too(hf_model):
     spec = engine.generate(ps, GREEDY) + engine.generate([ps[0]], GREEDY)  # the copy prompt alone too
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
+
+
+SUFFIX = dataclasses.replace(SPEC, method="suffix")
+
+
+def suffix_engine(hf_model, **keys):
+    engine = tiny_engine(hf_model)
+    engine.scheduler.config.speculative_config = dataclasses.replace(SUFFIX, **keys)
+    return engine
+
+
+def test_suffix_method_greedy_equals_plain_greedy(hf_model):
+    ps = prompts()
+    plain = tiny_engine(hf_model).generate(ps, GREEDY)
+    engine = suffix_engine(hf_model)
+    spec = engine.generate(ps, GREEDY)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    stats = engine.scheduler.stats
+    assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
+    drafter = engine.scheduler.drafter()
+    assert not drafter.live  # nothing kept per request once all finished
+    assert len(drafter.cache) == len(ps)
+    spec_config, engine.scheduler.config.speculative_config = engine.scheduler.config.speculative_config, None
+    engine.generate(ps[:1], GREEDY)  # speculation off: its output is not cached
+    engine.scheduler.config.speculative_config = spec_config
+    assert engine.scheduler.drafter() is drafter and len(drafter.cache) == len(ps)
+    assert_pool_clean(engine, [r.prompt_token_ids + r.token_ids for r in spec])
+
+
+def test_suffix_drafts_from_a_previous_requests_output(hf_model):
+    """An agent-like repeat (a retried step, a repeated rollout): the second run of the same prompt
+    drafts from the first run's cached output, which its own prompt does not hold."""
+    prompt = prompts()[1]
+    plain = tiny_engine(hf_model).generate([prompt], GREEDY)[0].token_ids
+
+    def accepted_in_second_run(cached: int) -> int:
+        engine = suffix_engine(hf_model, suffix_decoding_max_cached_requests=cached)
+        assert engine.generate([prompt], GREEDY)[0].token_ids == plain
+        before = engine.scheduler.stats.spec_accepted_tokens
+        assert engine.generate([prompt], GREEDY)[0].token_ids == plain
+        return engine.scheduler.stats.spec_accepted_tokens - before
+
+    with_cache, without = accepted_in_second_run(1000), accepted_in_second_run(0)
+    assert with_cache > without and with_cache >= len(plain) // 2, (with_cache, without)

@@ -22,8 +22,9 @@ from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
-from scheduler.speculative import (ACCEPTANCE_WEIGHT, accept_greedy, can_speculate, choose_speculators,
-                                   expected_tokens, observe_acceptance, propose_ngram)
+from scheduler.drafting.ngram import propose_ngram
+from scheduler.speculative import (ACCEPTANCE_WEIGHT, can_speculate, check_run, choose_speculators,
+                                   expected_tokens, observe_acceptance)
 
 EOS = 2
 
@@ -74,8 +75,8 @@ def test_cli_flag_reaches_the_scheduler_config_and_bad_values_fail_at_start(caps
     assert config.scheduler.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     config, _ = build_engine_config(parser.parse_args([]))
     assert config.scheduler.speculative_config is None
-    assert main(["generate", "hi", "--speculative-config", '{"method": "suffix"}']) == 2
-    assert "speculative_config.method must be one of ngram, got 'suffix'" in capsys.readouterr().err
+    assert main(["generate", "hi", "--speculative-config", '{"method": "eagle"}']) == 2
+    assert "speculative_config.method must be one of ngram, suffix, got 'eagle'" in capsys.readouterr().err
 
 
 def test_profile_mapping_builds_the_config(tmp_path):
@@ -104,22 +105,33 @@ def test_propose_takes_the_longest_most_recent_match():
     assert propose_ngram([1], 3, 1, 3) == []
 
 
-def test_accept_greedy():
-    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
-    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # first mismatch: the model's token
-    assert accept_greedy([5], [4, 1]) == [4]
-    with pytest.raises(ValueError):
-        accept_greedy([5, 6], [5, 6])
+def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+    """The fake model's verification: the longest draft prefix equal to its argmaxes, then its
+    argmax after it (what engine/sampling/verification.py does for a greedy row)."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return targets[:n + 1]
+
+
+def test_check_run_takes_what_a_verification_may_emit():
+    for run in ([5, 6, 7, 8], [5, 9], [4], [5, 6, 7]):
+        check_run([5, 6, 7], run)
+    for run in ([], [5, 6, 7, 8, 9], [4, 6], [5, 7, 1]):
+        with pytest.raises(ValueError, match="does not continue an accepted prefix"):
+            check_run([5, 6, 7], run)
 
 
 @pytest.mark.parametrize("params, speculates", [
     (dict(temperature=0.0), True),
-    (dict(temperature=0.7), False),
+    (dict(temperature=0.7), True),  # rejection sampling
+    (dict(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3), True),
     (dict(temperature=0.0, logprobs=0), False),
-    (dict(temperature=0.0, logit_bias={5: 1.0}), False),
-    (dict(temperature=0.0, repetition_penalty=1.1), False),
-    (dict(temperature=0.0, presence_penalty=0.5), False),
-    (dict(temperature=0.0, min_tokens=3), False),  # until 3 tokens exist
+    (dict(temperature=0.9, logprobs=2), False),
+    (dict(temperature=0.0, logit_bias={5: 1.0}), True),  # verified per position with the sampler's steps
+    (dict(temperature=0.0, repetition_penalty=1.1), True),
+    (dict(temperature=0.5, presence_penalty=0.5), True),
+    (dict(temperature=0.0, min_tokens=3), True),
 ])
 def test_who_speculates(params, speculates):
     r = Request("r", [3, 4, 5], SamplingParams(max_tokens=8, **params), max_tokens=8)
@@ -131,13 +143,14 @@ class Sim:
     """A Scheduler with a fake model that writes tokens into a simulated paged store."""
 
     def __init__(self, num_blocks: int, block_size: int, budget: int = 32, k: int = 4,
-                 prefix_caching: bool = True, max_model_len: int = 96, **rule) -> None:
+                 prefix_caching: bool = True, max_model_len: int = 96, method: str = "ngram", **rule) -> None:
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
         # By default every draft is verified (verify_cost_ratio 0, no batch cutoff): the tests
         # are about the mechanics; ``rule`` sets the adaptive rule's knobs for its own tests.
         rule = {"verify_cost_ratio": 0, "disable_by_batch_size": None, **rule}
-        spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, **rule)
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
+                                 **rule)
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
                                            max_model_len=max_model_len, speculative_config=spec), self.kv)
         self.store: dict[int, int | None] = {}  # slot -> token whose KV it holds
@@ -161,8 +174,8 @@ class Sim:
                 assert self.store.get(item.block_ids[pos // self.bs] * self.bs + pos % self.bs) == seq[pos], \
                     f"{r.request_id}: position {pos} reads another token's KV"
             if item.draft_token_ids:
-                verified[r.request_id] = [oracle(seq[:p + 1]) for p in range(start, start + item.num_new_tokens)]
-                accepted = accept_greedy(item.draft_token_ids, verified[r.request_id])
+                targets = [oracle(seq[:p + 1]) for p in range(start, start + item.num_new_tokens)]
+                accepted = verified[r.request_id] = accept_greedy(item.draft_token_ids, targets)
                 self.rejected += len(item.draft_token_ids) - (len(accepted) - 1)
             elif item.samples:
                 sampled[r.request_id] = oracle(seq)
@@ -272,11 +285,11 @@ class SpecMachine(RuleBasedStateMachine):
     plain decode's, the pool stays consistent, and the hash chain holds only accepted tokens."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 20),
-                k=st.integers(1, 5), prefix_caching=st.booleans())
-    def setup(self, block_size, num_blocks, k, prefix_caching):
+                k=st.integers(1, 5), prefix_caching=st.booleans(), method=st.sampled_from(["ngram", "suffix"]))
+    def setup(self, block_size, num_blocks, k, prefix_caching, method):
         self.max_len = min(40, num_blocks * block_size)  # one request alone always fits the pool
         self.sim = Sim(num_blocks, block_size, budget=12, k=k, prefix_caching=prefix_caching,
-                       max_model_len=self.max_len)
+                       max_model_len=self.max_len, method=method)
         self.expected: dict[str, list[int]] = {}
         self.reqs: dict[str, Request] = {}
         self.n = 0
@@ -313,6 +326,8 @@ class SpecMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "sim"):
             self.sim.kv.check_invariants()
+            drafter = self.sim.s.drafter()  # keeps per-request state only for live requests
+            assert set(getattr(drafter, "live", {})) <= set(self.sim.s.requests)
             for rid, r in self.reqs.items():
                 if rid in self.expected:  # a prefix of plain decode's tokens, all along
                     assert r.output_token_ids == self.expected[rid][:len(r.output_token_ids)]

@@ -107,3 +107,16 @@ def test_step_profile_times_every_piece_of_a_step(pair):
             assert pieces[label][1] == 5, (label, pieces)
         assert 0 < pieces["LM head"][0] < row["step_ms"] and pieces["model forward"][0] < row["step_ms"]
     engine.kv_cache.check_invariants()
+
+
+def test_spec_decode_probe_concurrent_streams_with_the_suffix_method():
+    from bench.probes.spec_decode import copy_prompts, run_spec_decode
+
+    engine = tiny_engine(tiny_hf_model(), num_blocks=256)
+    prompts = copy_prompts(None, 128, 2)
+    result = run_spec_decode(engine, {"copy": prompts}, new_tokens=12, k=3, verify_cost_ratio=0, method="suffix",
+                             streams=4)
+    copy = result["classes"]["copy"]
+    assert (result["method"], result["streams"], copy["prompts"], copy["token_match"]) == ("suffix", 4, 4, "4/4")
+    assert copy["output_tokens"] == 4 * 12 and copy["accepted_tokens"] > 0
+    assert engine.scheduler.config.speculative_config is None and not engine.has_unfinished()
