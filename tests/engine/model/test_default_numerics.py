@@ -162,7 +162,7 @@ def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
     assert default_engine.runner.model.activation_quant == "none"
     tokens = default_engine.tokenizer(FIXED_TEXT.read_text() * 4)["input_ids"][:2000]
     assert len(tokens) == 2000
-    exact = teacher_forced(default_engine, tokens, 16)
+    exact = teacher_forced(default_engine, tokens, 500)  # fp32: chunking changes only summation order
     got = teacher_forced(defaults, tokens, 16)
     result = compare(exact, got, tokens)
     print(f"defaults vs exact over {len(tokens)} tokens: {result}")
