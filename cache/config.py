@@ -9,7 +9,7 @@ from cache.eviction.config import EvictionConfig
 from cache.memory import KVCapacity, kv_bytes_per_token, num_blocks_for_memory
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "float16", "int4")  # --kv-cache-dtype
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "float16", "float32", "int4")  # --kv-cache-dtype
 
 
 @dataclass
@@ -21,8 +21,10 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0  # budget used when num_blocks is None
     enable_prefix_caching: bool = True
     cache_dtype: str | None = None  # KV element type; None: the model's dtype (the engine allows no other)
-    # "auto": the model's dtype; "int8": quantized KV blocks with per-token-per-head scales;
-    # "float16": fp16 blocks under a float32 model (half the bytes; what llama.cpp stores by default);
+    # "auto": float16 on the CPU under a float32 model (llama.cpp's default KV type), else the
+    # model's dtype (resolved by engine.builder.resolve_kv_dtype); "float32": fp32 blocks under a
+    # float32 model (the exact option); "int8": quantized KV blocks with per-token-per-head
+    # scales; "float16": fp16 blocks under a float32 model (half the bytes);
     # "int4": KIVI blocks (keys per channel and block, values per token; engine/kv/int4.py)
     kv_cache_dtype: str = "auto"
     # Disk tier (cache/tiers.py): evicted hashed blocks are written here; None disables it.

@@ -47,7 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class EngineParts:
     """What ``LLMEngine`` runs. ``config`` is the resolved one (``scheduler.max_model_len`` set,
-    ``kv_cache_dtype`` ``float16`` under a float16 model made ``auto``). ``offloader`` drives the
+    ``kv_cache_dtype`` resolved by ``resolve_kv_dtype``, ``activation_quant`` by the model's
+    binding). ``offloader`` drives the
     lower tiers (None without any); ``disk_tier`` is the persistent one (None without);
     ``host_arena`` keeps the host tier's memory alive."""
 
@@ -89,11 +90,21 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def normalize_kv_dtype(config: EngineConfig) -> EngineConfig:
-    """``kv_cache_dtype`` equal to the model's dtype (float16 under a float16 model) is its own
-    dtype: ``auto``."""
-    if config.cache.kv_cache_dtype == config.model.dtype:
-        return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype="auto"))
+def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """``kv_cache_dtype`` as the pool is built: ``auto`` is ``float16`` on the CPU under a float32
+    model on one rank (llama.cpp's default KV type; fp16 pools under tensor parallel ranks are
+    not implemented), else the model's dtype; ``float32`` (the exact option) needs a float32
+    model; a dtype equal to the model's is its own dtype, ``auto``."""
+    kv, model_dtype = config.cache.kv_cache_dtype, config.model.dtype
+    if kv == "auto" and device.type == "cpu" and model_dtype == "float32" and config.model.tensor_parallel_size == 1:
+        kv = "float16"
+    if kv == "float32" and model_dtype != "float32":
+        raise ValueError(f"kv_cache_dtype 'float32' under a {model_dtype} model is not implemented; "
+                         "use 'auto' (the model's dtype)")
+    if kv == model_dtype:
+        kv = "auto"
+    if kv != config.cache.kv_cache_dtype:
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=kv))
     return config
 
 
@@ -141,7 +152,7 @@ def build_ranked_model(config: EngineConfig, loaded: LoadedModel, max_len: int, 
     if cache_cfg.kv_cache_dtype == "float16":
         raise ValueError("kv_cache_dtype 'float16' under a float32 model is not implemented with "
                          "tensor_parallel_size > 1; use 'auto' or 'int8'")
-    if config.model.activation_quant != "none":
+    if config.model.activation_quant == "int8":
         raise ValueError("activation_quant 'int8' runs on GGUF blocks, which tensor parallel ranks do not "
                          "use; use activation_quant 'none'")
     from engine.parallel.tensor_parallel import launch
@@ -308,14 +319,14 @@ class _EngineBuild:
         limit_malloc_arenas()  # before the load and the first OpenMP region (engine/platform/host_malloc.py)
         config = self.config
         torch.set_num_threads(config.model.num_threads or available_cores())
-        config = normalize_kv_dtype(config)
+        device = resolve_device(config.model.device)
+        config = resolve_kv_dtype(config, device)
         dtype = DTYPES[config.model.dtype]
         loaded = self.loaded or load_model(config.model.model, dtype, _blocks_only(config.model, dtype))
         arch = loaded.arch
         max_len = resolve_max_len(config, arch)
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len))
         self.config = config
-        device = resolve_device(config.model.device)
         cache_cfg = config.cache
         # Resolved here, once, so that every tensor-parallel rank builds the same backend; with an
         # int8 pool ``auto`` passes over the backends that read float pools only (flash_attn).
@@ -325,6 +336,10 @@ class _EngineBuild:
         check_cache_dtypes(config)
         build = build_ranked_model if config.model.tensor_parallel_size > 1 else build_local_model
         model = build(config, loaded, max_len, dtype, device, attention_backend)
+        # auto, as the model resolved it (tensor parallel ranks run no block matmuls: none)
+        config = dataclasses.replace(config, model=dataclasses.replace(
+            config.model, activation_quant=getattr(model, "activation_quant", "none")))
+        self.config = config
         logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
                     "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks")
         _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype in ("int8", "int4"))

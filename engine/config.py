@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from cache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 
-ACTIVATION_QUANTS = ("none", "int8")
+ACTIVATION_QUANTS = ("auto", "none", "int8")
 # Every attention backend name the engine accepts; ``engine.attention.base`` registers exactly
 # these (``auto`` aside) and the CLI offers them.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
@@ -51,12 +51,14 @@ class ModelConfig:
     # native: every layer in one C++ call (engine/kernels/cpu/decode_layer.cpp DecodeStack); auto: native where it can
     # run (CPU, float32, native attention, float KV pool), else python (DecoderLayer.forward)
     decode_path: str = "auto"
-    # "none" | "int8": int8 quantizes the activations (per 32-block, fp32 scale, as llama.cpp's
-    # Q8 activations) of the decode matmuls that run from GGUF blocks with an int8 kernel (Q4_1,
-    # Q8_0, Q4_K, Q6_K on AVX2; engine/kernels/cpu/quant_linear_q8.cpp): ~1.4-1.5x faster decode
-    # steps, NOT the same numerics (docs/architecture.md has the measured agreement). Opt-in;
-    # needs the gguf linear backend. Prefill, dense matrices and the other formats stay fp32.
-    activation_quant: str = "none"
+    # "auto" | "none" | "int8": int8 quantizes the activations (per 32-block, fp32 scale, as
+    # llama.cpp's Q8 activations) of the matmuls that run from GGUF blocks with an int8 kernel
+    # (every quantized block format on AVX2; engine/kernels/cpu/quant_linear_q8.cpp): ~1.4-1.5x
+    # faster decode steps, NOT the same numerics (docs/configuration.md has the measured
+    # agreement). auto (the default, llama.cpp's numerics): int8 where the gguf linear backend
+    # runs and this CPU has an int8 kernel for one of the model's block formats, else none
+    # (engine.model.linear.resolve_activation_quant). none: fp32 activations, the exact option.
+    activation_quant: str = "auto"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
@@ -83,7 +85,7 @@ class ModelConfig:
         if self.decode_path not in ("auto", "native", "python"):
             raise ValueError(f"decode_path must be auto, native or python, got {self.decode_path!r}")
         if self.activation_quant not in ACTIVATION_QUANTS:
-            raise ValueError(f"activation_quant must be none or int8, got {self.activation_quant!r}")
+            raise ValueError(f"activation_quant must be auto, none or int8, got {self.activation_quant!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):
             raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         check_backend_name(self.attention_backend)

@@ -36,15 +36,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-path", dest="decode_path", choices=["auto", "native", "python"],
                    help="all-decode steps as one C++ call over every layer (native) or torch ops (python); "
                         "auto: native on the CPU in float32 with the native attention backend")
-    g.add_argument("--activation-quant", dest="activation_quant", choices=["none", "int8"],
-                   help="int8: quantize the activations of the decode matmuls on GGUF Q4_1/Q8_0 blocks "
-                        "(llama.cpp's Q8 activations; faster, approximate: see docs/configuration.md). Default none")
+    g.add_argument("--activation-quant", dest="activation_quant", choices=["auto", "none", "int8"],
+                   help="int8: quantize the activations of the matmuls on GGUF blocks (llama.cpp's Q8 "
+                        "activations; faster, approximate: see docs/configuration.md). Default auto: int8 on "
+                        "GGUF block weights where the CPU has the int8 kernels, else none; none is exact fp32")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")
     g.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=KV_CACHE_DTYPES,
-                   help="KV block dtype: auto (the model's), int8 (per-token-per-head ranges, ~3.5x the tokens) "
-                        "float16 (under a float32 model: half the bytes, as llama.cpp stores KV) "
+                   help="KV block dtype: auto (float16 on the CPU under a float32 model, as llama.cpp stores "
+                        "KV; else the model's), float32 (the exact option under a float32 model), int8 "
+                        "(per-token-per-head ranges, ~3.5x the tokens), float16 (half the bytes of fp32) "
                         "or int4 (KIVI: keys per channel and block, values per token, ~6x the tokens)")
     g.add_argument("--kv-disk-dir", dest="kv_disk_dir", metavar="PATH",
                    help="folder of the persistent disk tier of the prefix cache (off when unset)")

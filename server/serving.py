@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import hmac
 import time
 import uuid
 from functools import lru_cache
@@ -31,6 +32,7 @@ from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
+from server.sse import ChunkWriter
 from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -349,14 +351,13 @@ class OpenAIServing:
     async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
                            plan: ToolPlan | None = None, think: ThinkMode | None = None) -> AsyncIterator[str]:
         usage_on = body.include_usage_in_stream()
-        chunk = _chunk_writer(request_id, "chat.completion.chunk", self.model_name, usage_on)
+        chunk = ChunkWriter(request_id, "chat.completion.chunk", self.model_name, usage_on)
         streamers = {j.choice.index: ToolStreamer(plan or ToolPlan("none", [])) for j in jobs}
         parsers: dict[int, ReasoningParser] = {j.choice.index: think.parser() for j in jobs} if think else {}
 
         try:
             for job in jobs:
-                yield chunk([{"index": job.choice.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                yield chunk.delta(job.choice.index, {"role": "assistant", "content": ""})
             async for choice, out in self.stream_outputs(jobs, body.cache_salt):
                 if not (out.text or out.finished or (body.logprobs and out.logprobs)):
                     continue
@@ -365,23 +366,19 @@ class OpenAIServing:
                 if parsers:  # the reasoning goes out in its own chunk, before this output's content
                     reasoning, text = parsers[choice.index].step(out)
                     if reasoning:
-                        yield chunk([{"index": choice.index, "delta": {"reasoning_content": reasoning,
-                                                                       "reasoning": reasoning},
-                                      "logprobs": None, "finish_reason": None}])
+                        yield chunk.delta(choice.index, {"reasoning_content": reasoning, "reasoning": reasoning})
                 delta = streamer.delta(text)
                 finish_reason = None
                 if out.finished:
                     tail, finish_reason = streamer.final(choice.finish_reason)
                     if tail:
                         if delta:  # one delta per chunk: send what streamed first
-                            yield chunk([{"index": choice.index, "delta": delta, "logprobs": None,
-                                          "finish_reason": None}])
+                            yield chunk.delta(choice.index, delta)
                         delta = tail
                 logprobs = self.logprobs.chat(out.logprobs or []) if body.logprobs else None
                 if not (delta or out.finished or logprobs):
                     continue
-                yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason}])
+                yield chunk.delta(choice.index, delta, logprobs, finish_reason)
             if usage_on:
                 yield chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))
         except EngineRequestError as exc:
@@ -403,7 +400,7 @@ class OpenAIServing:
 
     async def _completion_stream(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> AsyncIterator[str]:
         usage_on = body.include_usage_in_stream()
-        chunk = _chunk_writer(request_id, "text_completion", self.model_name, usage_on)
+        chunk = ChunkWriter(request_id, "text_completion", self.model_name, usage_on)
         offsets = {j.choice.index: 0 for j in jobs}
 
         try:
@@ -423,8 +420,7 @@ class OpenAIServing:
                         logprobs = concat_logprobs(self.logprobs.prompt(job.prompt_token_ids, out.prompt_logprobs),
                                                     logprobs)
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
-                yield chunk([{"index": choice.index, "text": text, "logprobs": logprobs,
-                              "finish_reason": choice.finish_reason if out.finished else None}])
+                yield chunk.text(choice.index, text, logprobs, choice.finish_reason if out.finished else None)
             if usage_on:
                 yield chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))
         except EngineRequestError as exc:
@@ -450,18 +446,3 @@ def _validate_spec_cached(spec: Any) -> None:
     """validate_spec, remembered per spec (a frozen dataclass): a large schema costs tens of ms
     to check, and load generators send the same one with every request."""
     validate_spec(spec)
-
-
-def _chunk_writer(request_id: str, object_name: str, model: str,
-                  usage_on: bool) -> Callable[..., str]:
-    """SSE frame builder for one stream; with ``include_usage`` every chunk carries ``usage`` (null until the last)."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        data: dict[str, Any] = {"id": request_id, "object": object_name, "created": created, "model": model,
-                                "choices": choices}
-        if usage_on:
-            data["usage"] = usage
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    return chunk

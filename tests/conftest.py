@@ -16,15 +16,18 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """LLMEngine on SmolLM2-135M-Instruct (converted once to the kvserve cache folder)."""
+    """LLMEngine on SmolLM2-135M-Instruct (converted once to the kvserve cache folder), with the
+    exact flags: fp32 activations and a float32 KV pool (tests compare it token for token with
+    transformers); these are what kvserve's CPU defaults (int8 activations, fp16 KV) are not."""
     from cache import CacheConfig
     from engine.config import ModelConfig
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
+    from tests.helpers import EXACT_CACHE_FLAGS, EXACT_MODEL_FLAGS
 
-    config = EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
-                          cache=CacheConfig(kv_cache_memory_gib=0.25),
+    config = EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048, **EXACT_MODEL_FLAGS),
+                          cache=CacheConfig(kv_cache_memory_gib=0.25, **EXACT_CACHE_FLAGS),
                           scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32))
     return LLMEngine(config)
 

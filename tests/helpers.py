@@ -12,6 +12,12 @@ from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from scheduler.config import SchedulerConfig
 
+# The exact flags: fp32 activations and fp32 KV, so that a test may compare with transformers
+# token for token or logprob for logprob (kvserve's CPU defaults, int8 activations on GGUF
+# blocks and fp16 KV, round: tests/engine/model/test_default_numerics.py holds them).
+EXACT_MODEL_FLAGS = {"activation_quant": "none"}
+EXACT_CACHE_FLAGS = {"kv_cache_dtype": "float32"}
+
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
     params = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,13 +44,18 @@ def tiny_engine(hf_model: LlamaForCausalLM, block_size: int = 4, num_blocks: int
                 enable_prefix_caching: bool = True, tokenizer=None, attention_backend: str = "auto",
                 dtype: str = "float32", device: str = "cpu", cuda_graphs: bool = True,
                 scheduling_policy: str = "fcfs", **cache_options) -> LLMEngine:
-    """``cache_options`` go to CacheConfig (kv_disk_dir, kv_disk_gib, kv_pin_fraction, ...)."""
+    """``cache_options`` go to CacheConfig (kv_disk_dir, kv_disk_gib, kv_pin_fraction, ...).
+
+    Exact flags (the tests built here compare token for token with transformers): fp32
+    activations and, under a float32 model, a float32 KV pool, unless ``kv_cache_dtype`` says
+    otherwise; not the CPU defaults (fp16 KV), which round."""
+    cache_options.setdefault("kv_cache_dtype", "float32" if dtype == "float32" else "auto")
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     loaded = LoadedModel(path=None, name="tiny-llama", hf_config=hf_model.config,
                          arch=ModelArch.from_hf_config(hf_model.config), state_dict=state, tokenizer=tokenizer)
     config = EngineConfig(
         model=ModelConfig(num_threads=1, attention_backend=attention_backend, dtype=dtype, device=device,
-                          cuda_graphs=cuda_graphs),
+                          cuda_graphs=cuda_graphs, **EXACT_MODEL_FLAGS),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                           **cache_options),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

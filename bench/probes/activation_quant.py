@@ -7,6 +7,10 @@
         is on, the same kernel as the native decode path; they differ only in fp32 summation
         order); chunks of 256 are prefill, which takes the int8 kernel too where BlockLinear's
         max_rows allows (AVX512-VNNI CPUs, Q4_1 and Q8_0), and fp32 activations elsewhere.
+    python -m bench.probes.activation_quant defaults [--model PATH.gguf] [--tokens 2000] [--chunks 1 16 256]
+        The same comparison of kvserve's CPU defaults (activation_quant auto: int8 on GGUF blocks;
+        kv_cache_dtype auto: fp16 KV) against the exact flags (none, float32): the table of
+        docs/configuration.md.
     python -m bench.probes.activation_quant speed [--model PATH.gguf] [--streams 1 16] [--steps 48]
         Decode steps of both engines in lockstep (one step each, in turn, so machine load hits
         them alike): median ms per all-decode step for each stream count.
@@ -26,6 +30,9 @@ from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
 from kvtypes.sampling_params import SamplingParams
 
 MODES = ("none", "int8")
+# (activation_quant, kv_cache_dtype) per side; the int8 comparison keeps fp32 KV on both
+FLAGS = {"none": ("none", "float32"), "int8": ("int8", "float32"), "exact": ("none", "float32"),
+         "defaults": ("auto", "auto")}
 
 
 def _engine(mode: str, model: str | None, num_threads: int | None, num_blocks: int) -> Any:
@@ -35,27 +42,31 @@ def _engine(mode: str, model: str | None, num_threads: int | None, num_blocks: i
     from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
+    activation_quant, kv_cache_dtype = FLAGS[mode]
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=model, num_threads=num_threads, max_model_len=4096, activation_quant=mode),
-        cache=CacheConfig(num_blocks=num_blocks), scheduler=SchedulerConfig(max_num_seqs=64)))
+        model=ModelConfig(model=model, num_threads=num_threads, max_model_len=4096, activation_quant=activation_quant),
+        cache=CacheConfig(num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=64)))
 
 
-def quality(args) -> None:
+def quality(args, modes: tuple[str, str] = MODES) -> None:
     text = FIXED_TEXT.read_text() * 4
     results: dict[tuple[str, int], torch.Tensor] = {}
     tokens: list[int] = []
-    for mode in MODES:
+    for mode in modes:
         engine = _engine(mode, args.model, args.num_threads, (args.tokens + 64) // 16 + 1)
         tokens = engine.tokenizer(text)["input_ids"][:args.tokens]
         for chunk in args.chunks:
             t0 = time.perf_counter()
             results[mode, chunk] = teacher_forced(engine, tokens, chunk)
-            print(f"activation_quant {mode}, {chunk} tokens per step: {time.perf_counter() - t0:.1f} s")
+            print(f"{mode} ({engine.config.model.activation_quant} activations, {engine.info.kv_cache_dtype} KV), "
+                  f"{chunk} tokens per step: {time.perf_counter() - t0:.1f} s")
         del engine
+    ref, other = modes
     for chunk in args.chunks:
-        r = compare(results["none", chunk], results["int8", chunk], tokens)
+        r = compare(results[ref, chunk], results[other, chunk], tokens)
         print(f"{len(tokens)} tokens teacher-forced, {chunk} per step: top-1 agreement {r['top1_agreement']:.4%}, "
-              f"NLL fp32 {r['nll_reference']:.5f} int8 {r['nll_int8']:.5f} (delta {r['nll_delta']:+.5f} nats)")
+              f"NLL {ref} {r['nll_reference']:.5f} {other} {r['nll_int8']:.5f} (delta {r['nll_delta']:+.5f} nats)")
 
 
 def speed(args) -> None:
@@ -84,7 +95,7 @@ def speed(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="quality", choices=["quality", "speed"])
+    parser.add_argument("what", nargs="?", default="quality", choices=["quality", "defaults", "speed"])
     parser.add_argument("--model", default=None, help="a .gguf file (default: the shipped SmolLM2 Q4_1)")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 256],
@@ -95,7 +106,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=50)
     args = parser.parse_args()
     with torch.inference_mode():
-        (quality if args.what == "quality" else speed)(args)
+        if args.what == "speed":
+            speed(args)
+        else:
+            quality(args, MODES if args.what == "quality" else ("exact", "defaults"))
 
 
 if __name__ == "__main__":

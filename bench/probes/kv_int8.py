@@ -156,6 +156,7 @@ def _engine(kv: str, backend: str, num_threads: int | None, num_blocks: int | No
     from engine.loader import load_model
     from scheduler.config import SchedulerConfig
 
+    kv = "float32" if kv == "auto" else kv  # this probe's "auto" is the fp32 reference (the CPU default is fp16)
     cache = (CacheConfig(num_blocks=num_blocks, kv_cache_dtype=kv) if num_blocks else
              CacheConfig(kv_cache_memory_gib=budget_gib, kv_cache_dtype=kv))
     return LLMEngine(EngineConfig(model=ModelConfig(num_threads=num_threads, max_model_len=4096,

@@ -1,6 +1,6 @@
 """The model's dense matmul kernels, and the policies that bind them: which linear backend runs
-(``choose_linear``) and whether block matmuls take int8 activations (``check_activation_quant``,
-``describe_activation_quant``).
+(``choose_linear``) and whether block matmuls take int8 activations (``resolve_activation_quant``,
+``check_activation_quant``, ``describe_activation_quant``).
 
 Backends (``ModelConfig.linear_backend``): ``aten`` (``F.linear``, MKL), ``onednn``
 (``PackedLinear``), ``gguf`` (``engine.model.block_linear.BlockLinear`` on the GGUF blocks, the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -102,15 +102,29 @@ def choose_linear(backend: str, has_blocks: bool, blocks_only: bool, device: tor
     if backend == "onednn":
         backend = dense
     use_blocks = backend == "gguf"
+    if activation_quant == "auto":
+        raise ValueError("activation_quant 'auto' is resolved before the backend is chosen (resolve_activation_quant)")
     if activation_quant == "int8" and not use_blocks:
         raise ValueError("activation_quant 'int8' needs the gguf linear backend (a GGUF model's blocks on the "
                          f"CPU in float32), and the backend is {backend!r}; use activation_quant 'none'")
     return LinearChoice(backend, dense, use_blocks)
 
 
+def resolve_activation_quant(mode: str, use_blocks: bool, block_formats: Iterable[int]) -> str:
+    """``none`` or ``int8`` for ``mode`` (``ModelConfig.activation_quant``): ``auto`` (the
+    default, llama.cpp's numerics) is ``int8`` where matrices run from GGUF blocks
+    (``use_blocks``, the gguf backend) and this CPU has an int8-activation kernel for one of
+    their formats (``block_formats``; ``gguf_q8_supported``: AVX2 or better), else ``none``."""
+    if mode != "auto":
+        return mode
+    if not use_blocks:
+        return "none"
+    return "int8" if any(torch.ops.kvserve.gguf_q8_supported(int(f)) for f in set(block_formats)) else "none"
+
+
 def check_activation_quant(mode: str, linear_backend: str) -> None:
-    """ValueError unless ``mode`` (``ModelConfig.activation_quant``) can run on ``linear_backend``."""
-    if mode not in ACTIVATION_QUANTS:
+    """ValueError unless ``mode`` (a resolved ``ModelConfig.activation_quant``) can run on ``linear_backend``."""
+    if mode not in ACTIVATION_QUANTS or mode == "auto":
         raise ValueError(f"activation_quant must be none or int8, got {mode!r}")
     if mode == "int8" and linear_backend != "gguf":
         raise ValueError("activation_quant 'int8' needs the gguf linear backend")

@@ -26,7 +26,8 @@ from engine.loader.gguf.tensors import read_gguf_blocks
 from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
 from engine.model.decoder_layer import DecoderLayer
-from engine.model.linear import check_activation_quant, choose_linear, dense_linear, describe_activation_quant
+from engine.model.linear import (check_activation_quant, choose_linear, dense_linear, describe_activation_quant,
+                                 resolve_activation_quant)
 from engine.model.native_decode import NativeDecoder, decide_decode_path, rebind_native_decoder
 from engine.model.parallel_linear import ModelShard
 from engine.model.ranks import ModelRanks
@@ -59,7 +60,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
         self.linear_backend = "aten"
         self.native: NativeDecoder | None = None  # the native decode path when it runs (select_decode_path)
-        # "none" | "int8" (ModelConfig.activation_quant): read by select_linear_backend
+        # "auto" | "none" | "int8" (ModelConfig.activation_quant): select_linear_backend resolves
+        # auto to none or int8 (linear.resolve_activation_quant)
         self.activation_quant = "none"
         self.ranks = ModelRanks()  # rank 0 of a tensor-parallel group: TensorParallelRanks
 
@@ -81,6 +83,10 @@ class LlamaForCausalLM(nn.Module):
         """Bind the matmul kernels once the weights are loaded (``linear.choose_linear`` decides
         which); return the backend in use. Call it again after reloading weights."""
         has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
+        auto_choice = choose_linear(backend, has_blocks, self.holds_blocks_only(), self.embed.device,
+                                    self.embed.dtype)
+        self.activation_quant = resolve_activation_quant(self.activation_quant, auto_choice.use_blocks,
+                                                         self.block_formats())
         choice = choose_linear(backend, has_blocks, self.holds_blocks_only(), self.embed.device, self.embed.dtype,
                                self.activation_quant)
         int8 = self.activation_quant == "int8"
@@ -97,6 +103,12 @@ class LlamaForCausalLM(nn.Module):
         self.linear_backend = choice.backend
         rebind_native_decoder(self)  # its arguments name the matmuls just bound
         return choice.backend
+
+    def block_formats(self) -> set[int]:
+        """The GGUF block formats (``BlockFormat`` codes) of the attached block matrices."""
+        matrices = [m for layer in self.layers for m in layer.blocks.values()]
+        matrices += [self.lm_head_blocks] if self.lm_head_blocks is not None else []
+        return {int(p.format) for m in matrices for p in m.parts}
 
     def block_linears(self) -> list[BlockLinear]:
         """The matmuls bound to GGUF blocks now (layers', then the LM head's)."""

@@ -180,8 +180,9 @@ def test_cache_config_info(live_server):
     info = scrape.labels_of("kvserve_cache_config_info")
     cap = live_server.engine.info
     assert scrape.get("kvserve_cache_config_info") == 1
+    # this server runs kvserve's CPU defaults: fp16 KV blocks under the float32 model
     assert info == {"model_name": live_server.model, "block_size": str(cap.block_size),
-                    "num_blocks": str(cap.num_blocks), "cache_dtype": "float32", "enable_prefix_caching": "true"}
+                    "num_blocks": str(cap.num_blocks), "cache_dtype": "float16", "enable_prefix_caching": "true"}
     assert scrape.get("kvserve_kv_cache_capacity_tokens") == cap.num_blocks * cap.block_size
     # Every sample carries the model name.
     assert all(dict(labels).get("model_name") == live_server.model for _, labels in scrape.samples)

@@ -170,8 +170,11 @@ def live_server():
     from scheduler.config import SchedulerConfig
     from server.config import ServerConfig
 
-    service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
-                                         cache=CacheConfig(kv_cache_memory_gib=0.25),
+    from tests.helpers import EXACT_CACHE_FLAGS, EXACT_MODEL_FLAGS
+
+    # the exact flags (fp32 activations and KV): tests compare its logprobs with transformers
+    service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048, **EXACT_MODEL_FLAGS),
+                                         cache=CacheConfig(kv_cache_memory_gib=0.25, **EXACT_CACHE_FLAGS),
                                          scheduler=SchedulerConfig(max_num_seqs=32)),
                             ServerConfig(api_key=API_KEY, max_waiting=256, log_stats_interval_s=0))
     engine, app = service.engine, service.app

@@ -39,8 +39,11 @@ def spec_server():
     # every draft verified (the adaptive rule off), so the equality checks cover accepted and rejected drafts
     spec = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
             '"verify_cost_ratio": 0, "disable_by_batch_size": null}')
-    service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
-                                         cache=CacheConfig(kv_cache_memory_gib=0.25),
+    from tests.helpers import EXACT_CACHE_FLAGS, EXACT_MODEL_FLAGS
+
+    # the exact flags (fp32 activations and KV): speculative and plain decoding compared token for token
+    service = build_service(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048, **EXACT_MODEL_FLAGS),
+                                         cache=CacheConfig(kv_cache_memory_gib=0.25, **EXACT_CACHE_FLAGS),
                                          scheduler=SchedulerConfig(max_num_seqs=32, speculative_config=spec)),
                             ServerConfig(api_key=API_KEY, max_waiting=256, log_stats_interval_s=0))
     port = free_port()

@@ -95,7 +95,7 @@ def test_where_float16_kv_is_refused(hf_model, monkeypatch):
                                          "KV pool: its kernels do not read float16 KV pools; kv_cache_dtype float16 "
                                          "runs on torch, native"):
         resolve_backend("triton", cuda, torch.bfloat16, 16, kv_cache_dtype="float16")
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, float16, int4, got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, float16, float32, int4, got 'fp8'"):
         CacheConfig(kv_cache_dtype="fp8")
     config = EngineConfig(model=ModelConfig(tensor_parallel_size=2, num_threads=1),
                           cache=CacheConfig(kv_cache_dtype="float16", num_blocks=8))

@@ -164,9 +164,13 @@ def gguf_engine(path, resident: str = "blocks", linear_backend: str = "auto"):
     from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
+    from tests.helpers import EXACT_CACHE_FLAGS, EXACT_MODEL_FLAGS
+
+    # the exact flags (fp32 activations and KV): the tests compare with transformers and path with path
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(path), num_threads=1, weights_resident=resident, linear_backend=linear_backend),
-        cache=CacheConfig(block_size=4, num_blocks=128),
+        model=ModelConfig(model=str(path), num_threads=1, weights_resident=resident, linear_backend=linear_backend,
+                          **EXACT_MODEL_FLAGS),
+        cache=CacheConfig(block_size=4, num_blocks=128, **EXACT_CACHE_FLAGS),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)))
 
 

@@ -271,7 +271,7 @@ def test_flag_is_validated():
     from engine.config import ModelConfig
     from tests.helpers import tiny_engine, tiny_hf_model
 
-    with pytest.raises(ValueError, match="activation_quant must be none or int8"):
+    with pytest.raises(ValueError, match="activation_quant must be auto, none or int8"):
         ModelConfig(activation_quant="fp8")
     model = tiny_engine(tiny_hf_model()).runner.model  # dense safetensors-style weights: no blocks
     model.activation_quant = "int8"
@@ -279,23 +279,30 @@ def test_flag_is_validated():
         model.select_linear_backend("auto")
 
 
-def _engine(path, mode: str):
+def _engine(path, mode: str | None, kv_cache_dtype: str | None = "float32"):
+    """``mode`` / ``kv_cache_dtype`` None: the defaults (auto, auto); else the flags as given
+    (``none`` with ``float32``: the exact flags)."""
     from cache import CacheConfig
     from engine.config import ModelConfig
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
+    model = {} if mode is None else {"activation_quant": mode}
+    cache = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(path), num_threads=1, activation_quant=mode),
-        cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4)))
+        model=ModelConfig(model=str(path), num_threads=1, **model),
+        cache=CacheConfig(block_size=4, num_blocks=64, **cache), scheduler=SchedulerConfig(max_num_seqs=4)))
 
 
+@pytest.mark.parametrize("flags", ["int8", "defaults"])  # defaults: int8 activations and fp16 KV
 @pytest.mark.parametrize("fmt", [BlockFormat.Q4_1, BlockFormat.Q8_0, "Q4_K_M", BlockFormat.Q5_0])
-def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypatch):
-    """Greedy decode of 3 streams on both engines; logits compared step by step while the
-    tokens agree. Tolerance 5% of the largest logit: 2 layers of 8-bit activations (relative
-    rounding <= 1/254 per element, ~0.3% per matmul on random weights) through 7 matmuls."""
+def test_native_decode_with_int8_activations_tracks_fp32(fmt, flags, tmp_path, monkeypatch):
+    """Greedy decode of 3 streams on the exact engine (fp32 activations and KV) and on the one
+    under test: ``int8`` (the opt-in flag, fp32 KV) or the defaults (``auto``: int8 activations,
+    fp16 KV, llama.cpp's numerics); logits compared step by step while the tokens agree.
+    Tolerance 5% of the largest logit: 2 layers of 8-bit activations (relative rounding <= 1/254
+    per element, ~0.3% per matmul on random weights) through 7 matmuls; fp16 K/V round at 2^-11."""
     from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
     from kvtypes.sampling_params import SamplingParams
 
@@ -305,9 +312,10 @@ def test_native_decode_with_int8_activations_tracks_fp32(fmt, tmp_path, monkeypa
     path = write_gguf(tmp_path / "tiny.gguf", shape, formats, seed=3)
     logits, native_calls = {}, {}
     for mode in ("none", "int8"):
-        engine = _engine(path, mode)
+        engine = _engine(path, mode) if mode == "none" or flags == "int8" else _engine(path, None, None)
         model = engine.runner.model
         assert model.decode_path == "native" and model.activation_quant == mode
+        assert engine.info.kv_cache_dtype == ("float16" if mode == "int8" and flags == "defaults" else "auto")
         seen, calls = [], [0]
         compute, native = model.compute_logits, model.native_decode
         model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]

@@ -129,7 +129,7 @@ def test_int8_blocks_only_native_decode_takes_more_than_16_rows(cache_dir, tmp_p
     assert max(comparer.native_steps) == 20
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
 def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
     """float16: the pools hold fp16 rows, which the python path rounds with ``.to()`` and the
@@ -143,7 +143,7 @@ def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
     assert max(run_and_compare(engine, RAGGED)) == 4
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     """Requests arriving while others decode make mixed steps: the decode rows take the native path,
     the new prompts' chunks (a chunked 30-token prompt, and one that reuses a cached prefix) the
