@@ -279,13 +279,17 @@ def chain_tiers(host: HostTier | None, disk: DiskTier | None) -> KVTier | None:
 def resolve_eviction(config: EngineConfig) -> EvictionConfig:
     """``--kv-eviction`` against the resolved context and step budget; ValueError for what it
     cannot run with (speculative decoding rolls back slots by text position; tensor-parallel
-    ranks would each need the re-rotations)."""
+    ranks would each need the re-rotations; int4 keys are quantized per channel across a block,
+    so a re-rotation would have to requantize whole blocks, which is not implemented)."""
     eviction = config.cache.eviction.resolve(config.scheduler.max_model_len, config.scheduler.max_num_batched_tokens)
     if eviction.enabled:
         if config.scheduler.speculative_config is not None:
             raise ValueError(f"kv_eviction {eviction.policy!r} does not run with speculative decoding")
         if config.model.tensor_parallel_size > 1:
             raise ValueError(f"kv_eviction {eviction.policy!r} does not run with tensor_parallel_size > 1")
+        if config.cache.kv_cache_dtype == "int4":
+            raise ValueError(f"kv_eviction {eviction.policy!r} does not run with kv_cache_dtype int4 "
+                             "(re-rotating keys quantized per channel is not implemented)")
         logger.info("KV eviction: %s, %d sink blocks + a %d-token window (a sequence holds at most %d tokens)",
                     eviction.policy, eviction.sink_blocks, eviction.window_tokens, eviction.max_held_tokens)
     return eviction

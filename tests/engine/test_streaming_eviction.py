@@ -149,3 +149,11 @@ def test_copy_on_write_moves_shared_blocks_before_rotating():
     half = 8
     rot = torch.cat((-k0[1][..., half:], k0[1][..., :half]), dim=-1)
     assert torch.allclose(k[3], k0[1] * c - rot * s, atol=1e-6)
+
+
+def test_int4_kv_is_refused_with_eviction_naming_both(hf):
+    """KIVI keys share one range per channel across a block, so re-rotating kept keys would mean
+    requantizing whole blocks: refused at build, not run wrong."""
+    with pytest.raises(ValueError, match="kv_eviction 'streaming' does not run with kv_cache_dtype int4"):
+        tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, kv_eviction="streaming",
+                    kv_sink_tokens=4, kv_window_tokens=16, kv_cache_dtype="int4")
