@@ -4,7 +4,9 @@
 over a float32 or float16 pool, run every layer in one ``torch.classes.kvserve.DecodeStack``
 call (engine/kernels/cpu/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per
 layer, each with its own fork/join); a mixed step's prefill chunks then run
-``DecoderLayer.forward``, as do larger batches. ``python``: always ``DecoderLayer.forward``.
+``DecoderLayer.forward``, as do larger batches, unless the whole step fits in ``max_rows``
+rows and every chunk continues a context already in the pool (speculative verify rows,
+short extends): then the chunks' tokens are rows of the native call too. ``python``: always ``DecoderLayer.forward``.
 ``auto``: ``native`` where it can run. Both paths compute the same function, differing only in
 fp32 summation order.
 
@@ -130,14 +132,26 @@ class NativeDecoder:
         self.stack.set_final_norm(final_norm, arch.rms_norm_eps)
 
     def rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
-        """How many of this step's rows the native path takes: the decode rows, which come first,
-        when they are one group of at most ``max_rows``; else 0. In a mixed step they run before
-        the prefill chunks, so not when one of them reads a block a chunk fills in this step (a
-        prefix hit on a block computed in the same step: the scheduler shares those)."""
-        if len(meta.decode_groups) != 1:
+        """How many of this step's rows the native path takes (the first ones), or 0.
+
+        Every row, when the step has at most ``max_rows`` and each chunk's earlier context is in
+        the pool (``PrefillChunk.block_ids``): a chunk's tokens are then rows of their own, each
+        with its context length, and every layer writes the step's K/V before it attends, as the
+        Python layers do (a speculative verify row is such a chunk: ``1 + k`` tokens). Else the
+        decode rows, which come first, when they are one group of at most ``max_rows``; in a
+        mixed step they run before the prefill chunks, so not when one of them reads a block a
+        chunk fills in this step (a prefix hit on a block computed in the same step: the
+        scheduler shares those)."""
+        groups = meta.decode_groups
+        if len(groups) > 1 or (groups and groups[0].start != 0):
             return 0
-        group = meta.decode_groups[0]
-        if group.start != 0 or group.end > self.max_rows:
+        num_rows = meta.slot_mapping.shape[0]
+        if meta.prefills and num_rows <= self.max_rows and all(c.block_ids is not None for c in meta.prefills):
+            return num_rows
+        if not groups:
+            return 0
+        group = groups[0]
+        if group.end > self.max_rows:
             return 0
         if meta.prefills:
             filled = meta.slot_mapping[group.end:] // kv_caches[0][0].shape[1]
@@ -150,13 +164,33 @@ class NativeDecoder:
             final_norm: bool) -> torch.Tensor:
         """The decode rows ``x`` (contiguous, at their positions' cos / signed sin) through every
         layer, in place; with ``final_norm`` also the model's final RMSNorm."""
-        group = meta.decode_groups[0]
-        table, lens = group.block_table.contiguous(), group.context_lens
+        table, lens = row_tables(meta)
         # every layer in one call and one OpenMP region (decode_layer.cpp DecodeStack): the
         # same arithmetic as one torch.ops.kvserve.decode_layer call per layer
         self.stack.run(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
-                       table, lens, self.scale, int8_activations, final_norm)
+                       table, lens, self.scale, int8_activations, final_norm, bool(meta.prefills))
         return x
+
+
+def row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table ``[rows, width]`` (padded with block 0, never read) and context
+    length ``[rows]``: the decode group's, then, for each chunk of ``q`` tokens ending at
+    ``context_len``, its blocks on each of its rows and lengths ``context_len - q + 1 ..
+    context_len`` (causal: a token attends to itself and what precedes it)."""
+    tables, lens = [], []
+    if meta.decode_groups:
+        group = meta.decode_groups[0]
+        tables.append(group.block_table)
+        lens.append(group.context_lens)
+    for chunk in meta.prefills:
+        q = chunk.end - chunk.start
+        tables.append(chunk.block_ids.expand(q, -1))
+        lens.append(torch.arange(chunk.context_len - q + 1, chunk.context_len + 1, device=chunk.block_ids.device))
+    if len(tables) == 1:
+        return tables[0].contiguous(), lens[0]
+    width = max(t.shape[1] for t in tables)
+    return (torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).contiguous(),
+            torch.cat(lens))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-// One decoder layer of a decode step (every row is one new token) in one call: RMSNorm, the
+// One decoder layer of a decode step (every row is one new token, with its own context length
+// and block table: several rows may be one sequence's consecutive tokens) in one call: RMSNorm, the
 // fused QKV matmul (+ bias), RoPE, the KV write into the paged pool, paged attention, the O
 // matmul (+ bias) and residual, RMSNorm, gate/up, SiLU * up, down and residual. fp32, CPU; the KV
 // pools fp32 or fp16 (``--kv-cache-dtype float16``: new rows rounded to fp16 as they are written,
@@ -209,6 +210,10 @@ struct StepInputs {
   const int64_t *slots, *tables, *lens;
   float scale;
   bool int8_activations;
+  // Rows read slots other rows of the step write (the rows of a multi-token chunk, e.g. a
+  // speculative verify row, attend to the chunk's earlier tokens): every K/V write of a layer
+  // then happens before any of its attention, behind one more barrier.
+  bool writes_first = false;
 };
 
 // x [B, hidden]; cos/sin [B, head_dim] (the rows of the RoPE tables at each row's position,
@@ -293,8 +298,8 @@ struct ThreadScratch {
 //
 // Four barriers: each phase reads what all threads wrote in the one before it. The norms are
 // computed by every thread into its own copy (no barrier of their own); a row's RoPE and KV
-// write happen in the attention job that reads them; SiLU * up in the gate/up chunk that
-// computed both halves.
+// write happen in the attention job that reads them (with writes_first, in a phase of their own
+// before it: a fifth barrier); SiLU * up in the gate/up chunk that computed both halves.
 template <typename T>
 void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const SharedScratch& s, ThreadScratch& ts) {
   const int64_t B = in.B, hidden = l.hidden, I = l.I, H = in.H, KVH = in.KVH, D = in.D, G = H / KVH;
@@ -327,15 +332,21 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   float* y = ts.y.data();
   rms_norm(xp, l.input_norm, B, hidden, l.eps, y);
   matmul(l.qkv, y, B, s.qkv, [](int64_t, int64_t) {}, quantized(l.qkv, y, hidden));
-  // attention: one job per (row, kv head): its G query heads, its key and value
+  // a (row, kv head)'s G query heads, key and value: bias, RoPE, and the K/V write into the pool
+  const auto prepare_job = [&](int64_t b, int64_t g) {
+    for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h);
+    store_row(prepare_head(b, H + g), D, kp + (in.slots[b] * KVH + g) * D);
+    store_row(prepare_head(b, H + KVH + g), D, vp + (in.slots[b] * KVH + g) * D);
+  };
+  if (in.writes_first) {
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < B * KVH; ++job) prepare_job(job / KVH, job % KVH);
+  }
+  // attention: one job per (row, kv head): its G query heads over its own context
 #pragma omp for schedule(dynamic, 1)
   for (int64_t job = 0; job < B * KVH; ++job) {
     const int64_t b = job / KVH, g = job % KVH;
-    for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h);
-    const float* k = prepare_head(b, H + g);
-    const float* v = prepare_head(b, H + KVH + g);
-    store_row(k, D, kp + (in.slots[b] * KVH + g) * D);
-    store_row(v, D, vp + (in.slots[b] * KVH + g) * D);
+    if (!in.writes_first) prepare_job(b, g);
     const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
     ts.scores.resize(G * lay.len);
     kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
@@ -431,15 +442,17 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools. With
   // final_norm, then through the model's final RMSNorm (set_final_norm), in the same region.
+  // writes_first: some row reads a slot another row of the step writes (StepInputs).
   void run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
            std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens,
-           double scale, bool int8_activations, bool final_norm) {
+           double scale, bool int8_activations, bool final_norm, bool writes_first) {
     TORCH_CHECK(!final_norm || norm.defined(), "run(final_norm=True) needs set_final_norm first");
     TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "one K and one V cache per layer (", layers.size(), " layers)");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "x must be [B, ", hidden, "]");
-    const StepInputs in = make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
-                                    int8_activations);
+    StepInputs in = make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
+                              int8_activations);
+    in.writes_first = writes_first;
     TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
                 ", the layers ", kv_heads, " of ", head_dim);
     for (size_t i = 0; i < layers.size(); ++i) check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);

@@ -37,6 +37,7 @@ class PathComparer:
         self.model, self.inner, self.rtol = model, model.forward, rtol
         self.native_steps: list[int] = []  # decode rows of each compared all-decode step
         self.mixed_steps: list[tuple[int, int]] = []  # (decode rows, prefill rows) of each compared mixed step
+        self.chunk_steps: list[int] = []  # rows of each compared step whose chunks ran natively too
         self.failures: list[AssertionError] = []
         model.forward = self
 
@@ -57,7 +58,9 @@ class PathComparer:
         except AssertionError as exc:
             self.failures.append(exc)
             raise
-        if decodes == input_ids.shape[0]:
+        if decodes == input_ids.shape[0] and meta.prefills:
+            self.chunk_steps.append(decodes)
+        elif decodes == input_ids.shape[0]:
             self.native_steps.append(decodes)
         else:
             self.mixed_steps.append((decodes, input_ids.shape[0] - decodes))
@@ -167,6 +170,35 @@ def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     assert engine.kv_cache.usage == 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_speculative_verify_rows_run_natively(kv_cache_dtype):
+    """A verify row (1 + k tokens of one sequence, engine/sampling/verification.py) is a chunk whose
+    context is in the pool: the native path takes its tokens as rows of their own, each attending
+    to the ones before it (the kernel writes every row's K/V before any row attends), and every
+    row's logits equal the Python layers'. Greedy output stays plain greedy's, and so does a step
+    of two verify rows with a decode row beside them."""
+    from scheduler.config import SpeculativeConfig
+
+    hf = tiny_hf_model()
+    passage = [(13 * j) % 120 + 3 for j in range(9)]
+    prompts = [passage * 3, passage[:5] * 2 + passage]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = tiny_engine(hf, kv_cache_dtype=kv_cache_dtype).generate(prompts, params)
+    for k, rows in ((3, 4), (1, 4)):  # one verify row of 4 tokens; two of 2 (or one beside a decode row)
+        engine = tiny_engine(hf, kv_cache_dtype=kv_cache_dtype, max_num_seqs=2 if k == 1 else 1)
+        engine.scheduler.config.speculative_config = SpeculativeConfig(
+            num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, verify_cost_ratio=0,
+            disable_by_batch_size=None)
+        comparer = PathComparer(engine.runner.model)
+        out = engine.generate(prompts, params)
+        assert not comparer.failures, comparer.failures[0]
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+        assert comparer.chunk_steps and max(comparer.chunk_steps) == rows
+        assert engine.scheduler.stats.spec_accepted_tokens > 0
+        engine.kv_cache.check_invariants()
+        assert engine.kv_cache.usage == 0
+
+
 def test_larger_batches_fall_back_to_python():
     """A step of more rows than native.max_rows runs DecoderLayer.forward, and still serves."""
     engine = tiny_engine(tiny_hf_model(), block_size=4)
@@ -255,14 +287,14 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             for args, k, v in zip(model.native.layers, want_k, want_v):
                 torch.ops.kvserve.decode_layer(want_x, *args, cos, sin, k, v, slots, table, lens,
                                                model.arch.num_heads, scale, int8)
-            model.native.stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False)
+            model.native.stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False, False)
             assert torch.equal(x, want_x), (rows, int8)
             assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
             assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
             fresh_k = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)[3]
             assert not all(torch.equal(a, b) for a, b in zip(ks, fresh_k))  # and wrote their new keys
             normed, _, _, ks2, vs2, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
-            model.native.stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True)
+            model.native.stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True, False)
             want_normed = F.rms_norm(want_x, (want_x.shape[-1],), model.norm, model.arch.rms_norm_eps)
             torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-6)
             assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
@@ -275,20 +307,20 @@ def test_decode_stack_rejects_mismatched_caches():
     model = engine.runner.model
     x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, 2, 5, 4, seed=0)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        model.native.stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False, False)
     bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model.native.stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False, False)
     mixed = ks[:1] + [ks[1].half()] + ks[2:]  # one layer's pool fp16, the others fp32
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model.native.stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False, False)
     with pytest.raises(RuntimeError, match="contiguous float32 or float16"):
-        model.native.stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False, False)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        model.native.stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False)
+        model.native.stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False, False)
     a = model.arch
     bare = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
     for args in model.native.layers:
         bare.add_layer(*args)
     with pytest.raises(RuntimeError, match="needs set_final_norm"):
-        bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True)
+        bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True, False)
