@@ -370,9 +370,13 @@ class _EngineBuild:
             self.runner.kv_residual.block_in_use = lambda b: b < len(blocks) and blocks[b].ref_cnt > 0
         tokenizer = loaded.tokenizer
         model_name = config.model.served_model_name or loaded.name
+        # drafts are verified on the native decode path while a step fits in its rows
+        native = self.runner.model.native
+        verify_rows = native.max_rows if native is not None else None
         return EngineParts(
             config=config, arch=arch, tokenizer=tokenizer, model_name=model_name, max_model_len=max_len,
-            runner=self.runner, capacity=capacity, kv_cache=kv_cache, scheduler=Scheduler(sched, kv_cache),
+            runner=self.runner, capacity=capacity, kv_cache=kv_cache,
+            scheduler=Scheduler(sched, kv_cache, verify_row_budget=verify_rows),
             offloader=KVOffloader(tier, copier) if tier is not None else None, disk_tier=disk, host_arena=arena,
             # Structured output: grammars compile on the compiler's thread.
             grammars=GrammarCompiler(tokenizer, arch.vocab_size) if tokenizer is not None else None,

@@ -33,11 +33,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     # The adaptive rule (scheduler/speculative.py, ``choose_speculators``): a verify step's cost in
-    # plain decode steps. Measured on the default model, 2 threads, native decode: a 5-token verify
-    # row on the Python layers against a native 1-token row breaks even at 3.0 tokens a step (copy
-    # prompts: 115 -> 118 tok/s at 3.0 tokens a step). Where plain decode is not native (decode_path
-    # python, GPU) a verify step costs about one plain step: ~1.2. 0: speculate whenever a draft exists.
-    verify_cost_ratio: float = 3.0
+    # plain decode steps. Measured on the default model, 2 threads, CPU defaults: a 5-token verify
+    # row on the native decode path costs 1.4-1.6 native 1-token rows (every draft verified, bench
+    # probe spec_decode: copy prompts 2.36 tokens a step at 1.52x, chat 1.50 at 1.08x), so 1.5;
+    # where the verify rows ran on the Python layers it was 3.0. Where plain decode is not native
+    # (decode_path python, GPU) a verify step costs about one plain step: ~1.2. 0: speculate
+    # whenever a draft exists.
+    verify_cost_ratio: float = 1.5
     # vLLM's name: no request speculates in a step that runs more decoding requests than this
     # (None: no cutoff). At a large batch the plain step is already compute-bound.
     disable_by_batch_size: int | None = 8

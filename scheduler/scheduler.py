@@ -59,10 +59,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, verify_row_budget: int | None = None) -> None:
+        """``verify_row_budget``: the most rows (decode tokens plus draft tokens) a step may have
+        for the engine to verify drafts on its fast path (``choose_speculators``); None: no limit."""
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
         self.config = config
+        self.verify_row_budget = verify_row_budget
         self.max_model_len: int = config.max_model_len
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
@@ -300,7 +303,7 @@ class Scheduler:
             if draft:
                 proposals[request.request_id] = draft
                 candidates.append((request, len(draft)))
-        chosen = choose_speculators(candidates, len(decoding), spec)
+        chosen = choose_speculators(candidates, len(decoding), spec, self.verify_row_budget)
         for request, _ in candidates:
             if request.request_id not in chosen:
                 request.spec_shadow_token = proposals.pop(request.request_id)[0]

@@ -55,7 +55,7 @@ def observe_acceptance(estimate: float, num_accepted: int, num_drafted: int) -> 
 
 
 def choose_speculators(candidates: Sequence[tuple[Request, int]], num_decoding: int,
-                       config: SpeculativeConfig) -> set[str]:
+                       config: SpeculativeConfig, row_budget: int | None = None) -> set[str]:
     """The ids of the candidates (decoding requests that have a draft, with its length) that verify
     their draft this step; the others decode one token.
 
@@ -65,17 +65,28 @@ def choose_speculators(candidates: Sequence[tuple[Request, int]], num_decoding: 
 
     - nobody drafts when more than ``disable_by_batch_size`` requests decode;
     - a candidate drafts only if alone it would pay: ``expected_tokens(p, k) > r``;
+    - with ``row_budget`` (the rows the engine's fast path takes in one step, the native decode
+      path's ``max_rows``; r was measured on it) and r > 1, the step's rows (one per decoding
+      request plus every draft token) stay within it: the candidates that bring most go first, a
+      draft that does not fit stays out;
     - and those together must pay for the batch: sum of ``expected_tokens(p, k) - 1`` over them
       > (r - 1) * ``num_decoding``; else nobody drafts.
 
-    With r <= 1 every candidate drafts (the verify step costs no more than a plain one).
+    With r <= 1 every candidate drafts (the verify step costs no more than a plain one, wherever
+    it runs).
     """
     cutoff = config.disable_by_batch_size
     if not candidates or (cutoff is not None and num_decoding > cutoff):
         return set()
     r = config.verify_cost_ratio
-    gains = {request.request_id: expected_tokens(request.spec_acceptance, k) - 1.0 for request, k in candidates}
-    chosen = {rid: gain for rid, gain in gains.items() if gain + 1.0 > r}
+    ranked = sorted(((expected_tokens(request.spec_acceptance, k) - 1.0, request.request_id, k)
+                     for request, k in candidates), key=lambda c: -c[0])
+    chosen: dict[str, float] = {}
+    rows, limit = num_decoding, row_budget if r > 1.0 else None
+    for gain, rid, k in ranked:
+        if gain + 1.0 > r and (limit is None or rows + k <= limit):
+            chosen[rid] = gain
+            rows += k
     if r > 1.0 and sum(chosen.values()) <= (r - 1.0) * num_decoding:
         return set()
     return set(chosen)

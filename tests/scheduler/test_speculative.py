@@ -387,7 +387,14 @@ def test_choose_speculators_pays_per_request_then_per_batch_and_stops_at_the_cut
     assert choose_speculators([(good, 4), (fair, 4), (poor, 4)], 4, spec) == set()
     assert choose_speculators([(req(f"g{i}", 0.99), 4) for i in range(9)], 9, spec) == set()  # the cutoff
     assert len(choose_speculators([(req(f"g{i}", 0.99), 4) for i in range(8)], 8, spec)) == 8
+    # a row budget (the native path's rows): 2 decoding rows + good's 4 + fair's 4 fit in 10; in 8
+    # the candidate that brings most goes first, so good stays and fair does not fit
+    cheap = SpeculativeConfig(verify_cost_ratio=1.5, disable_by_batch_size=None)
+    assert choose_speculators([(good, 4), (fair, 4)], 2, cheap, row_budget=10) == {"good", "fair"}
+    assert choose_speculators([(fair, 4), (good, 4)], 2, cheap, row_budget=8) == {"good"}
+    assert choose_speculators([(good, 4)], 2, cheap, row_budget=5) == set()
     always = SpeculativeConfig(verify_cost_ratio=0, disable_by_batch_size=None)
+    assert choose_speculators([(good, 4)], 2, always, row_budget=5) == {"good"}  # r <= 1: no budget
     assert choose_speculators([(poor, 4), (req("zero", 0.0), 2)], 40, always) == {"poor", "zero"}
     with pytest.raises(ValueError, match="verify_cost_ratio"):
         SpeculativeConfig(verify_cost_ratio=-1)
@@ -399,7 +406,9 @@ def test_choose_speculators_pays_per_request_then_per_batch_and_stops_at_the_cut
 
 
 def test_a_request_not_speculating_learns_from_its_shadow_draft():
-    sim = Sim(num_blocks=64, block_size=4, **DEFAULT_RULE)
+    # a cost ratio at which a fresh request's estimate (p = 0.5: 1.94 tokens a 4-token draft) does
+    # not pay, so its first draft is a shadow (at the default 1.5 it would be verified)
+    sim = Sim(num_blocks=64, block_size=4, verify_cost_ratio=3.0, disable_by_batch_size=8)
     r = request("r", [3, 4, 5, 3, 4, 5, 3, 4], 30)
     sim.s.add_request(r)
     sim.step()  # the prefill
