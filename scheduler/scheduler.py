@@ -295,6 +295,11 @@ class Scheduler:
         if spec is None:
             return {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if spec.disable_by_batch_size is not None and len(decoding) > spec.disable_by_batch_size:
+            # nobody may draft: skip the proposals (a lookup per request per step) and the shadows
+            for request in decoding:
+                request.spec_shadow_token = None
+            return {}
         proposals: dict[str, list[int]] = {}
         candidates = []
         for request in decoding:

@@ -68,10 +68,12 @@ def copy_prompts(tokenizer: Any, vocab_size: int, n: int) -> list[list[int]]:
 def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]], new_tokens: int = 128,
                     k: int = 4, ngram_min: int = 1, ngram_max: int = 3, quiet_wait_s: float = 0.0,
                     verify_cost_ratio: float | None = None, method: str = "ngram",
-                    streams: int = 1) -> dict[str, Any]:
+                    streams: int = 1, rounds: int = 1) -> dict[str, Any]:
     """Plain and speculative decode of every prompt, by class (greedy, EOS ends a run).
     ``verify_cost_ratio``: the adaptive rule's (None: the config default; 0: verify every draft).
-    ``streams`` > 1: each class as one batch of that many concurrent requests."""
+    ``streams`` > 1: each class as one batch of that many concurrent requests. ``rounds`` > 1:
+    each class measured that many times (plain and speculative side by side in each round), the
+    round of the median speedup reported, with every round's speedup beside it."""
     from kvtypes.sampling_params import SamplingParams
     from scheduler.config import SpeculativeConfig
 
@@ -111,31 +113,46 @@ def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]]
         with CpuMonitor() as cpu:
             for name, prompts in prompt_sets.items():
                 if streams > 1:
-                    classes[name] = _concurrent_class(batch, [prompts[i % len(prompts)] for i in range(streams)])
-                    continue
-                runs = [(one(p, False), one(p, True)) for p in prompts]
-                base_tok = sum(len(b["tokens"]) - 1 for b, _ in runs)
-                spec_tok = sum(len(s["tokens"]) - 1 for _, s in runs)
-                base_tps = base_tok / max(sum(b["decode_s"] for b, _ in runs), 1e-9)
-                spec_tps = spec_tok / max(sum(s["decode_s"] for _, s in runs), 1e-9)
-                drafted = sum(s["drafted"] for _, s in runs)
-                accepted = sum(s["accepted"] for _, s in runs)
-                classes[name] = {
-                    "prompts": len(prompts), "output_tokens": spec_tok + len(runs),
-                    "plain_decode_tps": round(base_tps, 2), "spec_decode_tps": round(spec_tps, 2),
-                    "speedup": ratio(spec_tps, base_tps),
-                    "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
-                    "draft_tokens": drafted, "accepted_tokens": accepted,
-                    # a step with a draft yields accepted + 1 tokens; one without yields 1
-                    "tokens_per_step": round(spec_tok / max(spec_tok - accepted, 1), 3),
-                    "token_match": f"{sum(b['tokens'] == s['tokens'] for b, s in runs)}/{len(runs)}",
-                }
+                    batch_prompts = [prompts[i % len(prompts)] for i in range(streams)]
+                    classes[name] = _median_round([_concurrent_class(batch, batch_prompts) for _ in range(rounds)])
+                else:
+                    classes[name] = _median_round([_single_class(one, prompts) for _ in range(rounds)])
     finally:
         config.speculative_config = None
         engine.kv_cache.reset_prefix_cache()
     return {"benchmark": "spec_decode", "machine": machine_info(), "method": method, "streams": streams, "k": k,
-            "ngram_min": ngram_min, "ngram_max": ngram_max, "new_tokens": new_tokens, "classes": classes,
-            "foreign_cpu_cores": cpu.foreign_cores}
+            "ngram_min": ngram_min, "ngram_max": ngram_max, "new_tokens": new_tokens, "rounds": rounds,
+            "classes": classes, "foreign_cpu_cores": cpu.foreign_cores}
+
+
+def _median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose speedup is the median (the lower one of an even count), with every round's."""
+    ordered = sorted(results, key=lambda c: c["speedup"] if c["speedup"] is not None else 0.0)
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    if len(results) > 1:
+        chosen["round_speedups"] = [c["speedup"] for c in results]
+    return chosen
+
+
+def _single_class(one: Any, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """One class one prompt at a time, each plain then speculative; tok/s over decode time."""
+    runs = [(one(p, False), one(p, True)) for p in prompts]
+    base_tok = sum(len(b["tokens"]) - 1 for b, _ in runs)
+    spec_tok = sum(len(s["tokens"]) - 1 for _, s in runs)
+    base_tps = base_tok / max(sum(b["decode_s"] for b, _ in runs), 1e-9)
+    spec_tps = spec_tok / max(sum(s["decode_s"] for _, s in runs), 1e-9)
+    drafted = sum(s["drafted"] for _, s in runs)
+    accepted = sum(s["accepted"] for _, s in runs)
+    return {
+        "prompts": len(prompts), "output_tokens": spec_tok + len(runs),
+        "plain_decode_tps": round(base_tps, 2), "spec_decode_tps": round(spec_tps, 2),
+        "speedup": ratio(spec_tps, base_tps),
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+        "draft_tokens": drafted, "accepted_tokens": accepted,
+        # a step with a draft yields accepted + 1 tokens; one without yields 1
+        "tokens_per_step": round(spec_tok / max(spec_tok - accepted, 1), 3),
+        "token_match": f"{sum(b['tokens'] == s['tokens'] for b, s in runs)}/{len(runs)}",
+    }
 
 
 def _concurrent_class(batch: Any, prompts: list[Sequence[int]]) -> dict[str, Any]:
@@ -165,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="the adaptive rule's cost ratio (default: the config's; 0 verifies every draft)")
     parser.add_argument("--method", choices=["ngram", "suffix"], default="ngram")
     parser.add_argument("--streams", type=int, default=1, help="concurrent requests per class (1: one at a time)")
+    parser.add_argument("--rounds", type=int, default=1, help="measure each class this many times; report the median")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     engine, _ = load_default_pair(args.num_threads, kv_cache_gib=0.5, with_hf=False)
@@ -172,10 +190,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "chat": chat_prompts(engine.tokenizer, args.prompts, offset=1)}
     sets = {name: sets[name] for name in args.classes.split(",")}
     result = run_spec_decode(engine, sets, args.tokens, args.k, args.ngram_min, args.ngram_max, args.quiet_wait,
-                             args.verify_cost_ratio, args.method, args.streams)
+                             args.verify_cost_ratio, args.method, args.streams, args.rounds)
     shape = "single stream" if args.streams == 1 else f"{args.streams} streams"
     lookup = f", ngram {args.ngram_min}..{args.ngram_max}" if args.method == "ngram" else ""
-    title = f"{args.method} speculative decoding, {shape}, greedy (k={args.k}{lookup})"
+    rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    title = f"{args.method} speculative decoding, {shape}, greedy (k={args.k}{lookup}){rounds}"
     print_table(title,
                 [[name, c["plain_decode_tps"], c["spec_decode_tps"], c["speedup"], c["acceptance_rate"],
                   c["tokens_per_step"], c["token_match"]] for name, c in result["classes"].items()],
