@@ -150,7 +150,8 @@ def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
 def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     """Requests arriving while others decode make mixed steps: the decode rows take the native path,
     the new prompts' chunks (a chunked 30-token prompt, and one that reuses a cached prefix) the
-    Python one, and every row's logits equal the all-Python step's."""
+    Python one, unless the whole step fits in the native rows (then the chunk's tokens are native
+    rows too), and every row's logits equal the all-Python step's."""
     engine = tiny_engine(tiny_hf_model(), block_size=4, max_num_batched_tokens=12, kv_cache_dtype=kv_cache_dtype)
     comparer = PathComparer(engine.runner.model)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -166,6 +167,8 @@ def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     assert not comparer.failures, comparer.failures[0]
     assert len(comparer.mixed_steps) >= 3 and all(d >= 1 and p >= 1 for d, p in comparer.mixed_steps)
     assert comparer.native_steps
+    # a mixed step within native.max_rows (4) whose chunk continues a pooled context: all native
+    assert comparer.chunk_steps
     engine.kv_cache.check_invariants()
     assert engine.kv_cache.usage == 0
 
