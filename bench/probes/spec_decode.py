@@ -112,11 +112,16 @@ def run_spec_decode(engine: Any, prompt_sets: dict[str, Sequence[Sequence[int]]]
     try:
         with CpuMonitor() as cpu:
             for name, prompts in prompt_sets.items():
-                if streams > 1:
-                    batch_prompts = [prompts[i % len(prompts)] for i in range(streams)]
-                    classes[name] = _median_round([_concurrent_class(batch, batch_prompts) for _ in range(rounds)])
-                else:
-                    classes[name] = _median_round([_single_class(one, prompts) for _ in range(rounds)])
+                measured = []
+                for _ in range(rounds):
+                    # a new config object per round builds a new drafter: the suffix method's
+                    # cache of completed outputs would otherwise draft round 2 from round 1's answers
+                    spec = dataclasses.replace(spec)
+                    if streams > 1:
+                        measured.append(_concurrent_class(batch, [prompts[i % len(prompts)] for i in range(streams)]))
+                    else:
+                        measured.append(_single_class(one, prompts))
+                classes[name] = _median_round(measured)
     finally:
         config.speculative_config = None
         engine.kv_cache.reset_prefix_cache()
