@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.core.client import EngineClient
 from server import __version__
+from server.access_log import AccessLog
 from server.cache_routes import add_cache_routes
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -28,6 +29,14 @@ from server.serving import OpenAIServing
 from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 logger = logging.getLogger(__name__)
+
+
+class KVServeApp(FastAPI):
+    """FastAPI with the access log outermost: outside Starlette's 500 handler too, so an
+    unhandled error's response carries ``X-Request-Id`` and gets its access line."""
+
+    def build_middleware_stack(self):  # noqa: ANN201 - Starlette's ASGIApp
+        return AccessLog(super().build_middleware_stack())
 
 
 def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
@@ -60,7 +69,7 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
             await asyncio.to_thread(engine.shutdown)
             serving.close()
 
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = KVServeApp(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.engine = engine
     install_error_handlers(app)
