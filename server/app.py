@@ -170,7 +170,10 @@ def serve(app: FastAPI, engine: EngineClient, config: ServerConfig) -> bool:
     """Run ``app`` until SIGTERM/SIGINT and a drain, or until the engine client gives up
     (``engine.fatal``: the caller exits non-zero); False if the server could not start."""
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False,
+                                           # the access log is server.access_log's, one line a request;
+                                           # uvicorn's other lines go to the root logger's handlers, so
+                                           # they have the server's format (log_format)
+                                           access_log=False, log_config=None,
                                            # a backstop only: the engine abort ends every response first
                                            timeout_graceful_shutdown=config.shutdown_grace_s + 10),
                             engine, config.shutdown_grace_s)

@@ -231,3 +231,20 @@ def test_one_access_line_per_request_and_no_secrets(srv):
         for secret in secrets:
             assert secret not in out, f"{secret!r} in the {where}"
 
+
+def test_log_format_flag_and_config(monkeypatch):
+    from engine.config import EngineConfig
+    from engine.core.process_client import MPEngineClient
+    from kvserve import cli
+    from server.config import ServerConfig
+
+    assert ServerConfig().log_format == "text"
+    for bad in (lambda: ServerConfig(log_format="xml"), lambda: MPEngineClient(EngineConfig(), log_format="xml")):
+        with pytest.raises(ValueError, match="log_format"):
+            bad()
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: seen.setdefault("args", args) and 0)
+    assert cli.main(["serve", "--log-format", "json"]) == 0
+    assert seen["args"].log_format == "json"
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--log-format", "xml"])
