@@ -9,11 +9,13 @@ each of them and nothing else.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
 import logging
 import re
+import threading
 import time
 
 import httpx
@@ -72,8 +74,22 @@ def srv(tmp_path_factory):
     use_log_format("json")
     service = build_service(EngineConfig(), ServerConfig(api_key_file=str(path), log_stats_interval_s=0,
                                                          max_body_bytes=16 * 1024), engine=engine)
+    # ``hold`` cleared: each engine stream waits after its first output (until set again), so a
+    # client can leave mid-stream, whatever the speed of the tiny model
+    hold, generate = threading.Event(), service.engine.generate
+    hold.set()
+
+    def held(*args, **kwargs):
+        async def run():
+            async for out in generate(*args, **kwargs):
+                yield out
+                while not hold.is_set():
+                    await asyncio.sleep(0.01)
+        return run()
+
+    service.engine.generate = held
     server = start_inprocess(service.app, service.engine.model_name)
-    server.records, server.stream, server.sent = records, stream, []
+    server.records, server.stream, server.sent, server.hold = records, stream, [], hold
     server.serving = service.app.state.serving
     try:
         yield server
@@ -170,6 +186,24 @@ def test_completions_both_ways(srv):
     chunks = stream_payloads(r)
     reasons = {c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c.get("finish_reason")}
     assert_ran(access_line(srv, r), chunks[-1]["usage"], reasons, chunks[0]["id"])
+
+
+def test_a_client_that_leaves_mid_stream_gets_its_line(srv):
+    srv.hold.clear()
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=chat_body(srv, stream=True, max_tokens=50),
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "leaves-early"},
+                          timeout=60) as r:
+            assert r.headers["x-request-id"] == "leaves-early"
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break  # a token came: leave (the connection closes unread)
+        srv.sent.append(r)
+        line = access_line(srv, r)
+    finally:
+        srv.hold.set()
+    assert line["status"] == 200 and line["finish_reason"] == "cancelled" and line["tenant"] == "alpha"
+    assert 1 <= line["generated_tokens"] < 50 and line["ttft_ms"] <= line["duration_ms"]
 
 
 def test_errors_and_routes_without_the_engine(srv):
