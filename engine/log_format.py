@@ -46,7 +46,10 @@ def check_log_format(log_format: str) -> None:
 
 
 def format_root_handlers(formatter: logging.Formatter, *filters: logging.Filter) -> None:
-    """Give every handler of the root logger ``formatter`` (and ``filters``)."""
+    """Give every handler of the root logger ``formatter`` (and ``filters``). Python warnings
+    become log records (logger ``py.warnings``) too, so that no line of another format reaches
+    stderr between them."""
+    logging.captureWarnings(True)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(formatter)
         for f in filters:

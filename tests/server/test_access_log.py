@@ -101,6 +101,7 @@ def srv(tmp_path_factory):
             handler.setFormatter(formatter)
             handler.filters[:] = filters
         root.setLevel(old_level)
+        logging.captureWarnings(False)
 
 
 def call(srv, method: str, path: str, json_body: dict | None = None, key: str | None = KEY,
