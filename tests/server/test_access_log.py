@@ -189,6 +189,23 @@ def test_completions_both_ways(srv):
     assert_ran(access_line(srv, r), chunks[-1]["usage"], reasons, chunks[0]["id"])
 
 
+def test_messages_and_responses_apis(srv):
+    r = call(srv, "POST", "/v1/messages", {"model": srv.model, "max_tokens": 4,
+                                           "messages": [{"role": "user", "content": "Hello there"}]},
+             key=None, headers={"x-api-key": KEY})
+    assert r.status_code == 200, r.text
+    line, used = access_line(srv, r), r.json()["usage"]
+    assert line["tenant"] == "alpha" and line["route"] == "/v1/messages"
+    assert line["prompt_tokens"] == used["input_tokens"] + used["cache_read_input_tokens"] + \
+        used["cache_creation_input_tokens"]
+    assert line["cached_tokens"] == used["cache_read_input_tokens"] and line["generated_tokens"] == used["output_tokens"]
+    r = call(srv, "POST", "/v1/responses", {"model": srv.model, "input": "Hello there", "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+    line, used = access_line(srv, r), r.json()["usage"]
+    assert line["prompt_tokens"] == used["input_tokens"] and line["generated_tokens"] == used["output_tokens"]
+    assert line["cached_tokens"] == used["input_tokens_details"]["cached_tokens"] and line["finish_reason"] == "length"
+
+
 def test_a_client_that_leaves_mid_stream_gets_its_line(srv):
     srv.hold.clear()
     try:
