@@ -11,8 +11,7 @@ from cache.eviction import EVICTION_POLICIES
 from cache.config import KV_CACHE_DTYPES
 from configs import build_section, check_sections, read_profile
 from engine.attention.base import ATTENTION_BACKENDS
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from engine.log_format import LOG_FORMATS, TEXT_FORMAT
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from kvserve.compose import build_service
+    from server.access_log import use_log_format
     from server.app import serve
     from server.config import ServerConfig
 
@@ -131,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if flags.get("api_key") is None and not flags.get("api_key_file") and os.environ.get("KVSERVE_API_KEY"):
         flags["api_key"] = os.environ["KVSERVE_API_KEY"]
     server_config = build_section(ServerConfig, "server", profile, flags)
+    use_log_format(server_config.log_format)
     service = build_service(config, server_config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d (auth %s)", service.engine.model_name,
                                      server_config.host, server_config.port,
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--metrics-compat", dest="metrics_compat", choices=["vllm"],
                    help="also export the vLLM metric names that routers read (vllm:num_requests_waiting, ...)")
     s.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS")
+    s.add_argument("--log-format", dest="log_format", choices=LOG_FORMATS,
+                   help="json: every log line, the per-request access log's too, one JSON object (default text)")
     serve.set_defaults(func=cmd_serve)
 
     # `kvserve bench ...` is `python -m bench ...` (its own parser and --help).
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # forward verbatim: REMAINDER would not take a leading option such as --help
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=TEXT_FORMAT, stream=sys.stderr)
     for noisy in ("httpx", "transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

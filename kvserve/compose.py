@@ -41,7 +41,7 @@ def build_service(engine_config: EngineConfig, server_config: ServerConfig, engi
         import torch
 
         torch.set_num_threads(1)
-        client = MPEngineClient(engine_config)
+        client = MPEngineClient(engine_config, log_format=server_config.log_format)
     else:
         if engine is None:
             from engine.llm_engine import LLMEngine

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.core.client import EngineClient
 from server import __version__
+from server.access_log import AccessLog
 from server.cache_routes import add_cache_routes
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -28,6 +29,14 @@ from server.serving import OpenAIServing
 from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 logger = logging.getLogger(__name__)
+
+
+class KVServeApp(FastAPI):
+    """FastAPI with the access log outermost: outside Starlette's 500 handler too, so an
+    unhandled error's response carries ``X-Request-Id`` and gets its access line."""
+
+    def build_middleware_stack(self):  # noqa: ANN201 - Starlette's ASGIApp
+        return AccessLog(super().build_middleware_stack())
 
 
 def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
@@ -60,7 +69,7 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
             await asyncio.to_thread(engine.shutdown)
             serving.close()
 
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = KVServeApp(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.engine = engine
     install_error_handlers(app)
@@ -161,7 +170,10 @@ def serve(app: FastAPI, engine: EngineClient, config: ServerConfig) -> bool:
     """Run ``app`` until SIGTERM/SIGINT and a drain, or until the engine client gives up
     (``engine.fatal``: the caller exits non-zero); False if the server could not start."""
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False,
+                                           # the access log is server.access_log's, one line a request;
+                                           # uvicorn's other lines go to the root logger's handlers, so
+                                           # they have the server's format (log_format)
+                                           access_log=False, log_config=None,
                                            # a backstop only: the engine abort ends every response first
                                            timeout_graceful_shutdown=config.shutdown_grace_s + 10),
                             engine, config.shutdown_grace_s)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.log_format import check_log_format
+
 
 @dataclass
 class ResponseStoreConfig:
@@ -32,6 +34,7 @@ class ServerConfig:
     shutdown_grace_s: float = 20.0  # SIGTERM: in-flight requests may finish for this long
     log_stats_interval_s: float = 10.0  # periodic throughput/KV log line while busy; 0 disables
     metrics_compat: str | None = None  # "vllm": also export the vLLM metric names routers read
+    log_format: str = "text"  # "json": every log line (the access log's too) a JSON object (server/access_log.py)
     response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
 
     def __post_init__(self) -> None:
@@ -45,6 +48,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.metrics_compat not in (None, "vllm"):
             raise ValueError(f"metrics_compat must be 'vllm' or null, got {self.metrics_compat!r}")
+        check_log_format(self.log_format)
         if isinstance(self.response_store, dict):  # from a YAML profile's server section
             self.response_store = ResponseStoreConfig(**self.response_store)
         if self.api_key == "":

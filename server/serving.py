@@ -17,7 +17,6 @@ import dataclasses
 import json
 import hmac
 import time
-import uuid
 from functools import lru_cache
 from typing import Any, AsyncIterator, Callable
 
@@ -29,6 +28,7 @@ from engine.core.protocol import PromptTooLongError
 from kvtypes.outputs import RequestOutput
 from kvtypes.sampling_params import SamplingParams
 from engine.tokenizer import TemplateError, encode_chat, encode_prompt
+from server.access_log import current_record, engine_request_id
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
@@ -186,7 +186,7 @@ class OpenAIServing:
         params = with_policy(params, chat_cache_policy(body, self.tokenizer, messages, prompt_ids,
                                                        has_disk_tier(self.engine)))
         self._validate_prompt(prompt_ids, params, "messages")
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id = engine_request_id(id_prefix)
         think = None
         if self.reasons:
             think = ThinkMode.for_prompt(self.tokenizer, prompt_ids)
@@ -226,7 +226,7 @@ class OpenAIServing:
             ids = next(encoded) if isinstance(prompt, str) else list(prompt)
             self._validate_prompt(ids, params, "prompt")
             prompts.append(ids)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = engine_request_id("cmpl")
         jobs = self._jobs(request_id, prompts, params, body.n, priority)
         await self.tenancy.admit(current_tenant(), jobs, self.engine.max_model_len)
         if body.echo:
@@ -274,12 +274,23 @@ class OpenAIServing:
         tenant = jobs[0].tenant if jobs else None
         salt = tenant.cache_salt(cache_salt) if tenant is not None else cache_salt
         owner = self.tenancy.engine_tenant(tenant) if tenant is not None else None
+        record = current_record()
+        unfinished = "cancelled"  # the finish reason of a choice the engine did not end: the stream was left
         try:
             async with contextlib.aclosing(self._stream_jobs(jobs, salt, owner)) as items:
                 async for item in items:
+                    if record is not None and item[1].num_output_tokens:
+                        record.first_token()
                     yield item
+        except EngineRequestError as exc:
+            unfinished = "abort" if exc.status == 503 else "error"
+            raise
         finally:
             self.tenancy.ended(jobs)
+            if record is not None and jobs:
+                counts = usage([j.choice for j in jobs], prompt_lengths(jobs))
+                record.engine_ran(counts["prompt_tokens"], counts["prompt_tokens_details"]["cached_tokens"],
+                                  counts["completion_tokens"], [j.choice.finish_reason or unfinished for j in jobs])
 
     async def _stream_jobs(self, jobs: list[Job], cache_salt: str | None,
                            tenant: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:

@@ -33,6 +33,7 @@ from engine.core.protocol import (AbortRequests, AddRequest, CoreReady, EngineCo
                                   Shutdown, Unpin, pipe_poller)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.log_format import JsonFormatter, format_root_handlers
 from scheduler.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,10 @@ class _FrontendGone(Exception):
     """The pipe to the frontend is closed: nobody is left to serve."""
 
 
-def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: ANN001 - multiprocessing Connections
-    """Entry point of the engine core process (started with the 'spawn' method).
+def run_core_process(config: EngineConfig, commands, outputs,  # noqa: ANN001 - multiprocessing Connections
+                     log_format: str = "text") -> None:
+    """Entry point of the engine core process (started with the 'spawn' method); its log lines
+    are ``log_format`` (engine.log_format), like the server's.
 
     Sends ``CoreReady`` once the model is loaded, then runs the loop. Exit status: 0 after a
     ``Shutdown`` or when the frontend is gone, 1 when the engine failed.
@@ -137,6 +140,8 @@ def run_core_process(config: EngineConfig, commands, outputs) -> None:  # noqa: 
     multiprocessing.current_process().daemon = False
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    if log_format == "json":
+        format_root_handlers(JsonFormatter(process="core"))
     for noisy in ("transformers", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from engine.config import EngineCoreConfig
 from engine.core.client import EngineObserver, _ClientBase
 from engine.core.output_processor import OutputProcessor
+from engine.log_format import check_log_format
 from engine.core.protocol import (GENERIC_ENGINE_ERROR, AbortRequests, AddRequest, CoreReady, Shutdown, Unpin,
                                   pipe_poller)
 
@@ -40,9 +41,11 @@ class MPEngineClient(_ClientBase):
     """The core in a child process (see the module doc). ``start`` blocks until the model is loaded."""
 
     def __init__(self, config: Any, observer: EngineObserver | None = None,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None] | None = None, log_format: str = "text") -> None:
         super().__init__(observer)
+        check_log_format(log_format)
         self.config = config  # EngineConfig, pickled to each core process
+        self.log_format = log_format  # of the core process's log lines (engine.log_format)
         self.core_config: EngineCoreConfig = config.core
         self.on_fatal = on_fatal
         self.core_pid: int | None = None
@@ -114,7 +117,7 @@ class MPEngineClient(_ClientBase):
         out_recv, out_send = ctx.Pipe(duplex=False)
         # Daemonic: our exit ends it. With tensor parallelism the core clears its own flag to spawn
         # its ranks (run_core_process); they die with it.
-        proc = ctx.Process(target=run_core_process, args=(self.config, cmd_recv, out_send),
+        proc = ctx.Process(target=run_core_process, args=(self.config, cmd_recv, out_send, self.log_format),
                            name="kvserve-engine-core", daemon=True)
         proc.start()
         # Close our copies of the child's ends: its death then shows here as EOF at once.

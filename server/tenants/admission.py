@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from server.access_log import note_tenant
 from server.errors import APIError, bad_request
 from server.tenants.config import SALT_PREFIX, Tenant
 from server.tenants.limits import Clock, RateLimited, TenantLimiter, TooLarge
@@ -54,6 +55,7 @@ class Tenancy:
         if tenant is None:
             raise APIError(401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.",
                            "invalid_request_error", None, "invalid_api_key")
+        note_tenant(tenant.name)  # a 403 too: the access log says who was refused
         if right not in tenant.allow:
             raise APIError(403, f"this API key may not use {RIGHT_NAMES.get(right, right)}", "permission_error",
                            None, "permission_denied")

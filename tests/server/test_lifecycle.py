@@ -1,6 +1,7 @@
 """Overload (429), client disconnects (aborts free blocks), SIGTERM drain of a real ``kvserve serve`` process."""
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -119,7 +120,8 @@ def sigterm_servers(tmp_path_factory):
     """Two `kvserve serve` processes, started together (model loading overlaps)."""
     tmp = tmp_path_factory.mktemp("sigterm")
     servers = {"drain": start_server_process(tmp, "--shutdown-grace", str(DRAIN_GRACE)),
-               "grace1": start_server_process(tmp, "--shutdown-grace", "1")}
+               # also the access log in --log-format json, end to end (tests/server/test_access_log.py has the rest)
+               "grace1": start_server_process(tmp, "--shutdown-grace", "1", "--log-format", "json")}
     try:
         for s in servers.values():
             wait_healthy(s.base_url, SERVER_START_TIMEOUT_S, s.proc)
@@ -213,3 +215,10 @@ def test_sigterm_grace_expiry_aborts_and_exits_0(sigterm_servers, openai_schemas
     texts = frames[:-1]
     assert all(f["choices"][0]["finish_reason"] is None for f in texts)
     assert 0 < len(texts) < 900
+    # --log-format json: every line of the server and of its engine core is JSON; the aborted
+    # stream has its one access line
+    lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    assert any(line.get("process") == "core" for line in lines)
+    access = [line for line in lines if line["logger"] == "kvserve.access" and line["route"] == "/v1/completions"]
+    assert len(access) == 1 and access[0]["status"] == 200 and access[0]["finish_reason"] == "abort"
+    assert access[0]["generated_tokens"] >= len(texts) and access[0]["tenant"] == "anonymous"
