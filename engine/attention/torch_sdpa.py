@@ -94,13 +94,19 @@ class TorchAttention(AttentionBackend):
                 keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
                 values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
                 causal = chunk.mask
-            o, m = _attend_with_mass(q_c, keys, values, causal, bs)
-            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
-            mass[num_decodes + j, :m.shape[-1]] += m[0]
+            # query rows in slices: the probabilities are [heads, rows, context] floats
+            for r in range(0, q_c.shape[2], MASS_QUERY_ROWS):
+                rows = slice(r, r + MASS_QUERY_ROWS)
+                o, m = _attend_with_mass(q_c[:, :, rows], keys, values, causal[rows], bs)
+                out[chunk.start + r:chunk.start + r + o.shape[2]] = o[0].transpose(0, 1)
+                mass[num_decodes + j, :m.shape[-1]] += m[0]
         return out
 
     def describe(self) -> str:
         return "torch SDPA"
+
+
+MASS_QUERY_ROWS = 256  # a prefill chunk's rows per explicit-softmax call under block-mass export
 
 
 def _attend_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

@@ -121,3 +121,36 @@ def test_h2o_caps_a_request_at_the_context(hf):
                          kv_eviction="h2o", kv_budget_tokens=32)
     with pytest.raises(PromptTooLongError):
         engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=CONTEXT, ignore_eos=True))
+
+
+def test_block_mass_is_each_rows_softmax_per_block_and_the_output_sdpas(monkeypatch):
+    """The torch backend's export: with ``block_mass`` set, outputs equal plain SDPA's; each query
+    row and head contributes 1 in all, split over the blocks of its own table (padding masked
+    out); a prefill chunk sliced into row groups gives the same numbers."""
+    import engine.attention.torch_sdpa as sdpa
+    from engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs, n = 4, 2, 8, 4, 11
+    q, k, v = torch.randn(n + 2, heads, d), torch.randn(n + 2, kv_heads, d), torch.randn(n + 2, kv_heads, d)
+    pool = torch.randn(2, 16, bs, kv_heads, d)
+    # rows 0, 1: decodes over blocks [5, 6] (7 tokens) and [9, 10, 11] (10 tokens); then an 11-token fresh chunk
+    slots = torch.tensor([6 * bs + 2, 11 * bs + 1] + list(range(n)))
+    lens = torch.tensor([7, 10])
+    group = DecodeGroup(0, 2, 10, torch.tensor([5, 6, 0, 9, 10, 11]),
+                        (torch.arange(10)[None, :] < lens[:, None])[:, None, None, :], lens)
+
+    def run(mass: bool, rows: int = 256):
+        monkeypatch.setattr(sdpa, "MASS_QUERY_ROWS", rows)
+        meta = AttentionMetadata(slots, [group], [PrefillChunk(2, n + 2, n, None, None)],
+                                 block_mass=torch.zeros(3, 3) if mass else None)
+        out = sdpa.TorchAttention().forward(q, k, v, pool[0].clone(), pool[1].clone(), meta)
+        return out, meta.block_mass
+
+    plain, _ = run(False)
+    out, mass = run(True)
+    sliced, mass_sliced = run(True, rows=3)
+    assert torch.allclose(out, plain, atol=1e-5) and torch.allclose(sliced, out, atol=1e-5)
+    assert torch.allclose(mass, mass_sliced, atol=1e-5)
+    assert torch.allclose(mass.sum(-1), torch.tensor([heads, heads, heads * n], dtype=torch.float32), atol=1e-4)
+    assert mass[0, 2] == 0  # row 0 holds two blocks: nothing falls on the padding
