@@ -35,12 +35,17 @@ class CacheConfig:
     kv_offload_gib: float = 0.0
     # Pinned prefixes (cache_control) may hold at most this fraction of the pool.
     kv_pin_fraction: float = 0.25
-    # Eviction inside a sequence (cache/eviction): "none" or "streaming" (sinks + a recent window);
+    # Eviction inside a sequence (cache/eviction): "none", "streaming" (sinks + a recent window) or
+    # "h2o" (sinks + recent + heavy hitters within a budget);
     # None window: the largest that fits the context; None cap: a request's prompt + output unbounded.
     kv_eviction: str = "none"
     kv_sink_tokens: int = 4
     kv_window_tokens: int | None = None
     kv_max_request_tokens: int | None = None
+    # h2o: tokens a sequence holds before a step (whole blocks) and the recent ones always kept
+    # (None: half of what the budget leaves beside the sinks and the open block).
+    kv_budget_tokens: int | None = None
+    kv_recent_tokens: int | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -75,7 +80,8 @@ class CacheConfig:
         """The ``kv_eviction`` fields as one (unresolved) config; ValueError naming a bad field."""
         return EvictionConfig(policy=self.kv_eviction, sink_tokens=self.kv_sink_tokens,
                               window_tokens=self.kv_window_tokens, max_request_tokens=self.kv_max_request_tokens,
-                              block_size=self.block_size)
+                              block_size=self.block_size, budget_tokens=self.kv_budget_tokens,
+                              recent_tokens=self.kv_recent_tokens)
 
     @property
     def dtype_bytes(self) -> int:

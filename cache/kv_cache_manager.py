@@ -12,7 +12,7 @@ from typing import Protocol
 from cache.block import KVBlock
 from cache.block_pool import BlockPool, _check
 from cache.eviction import EvictionPolicy, RopeShift
-from cache.eviction.allocation import check_kept_blocks, plan_allocation, rebase_blocks
+from cache.eviction.allocation import check_kept_blocks, kept_text_indices, plan_allocation, rebase_blocks
 from cache.hashing import BlockHash, iter_block_hashes
 from cache.pins import Pin, PinInfo, salt_id
 from cache.tiers import KVTier, tier_members
@@ -45,8 +45,11 @@ class _RequestBlocks:
     # from the cache map (a duplicate of another request's block) but its hash is still needed to
     # chain the next one. Kept block j is text block j, or j + num_evicted_blocks past the sinks.
     block_hashes: list[BlockHash] = field(default_factory=list)
-    num_evicted_blocks: int = 0  # evicted text blocks, the ones right after the sink blocks
+    num_evicted_blocks: int = 0  # evicted text blocks (streaming: the ones right after the sink blocks)
     position_shift: int = 0  # kept tokens past the sinks sit at text position - shift (cache/eviction)
+    evicted_text: list[int] = field(default_factory=list)  # the evicted text block indices, ascending
+    # h2o: accumulated attention mass per kept block, in block-table order (missing ones: 0)
+    block_mass: list[float] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -363,7 +366,8 @@ class KVCacheManager:
         computed = request.num_computed_tokens + len(new_computed_blocks) * bs  # text tokens before the step
         num_tokens = computed + num_new_tokens
         plan = plan_allocation(self.eviction, getattr(request, "evicts", False), state.blocks, new_computed_blocks,
-                               state.num_evicted_blocks, state.position_shift, computed, num_new_tokens, bs)
+                               state.num_evicted_blocks, state.position_shift, computed, num_new_tokens, bs,
+                               state.block_mass)
         # Touching a hit with ref_cnt 0 takes it out of the free queue, so it costs a free block too.
         num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and block not in plan.dropped)
         if plan.num_new_blocks + plan.num_copies + num_evictable_hits > self.block_pool.num_free_blocks + plan.num_freed:
@@ -384,7 +388,12 @@ class KVCacheManager:
             state.block_hashes.extend(new_hashes[:len(new_computed_blocks)])
             new_hashes = []
         if plan.num_evict:
-            del state.blocks[plan.sinks:plan.sinks + plan.num_evict]
+            texts = kept_text_indices(len(state.blocks), state.evicted_text)
+            state.evicted_text = sorted(state.evicted_text + [texts[i] for i in plan.indices])
+            for i in reversed(plan.indices):
+                del state.blocks[i]
+                if i < len(state.block_mass):
+                    del state.block_mass[i]
             self.block_pool.free_blocks(reversed(plan.dropped))
             state.num_evicted_blocks = plan.num_evicted
             self.num_evicted_blocks_total += plan.num_evict
@@ -409,6 +418,26 @@ class KVCacheManager:
         delta = shift - state.position_shift
         state.position_shift = shift
         self._rope_shifts.append(RopeShift(tuple(b.block_id for b in state.blocks[sinks:]), delta, tuple(copies)))
+
+    def add_block_mass(self, request_id: str, mass: Sequence[float]) -> None:
+        """Add one step's attention mass per block-table index (h2o: summed over layers, heads
+        and the step's query rows, as the attention backend exported it) to the request's
+        accumulated mass. The step's block table is the current one: it changes only when the
+        next step is scheduled. An unknown request (finished, preempted) is a no-op."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        acc = state.block_mass
+        n = min(len(mass), len(state.blocks))
+        if len(acc) < n:
+            acc.extend([0.0] * (n - len(acc)))
+        for j in range(n):
+            acc[j] += float(mass[j])
+
+    def block_mass(self, request_id: str) -> list[float]:
+        """The request's accumulated attention mass per kept block (0 where none was reported)."""
+        state = self._requests.get(request_id) or _RequestBlocks()
+        return [state.block_mass[j] if j < len(state.block_mass) else 0.0 for j in range(len(state.blocks))]
 
     def take_rope_shifts(self) -> list[RopeShift]:
         """The pool edits the step's rebases need, in order, before its forward pass (cache/eviction)."""
@@ -458,6 +487,7 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r}: cannot truncate to {num_tokens} tokens, "
                              "a block past them is hashed")
         del state.blocks[keep:]
+        del state.block_mass[keep:]
         self.block_pool.free_blocks(reversed(tail))
         return len(tail)
 
@@ -494,7 +524,7 @@ class KVCacheManager:
                    f"request {request_id!r} has more hashes than blocks")
             sinks = self.eviction.sink_blocks if self.eviction is not None and state.num_evicted_blocks else 0
             check_kept_blocks(request_id, state.blocks, state.block_hashes, sinks, state.num_evicted_blocks,
-                              state.position_shift)
+                              state.position_shift, state.evicted_text)
         for block in self.block_pool.blocks:
             _check(block.ref_cnt == holders[block.block_id],
                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders")

@@ -290,8 +290,13 @@ def resolve_eviction(config: EngineConfig) -> EvictionConfig:
         if config.cache.kv_cache_dtype == "int4":
             raise ValueError(f"kv_eviction {eviction.policy!r} does not run with kv_cache_dtype int4 "
                              "(re-rotating keys quantized per channel is not implemented)")
-        logger.info("KV eviction: %s, %d sink blocks + a %d-token window (a sequence holds at most %d tokens)",
-                    eviction.policy, eviction.sink_blocks, eviction.window_tokens, eviction.max_held_tokens)
+        if eviction.policy == "h2o":
+            logger.info("KV eviction: h2o, a %d-block budget: %d sink blocks, the last %d tokens and the heaviest "
+                        "blocks by accumulated attention (a sequence holds at most %d tokens)", eviction.budget_blocks,
+                        eviction.sink_blocks, eviction.recent_tokens, eviction.max_held_tokens)
+        else:
+            logger.info("KV eviction: %s, %d sink blocks + a %d-token window (a sequence holds at most %d tokens)",
+                        eviction.policy, eviction.sink_blocks, eviction.window_tokens, eviction.max_held_tokens)
     return eviction
 
 
@@ -363,8 +368,15 @@ class _EngineBuild:
         host, arena = make_host_tier(cache_cfg, copier.payload_bytes, device)
         tier = chain_tiers(host, disk)
         eviction = resolve_eviction(config)
+        policy = build_policy(eviction)
+        if policy is not None and policy.needs_block_mass:
+            attn = self.runner.model.attn
+            if not attn.exports_block_mass:
+                raise ValueError(f"kv_eviction {eviction.policy!r} needs the attention mass per block, and "
+                                 f"attention_backend {attn.name!r} cannot give it: {attn.block_mass_refusal}")
+            self.runner.export_block_mass = True
         kv_cache = KVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
-                                  tier=tier, pin_fraction=cache_cfg.kv_pin_fraction, eviction=build_policy(eviction))
+                                  tier=tier, pin_fraction=cache_cfg.kv_pin_fraction, eviction=policy)
         if self.runner.kv_residual is not None:  # int4: reclaim open blocks that went back to the pool
             blocks = kv_cache.block_pool.blocks
             self.runner.kv_residual.block_in_use = lambda b: b < len(blocks) and blocks[b].ref_cnt > 0

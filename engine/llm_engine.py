@@ -235,6 +235,8 @@ class LLMEngine:
             plan.scheduled = [s for s in plan.scheduled if s.request.request_id not in failed_ids]
             for request in self.scheduler.finish_requests(list(failed_ids), RequestStatus.FINISHED_ERROR):
                 outputs.append(self._final(request))
+        for rid, mass in self.runner.take_block_mass().items():  # h2o: before eviction plans read it
+            self.kv_cache.add_block_mass(rid, mass)
         touched = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()},
                                         {rid: s.run_token_ids for rid, s in sampled.items()
                                          if s.run_token_ids is not None})

@@ -57,11 +57,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most of the pool that cache_control pins may hold (default 0.25)")
     g.add_argument("--kv-eviction", dest="kv_eviction", choices=EVICTION_POLICIES,
                    help="evict KV inside a sequence: streaming keeps the first --kv-sink-tokens and the last "
-                        "--kv-window-tokens (StreamingLLM), so a request may run past the context (default none)")
+                        "--kv-window-tokens (StreamingLLM), so a request may run past the context; h2o keeps the "
+                        "sinks, the last --kv-recent-tokens and the blocks with the most accumulated attention within "
+                        "--kv-budget-tokens (needs --attention-backend torch) (default none)")
     g.add_argument("--kv-sink-tokens", dest="kv_sink_tokens", type=int, metavar="S",
                    help="streaming: tokens kept at the start of every sequence, in whole blocks (default 4)")
     g.add_argument("--kv-window-tokens", dest="kv_window_tokens", type=int, metavar="W",
                    help="streaming: most recent tokens kept, in whole blocks (default: the largest that fits the context)")
+    g.add_argument("--kv-budget-tokens", dest="kv_budget_tokens", type=int, metavar="B",
+                   help="h2o: tokens a sequence holds before a step, in whole blocks (required with h2o)")
+    g.add_argument("--kv-recent-tokens", dest="kv_recent_tokens", type=int, metavar="R",
+                   help="h2o: most recent tokens always kept (default: half of what the budget leaves beside the sinks)")
     g.add_argument("--kv-max-request-tokens", dest="kv_max_request_tokens", type=int, metavar="N",
                    help="under --kv-eviction: the most tokens (prompt + output) one request may run (default unlimited)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)

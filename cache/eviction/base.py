@@ -27,15 +27,21 @@ class SequenceView:
     num_new_tokens: int  # text tokens this step computes
     num_evicted_blocks: int  # blocks evicted so far; they followed the sinks, contiguously
     position_shift: int  # see the module docstring
+    # h2o: the accumulated attention mass of each kept block, in block-table order (the blocks
+    # held, then this step's prefix hits at 0)
+    block_mass: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class EvictionPlan:
     """``num_evict``: the kept blocks right after the sinks to drop now (streaming evicts the
-    oldest blocks of its window). ``rebase``: re-rotate so positions are contiguous again."""
+    oldest blocks of its window). ``rebase``: re-rotate so positions are contiguous again.
+    ``indices`` (h2o): the kept blocks to drop, by block-table index (ascending, past the sinks,
+    never the last one); when given, ``num_evict`` is their count."""
 
     num_evict: int = 0
     rebase: bool = False
+    indices: tuple[int, ...] = ()
 
 
 NO_EVICTION = EvictionPlan()
@@ -68,6 +74,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def plan(self, seq: SequenceView) -> EvictionPlan:
         """What to evict before this step's tokens are computed."""
+
+    # Evicts only the blocks right after the sinks (so kept block j past the sinks is text block
+    # j + evicted); False: any kept block past the sinks, named by ``EvictionPlan.indices``.
+    contiguous: bool = True
+    # Reads ``SequenceView.block_mass``: the attention backend must export per-block attention mass.
+    needs_block_mass: bool = False
 
     @property
     def max_hit_tokens(self) -> int:

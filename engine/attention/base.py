@@ -39,6 +39,12 @@ class AttentionBackend(ABC):
     # The model's native decode path (engine/model/native_decode.py) may run under this backend:
     # its C++ layers attend with the same kernel, so both paths share the backend's numerics.
     supports_native_decode: ClassVar[bool] = False
+    # The forward adds, for every query row and head, the softmax probability mass falling in
+    # each block of the row's block table into ``AttentionMetadata.block_mass`` when the runner
+    # sets it (H2O eviction, cache/eviction/h2o.py), from the probabilities it computes anyway.
+    exports_block_mass: ClassVar[bool] = False
+    # Why not, for the refusal at build (kv_eviction h2o with this backend).
+    block_mass_refusal: ClassVar[str] = "its kernels do not export per-block attention mass"
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

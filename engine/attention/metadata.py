@@ -96,6 +96,11 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     paged: PagedLayout | None = None
+    # H2O (cache/eviction/h2o.py): ``[num_seqs, max_blocks]`` float32, zeros from the runner;
+    # a backend that ``exports_block_mass`` adds each sequence's attention probability mass per
+    # block-table index, summed over layers, heads and the sequence's query rows. Sequence i is
+    # decode row i (decode rows first), then prefill chunk j is sequence ``num_decode_rows + j``.
+    block_mass: torch.Tensor | None = None
 
     def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
         """(the decode rows, the prefill chunks) as two steps: the first ``n`` rows (every decode

@@ -24,6 +24,9 @@ class NativeAttention(TorchAttention):
     name = "native"
     reads_lengths_in_place = True
     supports_native_decode = True  # decode_layer.cpp attends through this kernel (paged_attention.h)
+    exports_block_mass = False
+    block_mass_refusal = ("its C++ decode kernel keeps each block's partial softmax sums in its online softmax "
+                          "and does not export them yet; run --attention-backend torch")
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

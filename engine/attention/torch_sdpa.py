@@ -22,6 +22,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
     kv_cache_dtypes = ("auto", "int8", "float16", "int4")
+    exports_block_mass = True  # with block_mass set, attends through explicit softmax (_attend_with_mass)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -30,6 +31,8 @@ class TorchAttention(AttentionBackend):
             k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
         num_tokens, num_heads, head_dim = q.shape
         groups = meta.decode_groups
+        if meta.block_mass is not None:
+            return self._forward_with_mass(q, k, v, k_cache, v_cache, meta).view(num_tokens, num_heads * head_dim)
         if len(groups) == 1 and not meta.prefills:  # the common pure-decode step: no scatter
             return self._decode(q, k_cache, v_cache, groups[0]).reshape(num_tokens, num_heads * head_dim)
         out = torch.empty_like(q)
@@ -62,5 +65,66 @@ class TorchAttention(AttentionBackend):
             gather_kv(v_cache, g.block_ids, n, g.length).to(q.dtype),
             attn_mask=g.mask, enable_gqa=True).squeeze(2)
 
+    def _forward_with_mass(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The same attention as ``forward`` through explicit softmax probabilities, whose mass
+        per block goes into ``meta.block_mass`` on the way (one pass: the probabilities that
+        weigh the values are the ones summed)."""
+        mass = meta.block_mass
+        assert mass is not None
+        out = torch.empty_like(q)
+        bs = k_cache.shape[1]
+        for g in meta.decode_groups:
+            n = g.end - g.start
+            keys = gather_kv(k_cache, g.block_ids, n, g.length).to(q.dtype)
+            values = gather_kv(v_cache, g.block_ids, n, g.length).to(q.dtype)
+            mask = g.mask if g.mask is not None else None
+            o, m = _attend_with_mass(q[g.start:g.end].unsqueeze(2), keys, values, mask, bs)
+            out[g.start:g.end] = o.squeeze(2)
+            mass[g.start:g.end, :m.shape[-1]] += m
+        num_decodes = meta.decode_groups[-1].end if meta.decode_groups else 0
+        for j, chunk in enumerate(meta.prefills):
+            q_c = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            if chunk.block_ids is None:
+                keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                n = chunk.end - chunk.start
+                causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            else:
+                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
+                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
+                causal = chunk.mask
+            # query rows in slices: the probabilities are [heads, rows, context] floats
+            for r in range(0, q_c.shape[2], MASS_QUERY_ROWS):
+                rows = slice(r, r + MASS_QUERY_ROWS)
+                o, m = _attend_with_mass(q_c[:, :, rows], keys, values, causal[rows], bs)
+                out[chunk.start + r:chunk.start + r + o.shape[2]] = o[0].transpose(0, 1)
+                mass[num_decodes + j, :m.shape[-1]] += m[0]
+        return out
+
     def describe(self) -> str:
         return "torch SDPA"
+
+
+MASS_QUERY_ROWS = 256  # a prefill chunk's rows per explicit-softmax call under block-mass export
+
+
+def _attend_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[B, H, Q, d]`` over keys/values ``[B, KVH, L, d]`` (grouped query heads), ``mask``
+    broadcastable to ``[B, 1, Q, L]`` (True = may attend) -> (out ``[B, H, Q, d]``, the
+    probability mass per block of ``block_size`` keys, summed over heads and query rows:
+    ``[B, ceil(L / block_size)]`` float32)."""
+    b, h, nq, d = q.shape
+    kvh, length = keys.shape[1], keys.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, nq, d)
+    scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)).float() * d ** -0.5  # [B, KVH, G, Q, L]
+    if mask is not None:  # [Q, L] (a chunk) or [B, 1, 1, L] (decode rows) -> [B or 1, 1, 1, Q or 1, L]
+        mask = mask[None, None, None] if mask.dim() == 2 else mask[:, :, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values.unsqueeze(2)).reshape(b, h, nq, d)
+    per_key = probs.sum(dim=(1, 2, 3))  # [B, L]
+    width = -(-length // block_size)
+    per_key = F.pad(per_key, (0, width * block_size - length))
+    return out.to(q.dtype), per_key.view(b, width, block_size).sum(-1)

@@ -17,6 +17,8 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     reads_lengths_in_place = True
+    block_mass_refusal = ("its split-K decode and extend kernels keep per-block softmax sums on chip and do not "
+                          "write them out (not implemented); run --attention-backend torch")
     uses_paged_layout = True
     graph_safe_decode = True
     kv_cache_dtypes = ("auto", "int8", "int4")

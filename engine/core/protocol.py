@@ -89,7 +89,7 @@ class EngineInfo:
         """Whether the eviction policy applies to a request (its ``kv_eviction`` or the server's);
         ValueError when it opts in and the server runs none."""
         if params.kv_eviction and self.kv_eviction == "none":
-            raise ValueError("kv_eviction: this server evicts no KV (start it with --kv-eviction streaming)")
+            raise ValueError("kv_eviction: this server evicts no KV (start it with --kv-eviction streaming or h2o)")
         return self.kv_eviction != "none" and params.kv_eviction is not False
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -129,9 +129,10 @@ class EngineInfo:
         cap = self.kv_max_request_tokens
         if cap is not None and n >= cap:
             raise PromptTooLongError(f"the prompt has {n} tokens but a request may hold at most {cap} "
-                                     "(--kv-max-request-tokens; at least one must be left to generate)")
+                                     "(--kv-max-request-tokens, under h2o at most the context; at least one must be left to generate)")
         if cap is not None and params.max_tokens is not None and n + params.max_tokens > cap:
-            raise PromptTooLongError(f"a request may hold at most {cap} tokens (--kv-max-request-tokens), but "
+            raise PromptTooLongError(f"a request may hold at most {cap} tokens (--kv-max-request-tokens, under h2o at most the "
+                                     f"context), but "
                                      f"{n + params.max_tokens} were requested ({n} in the prompt, "
                                      f"{params.max_tokens} to generate)")
         if math.ceil(self.kv_max_held_tokens / self.block_size) > self.num_blocks:

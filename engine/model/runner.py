@@ -83,6 +83,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_tokens_computed = 0  # tokens that went through the model, for tests and stats
         self.graphs: CudaGraphRunner | None = None
+        # H2O (cache/eviction/h2o.py): the attention backend exports per-block attention mass;
+        # ``block_mass`` collects it per evicting request (block-table order) until taken.
+        self.export_block_mass = False
+        self.block_mass: dict[str, list[float]] = {}
 
     def allocate_kv(self, num_blocks: int) -> None:
         """(Re)allocate the pool: ``num_blocks`` blocks for the cache manager plus one sink
@@ -227,6 +231,20 @@ class ModelRunner:
             self.num_tokens_computed += len(ordered)
         return logits
 
+    def _collect_block_mass(self, ordered: list[ScheduledRequest], mass: torch.Tensor) -> None:
+        """Row i of ``mass`` is ``ordered[i]`` (decode rows first, then chunks, as the metadata's)."""
+        rows = mass.cpu().tolist()
+        for item, row in zip(ordered, rows):
+            if item.request.evicts:
+                acc = self.block_mass.setdefault(item.request.request_id, [0.0] * len(item.block_ids))
+                for j in range(len(item.block_ids)):
+                    acc[j] += row[j]
+
+    def take_block_mass(self) -> dict[str, list[float]]:
+        """The per-block attention mass collected since the last call, by request id (H2O)."""
+        out, self.block_mass = self.block_mass, {}
+        return out
+
     def _paged_layout(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> PagedLayout:
         """The step as one varlen batch (see PagedLayout), built on the host and copied once."""
         items = decodes + prefills
@@ -257,14 +275,19 @@ class ModelRunner:
         ordered = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
                          key=lambda s: s.request.num_computed_tokens) + \
             [s for s in out.scheduled if s.num_new_tokens > 1]
-        logits = self._graph_logits(ordered)
+        logits = None if self.export_block_mass else self._graph_logits(ordered)
         verifying: list[ScheduledRequest] = []
         if logits is not None:
             sampling = ordered
         else:
             input_ids, positions, meta = self.prepare_inputs(ordered)
+            if self.export_block_mass:
+                meta.block_mass = torch.zeros(len(ordered), max(len(s.block_ids) for s in ordered),
+                                              dtype=torch.float32, device=self.device)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             self.num_tokens_computed += input_ids.numel()
+            if meta.block_mass is not None:
+                self._collect_block_mass(ordered, meta.block_mass)
             self._collect_prompt_logprobs(ordered, hidden)
             sampling = []
             last_rows = []

@@ -1,0 +1,156 @@
+"""H2O eviction through the engine (torch attention backend, which exports per-block attention
+mass from the softmax it computes) against a torch reference that builds the same kept set
+explicitly: transformers' own Llama in eager attention, returning its attention probabilities;
+the reference sums them per kept block (over layers, heads and query rows), applies the same
+block rule (sinks, recent tokens and the open block kept; the lightest other blocks out over the
+budget) and cuts the evicted entries out of its cache. Keys stay at their text positions.
+
+The tiny model's context is 128; the sequence runs 80 + 40 tokens under a 32-token budget, in
+8-token prefill chunks: it evicts in prefill and in decode, leaving holes anywhere past the sinks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvtypes.sampling_params import SamplingParams
+from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+
+BLOCK, CHUNK, CONTEXT = 4, 8, 128
+
+
+@pytest.fixture(scope="module")
+def hf():
+    model = tiny_hf_model(tiny_llama_config(max_position_embeddings=CONTEXT))
+    model.config._attn_implementation = "eager"  # attention probabilities come back
+    return model
+
+
+@torch.inference_mode()
+def reference_h2o(hf, prompt: list[int], max_tokens: int, sinks: int, budget: int, recent: int,
+                  holes: list[int] | None = None) -> list[int]:
+    """Greedy tokens of ``prompt`` under block-granular H2O, chunked as the engine runs it."""
+    sink_blocks = -(-sinks // BLOCK)
+    cache = DynamicCache()
+    kept: list[int] = []  # text positions held, in cache order
+    mass: list[float] = []  # accumulated attention per kept block (cache order)
+    tokens = list(prompt)
+    c = 0
+    out: list[int] = []
+    while len(out) < max_tokens:
+        n = min(CHUNK, len(tokens) - c)
+        num_kept = -(-len(kept) // BLOCK)
+        over = num_kept - budget // BLOCK
+        if over > 0:
+            first_recent = min(num_kept - 1, max(0, len(kept) - recent) // BLOCK)
+            drop = set(sorted(range(sink_blocks, first_recent), key=lambda j: (mass[j], j))[:over])
+            keep = [i for i in range(len(kept)) if i // BLOCK not in drop]
+            index = torch.tensor(keep)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+            kept = [kept[i] for i in keep]
+            mass = [m for j, m in enumerate(mass) if j not in drop]
+        ids = torch.tensor([tokens[c:c + n]])
+        positions = torch.tensor([list(range(c, c + n))])
+        cache_position = torch.arange(len(kept), len(kept) + n)
+        result = hf(input_ids=ids, position_ids=positions, cache_position=cache_position, past_key_values=cache,
+                    use_cache=True, output_attentions=True)
+        kept.extend(range(c, c + n))
+        per_key = sum(a[0].float().sum(dim=(0, 1)) for a in result.attentions)  # [len(kept)]
+        width = -(-len(kept) // BLOCK)
+        mass.extend([0.0] * (width - len(mass)))
+        for s, m in enumerate(per_key.tolist()):
+            mass[s // BLOCK] += m
+        c += n
+        if c == len(tokens):
+            out.append(int(result.logits[0, -1].argmax()))
+            tokens.append(out[-1])
+    if holes is not None:
+        blocks = sorted({t // BLOCK for t in kept})
+        holes.extend(b for b in range(blocks[-1]) if b not in blocks)
+    return out
+
+
+PROMPT = [(i * 7) % 120 + 3 for i in range(80)]
+
+
+@pytest.mark.parametrize("sinks, budget, recent", [(4, 32, 8), (0, 24, 4)])
+def test_h2o_engine_equals_the_explicit_kept_set(hf, sinks, budget, recent):
+    engine = tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK,
+                         attention_backend="torch", kv_eviction="h2o", kv_sink_tokens=sinks,
+                         kv_budget_tokens=budget, kv_recent_tokens=recent)
+    holes: list[int] = []
+    want = reference_h2o(hf, PROMPT, 40, sinks, budget, recent, holes)
+    out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert out.token_ids == want
+    # not what streaming would keep: the evicted blocks are not one run right after the sinks
+    sink_blocks = -(-sinks // BLOCK)
+    assert holes and holes != list(range(sink_blocks, sink_blocks + len(holes)))
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.num_blocks_held() == 0
+    assert engine.kv_cache.num_evicted_blocks_total > 0
+
+
+def test_dense_steps_are_unchanged_by_the_mass_export(hf):
+    """A budget the sequence never reaches: the explicit-softmax path equals plain SDPA's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    dense = tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend="torch")
+    h2o = tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend="torch",
+                      kv_eviction="h2o", kv_budget_tokens=CONTEXT)
+    assert h2o.generate([PROMPT], params)[0].token_ids == dense.generate([PROMPT], params)[0].token_ids
+    assert h2o.kv_cache.num_evicted_blocks_total == 0
+
+
+@pytest.mark.parametrize("backend, named", [("native", "native"), ("triton", "triton")])
+def test_backends_without_block_mass_are_refused_naming_why(hf, backend, named):
+    if backend == "native":
+        from tests.helpers import require_native_kernel
+        require_native_kernel()
+    else:
+        pytest.importorskip("triton")
+    with pytest.raises(ValueError, match=f"kv_eviction 'h2o' needs the attention mass per block.*{named}"):
+        tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend=backend,
+                    kv_eviction="h2o", kv_budget_tokens=32, cuda_graphs=False)
+
+
+def test_h2o_caps_a_request_at_the_context(hf):
+    """Keys keep their text positions: a prompt + max_tokens past the context is refused."""
+    from engine.core.protocol import PromptTooLongError
+    engine = tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend="torch",
+                         kv_eviction="h2o", kv_budget_tokens=32)
+    with pytest.raises(PromptTooLongError):
+        engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=CONTEXT, ignore_eos=True))
+
+
+def test_block_mass_is_each_rows_softmax_per_block_and_the_output_sdpas(monkeypatch):
+    """The torch backend's export: with ``block_mass`` set, outputs equal plain SDPA's; each query
+    row and head contributes 1 in all, split over the blocks of its own table (padding masked
+    out); a prefill chunk sliced into row groups gives the same numbers."""
+    import engine.attention.torch_sdpa as sdpa
+    from engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs, n = 4, 2, 8, 4, 11
+    q, k, v = torch.randn(n + 2, heads, d), torch.randn(n + 2, kv_heads, d), torch.randn(n + 2, kv_heads, d)
+    pool = torch.randn(2, 16, bs, kv_heads, d)
+    # rows 0, 1: decodes over blocks [5, 6] (7 tokens) and [9, 10, 11] (10 tokens); then an 11-token fresh chunk
+    slots = torch.tensor([6 * bs + 2, 11 * bs + 1] + list(range(n)))
+    lens = torch.tensor([7, 10])
+    group = DecodeGroup(0, 2, 10, torch.tensor([5, 6, 0, 9, 10, 11]),
+                        (torch.arange(10)[None, :] < lens[:, None])[:, None, None, :], lens)
+
+    def run(mass: bool, rows: int = 256):
+        monkeypatch.setattr(sdpa, "MASS_QUERY_ROWS", rows)
+        meta = AttentionMetadata(slots, [group], [PrefillChunk(2, n + 2, n, None, None)],
+                                 block_mass=torch.zeros(3, 3) if mass else None)
+        out = sdpa.TorchAttention().forward(q, k, v, pool[0].clone(), pool[1].clone(), meta)
+        return out, meta.block_mass
+
+    plain, _ = run(False)
+    out, mass = run(True)
+    sliced, mass_sliced = run(True, rows=3)
+    assert torch.allclose(out, plain, atol=1e-5) and torch.allclose(sliced, out, atol=1e-5)
+    assert torch.allclose(mass, mass_sliced, atol=1e-5)
+    assert torch.allclose(mass.sum(-1), torch.tensor([heads, heads, heads * n], dtype=torch.float32), atol=1e-4)
+    assert mass[0, 2] == 0  # row 0 holds two blocks: nothing falls on the padding
