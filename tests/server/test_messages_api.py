@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from server.messages.fields import MESSAGES_FIELDS, markdown_table
-from server.messages.protocol import MessagesRequest
+from server.messages.protocol import CountTokensRequest, MessagesRequest
 from tests.server.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -254,6 +254,19 @@ def test_what_claude_code_sends_translates():
     assert t.chat.messages[2].text() == "# Environment"
     assert [tool.function.name for tool in t.chat.tools] == ["Read"]
     assert t.dropped_tools == ["DeferredToolPlaceholder (defer_loading)"]
+
+
+def test_only_empty_turns_with_a_request_breakpoint_is_a_400():
+    """Found by tests/server/test_fuzz_openapi.py: turns that all translate to nothing, under a
+    top-level cache_control, were a 500 (IndexError marking the last of no messages)."""
+    from server.errors import APIError
+    from server.messages.translate import translate
+
+    body = CountTokensRequest.model_validate({"model": "m", "cache_control": {"type": "ephemeral"},
+                                              "messages": [{"role": "user", "content": []}]})
+    with pytest.raises(APIError) as exc:
+        translate(body, max_stop=4)
+    assert exc.value.status == 400 and exc.value.param == "messages"
 
 
 # ---- errors and auth --------------------------------------------------------------------------
