@@ -201,6 +201,7 @@ def _refine_requests(schemas: dict[str, Any], vocab_size: int | None, max_n: int
         schemas["TokenizeRequest"]["oneOf"] = [
             {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
             {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}}}]
+    _refine_anthropic(schemas)
     responses = schemas.get("ResponsesRequest")
     if responses is not None:
         # a field outside server/responses/fields.py's table is a 400 (unknown_parameter); the
@@ -215,6 +216,36 @@ def _refine_requests(schemas: dict[str, Any], vocab_size: int | None, max_n: int
     if vocab_size:
         _token_ids(prompt, vocab_size)
         _token_ids(prop("DetokenizeRequest", "tokens"), vocab_size)
+
+
+# The blocks each role's turn may hold on /v1/messages (server/messages/translate.py: _user,
+# _assistant, _system_turn); image and document blocks are refused on every turn (text-only models).
+_TURN_BLOCKS = {"user": ("TextBlock", "ToolResultBlock"),
+                "assistant": ("TextBlock", "ToolUseBlock", "ThinkingBlock", "RedactedThinkingBlock"),
+                "system": ("TextBlock",)}
+
+
+def _refine_anthropic(schemas: dict[str, Any]) -> None:
+    """Anthropic's request rules that the pydantic models leave to the translation: a turn's
+    blocks by role, a ``tool`` tool_choice's ``name``, non-empty stop sequences."""
+    turn = schemas.get("Message")
+    if turn is not None and set(turn.get("properties", {})) == {"role", "content"}:
+        blocks = {name: name for names in _TURN_BLOCKS.values() for name in names}
+        if all(name in schemas for name in blocks):
+            schemas["Message"] = {
+                "title": "Message", "description": turn.get("description", ""),
+                "oneOf": [{"type": "object", "required": ["role", "content"], "additionalProperties": False,
+                           "properties": {"role": {"const": role}, "content": {"anyOf": [
+                               {"type": "string"},
+                               {"type": "array", "items": {"oneOf": [_ref(name) for name in names]}}]}}}
+                          for role, names in _TURN_BLOCKS.items()]}
+    choice = schemas.get("ToolChoice")
+    if choice is not None and choice.get("properties", {}).get("type", {}).get("enum"):
+        choice["if"] = {"properties": {"type": {"const": "tool"}}}
+        choice["then"] = {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}
+    for model in ("MessagesRequest",):
+        for node in _each(schemas.get(model, {}).get("properties", {}).get("stop_sequences", {}), "array"):
+            node.setdefault("items", {})["minLength"] = 1
 
 
 def _ref(name: str) -> dict[str, str]:
