@@ -61,6 +61,9 @@ def bounded(case: Any, model: str) -> None:
             body[field] = 2
     if positive and case.operation.path in _GENERATION_PATHS:
         body["model"] = model
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            if field in body and body[field] is None:  # null: up to the context's end (2048 tokens here)
+                body[field] = MAX_TOKENS
         if case.operation.path == "/v1/responses":
             body.setdefault("max_output_tokens", MAX_TOKENS)
         elif case.operation.path != "/v1/messages/count_tokens":
