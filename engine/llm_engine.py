@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Test-only fault hook: when set, a step that runs a request whose prompt starts with this
 # token id raises (see tests/server/test_core_faults.py). Unset in production: one None check.
-FAULT_TOKEN_ENV = "KVSERVE_TEST_FAULT_TOKEN"
+# bandit B105: a variable's name (a token id), no secret
+FAULT_TOKEN_ENV = "KVSERVE_TEST_FAULT_TOKEN"  # nosec B105
 # An evicting request without a cap on its length (--kv-max-request-tokens unset) runs until EOS.
 UNLIMITED_TOKENS = 1 << 62
 

@@ -22,6 +22,7 @@ from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.metrics import Metrics
 from server.middleware import BodySizeLimit
+from server.openapi import install_openapi
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.messages.routes import add_messages_routes
 from server.responses.routes import add_responses_routes
@@ -122,6 +123,7 @@ def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | Non
         # With a key file /metrics shows every tenant's traffic: only keys with the metrics right.
         guard = [Depends(requires("metrics"))] if serving.tenancy.registry.uses_key_file else None
         app.add_api_route("/metrics", metrics.route, methods=["GET"], include_in_schema=False, dependencies=guard)
+    install_openapi(app, serving)  # /openapi.json: the real statuses and bodies, no phantom 422
     return app
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from typing import Any, Awaitable, Callable
+from urllib.parse import quote
 
 from server.errors import BodyTooLarge, shaped_error
 
@@ -38,6 +39,21 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def header_value(text: str) -> str:
+    """``text`` as a response header value: printable ASCII kept, anything else percent-encoded
+    (UTF-8). A header that echoes what a client chose (a tool's name) could otherwise hold what
+    latin-1 cannot encode (a 500), a CR/LF, or a space at either end (h11 refuses the response)."""
+    value = quote(text, safe=_HEADER_SAFE)
+    core = value.strip(" ")
+    if not core:
+        return "%20" * len(value)
+    start = value.index(core)
+    return "%20" * start + core + "%20" * (len(value) - start - len(core))
 
 
 async def _send_json(send: Callable[[dict], Awaitable[None]], status: int, body: Any) -> None:

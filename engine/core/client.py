@@ -305,6 +305,6 @@ class InprocEngineClient(_ClientBase):
                 from scheduler.request import RequestStatus
 
                 self.engine.abort_all(RequestStatus.FINISHED_ERROR)  # free the blocks if the engine still can
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception:  # noqa: BLE001 - best effort on an engine that already failed
+                logger.debug("freeing the blocks of a failed engine failed too", exc_info=True)
             self._fail_all("error", GENERIC_ENGINE_ERROR)

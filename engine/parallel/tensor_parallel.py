@@ -401,7 +401,7 @@ class TensorParallelRanks(ModelRanks):
             try:
                 self._broadcast(("stop",))
             except Exception:  # noqa: BLE001 - a worker died meanwhile: nothing to stop
-                pass
+                logger.debug("no stop for the tensor-parallel workers: one has exited", exc_info=True)
         for p in self.procs:
             p.join(10 if stopping else 0)
             if p.is_alive():

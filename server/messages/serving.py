@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.errors import APIError
 from server.messages.errors import sse_error_event
+from server.middleware import header_value
 from server.messages.protocol import CountTokensRequest, MessagesRequest
 from server.messages.translate import translate
 from server.reasoning import split
@@ -145,7 +146,7 @@ class MessagesServing:
             names = ", ".join(translation.dropped_tools)
             logger.info("/v1/messages: tools not offered to the model (server tools kvserve cannot run, deferred "
                         "tools no tool search loads): %s", names)
-            headers[DROPPED_TOOLS_HEADER] = names
+            headers[DROPPED_TOOLS_HEADER] = header_value(names)  # the names are the client's
         run = await self.chat.prepare_chat(translation.chat, "msg", clamp_max_tokens=True, admit=admit)
         return run, headers
 

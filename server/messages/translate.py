@@ -168,9 +168,9 @@ def _tool_choice(body: CountTokensRequest, tools: list[dict[str, Any]]) -> tuple
 def translate(body: CountTokensRequest, max_stop: int) -> Translation:
     """The chat request that runs ``body`` (a ``MessagesRequest``, or a ``CountTokensRequest``,
     which runs as one with ``max_tokens`` 1); 400 naming the Messages field on bad input."""
-    if not body.messages:
-        raise bad_request("messages must contain at least one message", "messages")
     messages = _messages(body)
+    if not body.messages or not messages:  # all turns empty: a top-level cache_control has nothing to mark
+        raise bad_request("messages must contain at least one message", "messages")
     tools, dropped, tool_cache = _tools(body)
     tool_choice, parallel = _tool_choice(body, tools)
     if body.cache_control is not None:

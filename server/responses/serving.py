@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.tenants import current_tenant
 from server.errors import APIError
+from server.middleware import header_value
 from server.responses.output import OutputBuilder, as_input_items, new_id, response_object, response_usage
 from server.responses.protocol import ResponsesRequest
 from server.responses.store import ResponseStore
@@ -63,7 +64,7 @@ class ResponsesServing:
         if translation.dropped:
             logger.info("responses: tools not offered to the model (kvserve cannot run them): %s",
                         ", ".join(translation.dropped))
-            headers[DROPPED_TOOLS_HEADER] = ",".join(translation.dropped)
+            headers[DROPPED_TOOLS_HEADER] = header_value(",".join(translation.dropped))
         try:
             run = await self.serving.prepare_chat(translation.chat, id_prefix="resp")
         except APIError as exc:

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from server.messages.fields import MESSAGES_FIELDS, markdown_table
-from server.messages.protocol import MessagesRequest
+from server.messages.protocol import CountTokensRequest, MessagesRequest
 from tests.server.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -254,6 +254,35 @@ def test_what_claude_code_sends_translates():
     assert t.chat.messages[2].text() == "# Environment"
     assert [tool.function.name for tool in t.chat.tools] == ["Read"]
     assert t.dropped_tools == ["DeferredToolPlaceholder (defer_loading)"]
+
+
+def test_a_dropped_tool_name_outside_latin_1_is_percent_encoded_in_the_header(raw, live_server):
+    """Found by tests/server/test_fuzz_openapi.py: a server tool's name is the client's; one that
+    latin-1 cannot encode made the x-kvserve-dropped-tools header a 500, and an empty first one
+    (a value starting with a space) made h11 drop the connection without a response."""
+    from urllib.parse import unquote
+
+    name = "s\u00e9arch\U000427cd\r\n"
+    r = raw.post("/v1/messages", json={"model": live_server.model, "max_tokens": 1, "messages": ASK,
+                                       "tools": [{"type": "bash_20250124", "name": ""},
+                                                 {"type": "web_search_20250305", "name": name}]})
+    assert r.status_code == 200, r.text
+    header = r.headers["x-kvserve-dropped-tools"]
+    assert header.isascii() and header.isprintable() and header == header.strip()
+    assert unquote(header) == f" (bash_20250124), {name} (web_search_20250305)"
+
+
+def test_only_empty_turns_with_a_request_breakpoint_is_a_400():
+    """Found by tests/server/test_fuzz_openapi.py: turns that all translate to nothing, under a
+    top-level cache_control, were a 500 (IndexError marking the last of no messages)."""
+    from server.errors import APIError
+    from server.messages.translate import translate
+
+    body = CountTokensRequest.model_validate({"model": "m", "cache_control": {"type": "ephemeral"},
+                                              "messages": [{"role": "user", "content": []}]})
+    with pytest.raises(APIError) as exc:
+        translate(body, max_stop=4)
+    assert exc.value.status == 400 and exc.value.param == "messages"
 
 
 # ---- errors and auth --------------------------------------------------------------------------

@@ -68,10 +68,13 @@ def gguf_config_dir(gguf_path: Path) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path.name, target)
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).to_dict()
+    # a local file (hashed above): never a Hub download (bandit B615 asks for a pinned revision)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,  # nosec B615
+                                        local_files_only=True).to_dict()
     config.pop("quantization_config", None)
     config["dtype"] = "float32"
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,  # nosec B615
+                                              local_files_only=True)
 
     def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
