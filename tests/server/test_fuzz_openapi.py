@@ -50,7 +50,8 @@ def bounded(case: Any, model: str) -> None:
     positive = case.meta is None or case.meta.generation.mode.is_positive
     for field in _TOKEN_FIELDS:
         value = body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
+        # a whole float (1985129.0) is a valid integer to JSON Schema and to pydantic: clamp it too
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_TOKENS:
             body[field] = MAX_TOKENS
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 4:  # up to --max-prompts (32) prompts, each run n times
