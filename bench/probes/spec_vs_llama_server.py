@@ -315,6 +315,7 @@ def tabulate(per_round: list[dict[str, dict[str, dict[str, Any]]]], sides: Seque
                 "acceptance": acceptance(sum(d), sum(a)) if None not in d and None not in a else None,
                 "drafted": sum(d) if None not in d else None, "accepted": sum(a) if None not in a else None,
                 "foreign_cores_max": max(loads) if loads else None,
+                "foreign_cores_rounds": [r["foreign_cores"] for r in runs],
                 "idle_sides_cores_max": max(r.get("idle_sides_cores") or 0.0 for r in runs),
                 "same_text_as_plain": (sum(r["texts"] == rnd[cls][PLAIN]["texts"]
                                            for r, rnd in zip(runs, per_round) if PLAIN in rnd[cls])
@@ -391,12 +392,13 @@ def table_rows(result: dict[str, Any]) -> list[list[Any]]:
             rows.append([cls, name, row["tok_s"], row["tpot_p50_ms"], accept_cell(row),
                          _opt(row.get("vs_plain")), _opt(row.get("vs_llama")),
                          _opt(row.get("vs_llama-server ngram-simple")), _opt(row.get("vs_llama-server ngram-mod")),
-                         _opt(row["foreign_cores_max"])])
+                         "/".join(_opt(v) if v is None else f"{v:.2f}" for v in row.get("foreign_cores_rounds", []))
+                         or "-"])
     return rows
 
 
 TABLE_HEADER = ["class", "side", "tok/s", "TPOT p50 ms", "accept", "/ plain", "/ llama", "/ llama ngram-simple",
-                "/ llama ngram-mod", "other procs (cores, max)"]
+                "/ llama ngram-mod", "other procs (cores, per round)"]
 
 
 def accept_cell(row: dict[str, Any]) -> str:

@@ -71,7 +71,7 @@ def test_llama_server_log_acceptance():
     assert llama_log_drafts("no speculation here") == (0, 0)
 
 
-def _side_run(tok_s, drafted=None, accepted=None, texts=("a",)):
+def _side_run(tok_s, drafted=None, accepted=None, texts=("a",)):  # one side, one class, one round
     return {"tok_s": tok_s, "tpot_p50_ms": 1000 / tok_s, "output_tokens": 128, "drafted": drafted,
             "accepted": accepted, "acceptance": None, "foreign_cores": 0.1, "idle_sides_cores": 0.0,
             "texts": list(texts)}
@@ -97,6 +97,7 @@ def test_tabulate_median_rounds_and_acceptance():
     assert accept_cell(spec) == "0.800 (80/100)" and accept_cell(table[PLAIN]) == "-"
     rows = table_rows({"classes": {"copy": table}})
     assert [r[1] for r in rows] == [s.name for s in sides] and rows[1][5:8] == [2.0, 2.5, 1.25]
+    assert rows[0][-1] == "0.10/0.10/0.10"  # the other processes' load, each round
 
 
 def _llama_server_ready() -> str | None:
