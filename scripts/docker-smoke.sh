@@ -249,7 +249,7 @@ status, body = call("/v1/models", key=key)
 models = [m["id"] for m in json.loads(body)["data"]] if status == 200 else []
 check("SmolLM2-135M-Instruct" in models, f"/v1/models with the key lists the default model {models}")
 chat = {"model": "SmolLM2-135M-Instruct", "max_tokens": 32, "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}
 status, body = call("/v1/chat/completions", chat, key=key)
 check(status == 200, f"chat completion: {status}")
 reply = json.loads(body)

@@ -208,8 +208,8 @@ class DecodePath:
         """The startup log line's text after ``Decode path: ``."""
         if self.path == "native":
             most = "any number of them" if self.max_rows >= UNBOUNDED else f"up to {self.max_rows}"
-            return (f"native (a step's decode rows, {most}, run every layer in one C++ call; "
-                    "a mixed step's prefill chunks then run in torch)")
+            return (f"native (a step's decode rows, {most}, run every layer in one C++ call, with a "
+                    "short chunk's tokens when the step fits; larger prefill chunks then run in torch)")
         if not self.covered:
             return f"python (the native path does not cover {self.reason})"
         return "python" + (f" (native unavailable: {self.reason})" if self.reason else "")
