@@ -66,6 +66,25 @@ def budget(args: argparse.Namespace) -> int:
     return -(-args.sinks // 16) * 16 + args.window
 
 
+def evict_h2o(cache, kept: list[int], mass: list[float], unit: int, sink_units: int, recent: int,
+              budget_tokens: int) -> tuple[list[int], list[float]]:
+    """One H2O eviction of a transformers ``DynamicCache`` in place: over ``budget_tokens``, the
+    kept units of ``unit`` tokens with the least ``mass`` leave (ties: the oldest), never the first
+    ``sink_units``, those holding the last ``recent`` tokens, or the last one. Returns the new
+    ``kept`` (text positions, cache order) and ``mass`` (per kept unit)."""
+    num_kept = -(-len(kept) // unit)
+    over = num_kept - budget_tokens // unit
+    if over <= 0:
+        return kept, mass
+    first_recent = min(num_kept - 1, max(0, len(kept) - recent) // unit)
+    drop = set(sorted(range(sink_units, first_recent), key=lambda j: (mass[j], j))[:over])
+    keep = [i for i in range(len(kept)) if i // unit not in drop]
+    index = torch.tensor(keep)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+    return [kept[i] for i in keep], [m for j, m in enumerate(mass) if j not in drop]
+
+
 @torch.inference_mode()
 def reference_h2o(hf, ids: list[int], args: argparse.Namespace, unit: int | None) -> list[tuple[float, int]]:
     """Teacher-forced (logprob, top-1 id) from position 1 on, in transformers' eager attention,
@@ -85,18 +104,7 @@ def reference_h2o(hf, ids: list[int], args: argparse.Namespace, unit: int | None
     while c < len(ids):
         n = min(args.chunk, len(ids) - c)
         if unit is not None:
-            num_kept = -(-len(kept) // unit)
-            over = num_kept - budget(args) // unit
-            if over > 0:
-                sinks = -(-args.sinks // unit)
-                first_recent = min(num_kept - 1, max(0, len(kept) - recent) // unit)
-                drop = set(sorted(range(sinks, first_recent), key=lambda j: (mass[j], j))[:over])
-                keep = [i for i in range(len(kept)) if i // unit not in drop]
-                index = torch.tensor(keep)
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
-                kept = [kept[i] for i in keep]
-                mass = [m for j, m in enumerate(mass) if j not in drop]
+            kept, mass = evict_h2o(cache, kept, mass, unit, -(-args.sinks // unit), recent, budget(args))
         result = hf(input_ids=torch.tensor([ids[c:c + n]]), position_ids=torch.tensor([list(range(c, c + n))]),
                     cache_position=torch.arange(len(kept), len(kept) + n), past_key_values=cache, use_cache=True,
                     output_attentions=unit is not None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from bench.probes.kv_eviction import evict_h2o
 from kvtypes.sampling_params import SamplingParams
 from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
 
@@ -40,17 +41,7 @@ def reference_h2o(hf, prompt: list[int], max_tokens: int, sinks: int, budget: in
     out: list[int] = []
     while len(out) < max_tokens:
         n = min(CHUNK, len(tokens) - c)
-        num_kept = -(-len(kept) // BLOCK)
-        over = num_kept - budget // BLOCK
-        if over > 0:
-            first_recent = min(num_kept - 1, max(0, len(kept) - recent) // BLOCK)
-            drop = set(sorted(range(sink_blocks, first_recent), key=lambda j: (mass[j], j))[:over])
-            keep = [i for i in range(len(kept)) if i // BLOCK not in drop]
-            index = torch.tensor(keep)
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
-            kept = [kept[i] for i in keep]
-            mass = [m for j, m in enumerate(mass) if j not in drop]
+        kept, mass = evict_h2o(cache, kept, mass, BLOCK, sink_blocks, recent, budget)
         ids = torch.tensor([tokens[c:c + n]])
         positions = torch.tensor([list(range(c, c + n))])
         cache_position = torch.arange(len(kept), len(kept) + n)
