@@ -79,7 +79,7 @@ def test_vllm_names_equal_the_kvserve_ones_under_load(compat_server):
     def one(i: int) -> None:
         with s.client() as c:
             r = c.post("/v1/completions", json={"model": model, "prompt": f"{SHARED}Q{i}: ship or hold?",
-                                                "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+                                                "max_tokens": 64, "ignore_eos": True, "temperature": 0})
             r.raise_for_status()
 
     seen: list[Scrape] = []
