@@ -23,7 +23,8 @@ FLASH_ATTN_PAGE = 256
 class FlashAttention(AttentionBackend):
     name = "flash_attn"
     reads_lengths_in_place = True
-    block_mass_refusal = "flash-attn's kernels return no attention probabilities; run --attention-backend torch"
+    block_mass_refusal = ("flash-attn's kernels return no attention probabilities; run --attention-backend triton "
+                          "(or torch)")
     uses_paged_layout = True
     graph_safe_decode = True
 

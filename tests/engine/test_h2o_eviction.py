@@ -93,13 +93,10 @@ def test_dense_steps_are_unchanged_by_the_mass_export(hf):
     assert h2o.kv_cache.num_evicted_blocks_total == 0
 
 
-@pytest.mark.parametrize("backend, named", [("native", "native"), ("triton", "triton")])
+@pytest.mark.parametrize("backend, named", [("native", "native")])
 def test_backends_without_block_mass_are_refused_naming_why(hf, backend, named):
-    if backend == "native":
-        from tests.helpers import require_native_kernel
-        require_native_kernel()
-    else:
-        pytest.importorskip("triton")
+    from tests.helpers import require_native_kernel
+    require_native_kernel()
     with pytest.raises(ValueError, match=f"kv_eviction 'h2o' needs the attention mass per block.*{named}"):
         tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend=backend,
                     kv_eviction="h2o", kv_budget_tokens=32, cuda_graphs=False)

@@ -69,3 +69,47 @@ def test_extend_over_cached_prefix(dtype):
         rows = slice(int(starts[i]), int(starts[i + 1]))
         torch.testing.assert_close(out[rows].float(), reference(q[rows], k_cache, v_cache, table[i], seq_lens[i]),
                                    atol=tol, rtol=tol)
+
+
+def mass_reference(q, k_cache, v_cache, row, seq_len, block_size):
+    """The torch backend's per-block mass (explicit fp32 softmax) of queries at the context's end."""
+    from engine.attention.torch_sdpa import _attend_with_mass
+
+    kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[row.long()].reshape(-1, kv_heads, d)[:seq_len].float().transpose(0, 1)[None]
+    values = v_cache[row.long()].reshape(-1, kv_heads, d)[:seq_len].float().transpose(0, 1)[None]
+    q_len = q.shape[0]
+    mask = torch.arange(seq_len, device=CUDA)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=CUDA)[:, None]
+    return _attend_with_mass(q.float().transpose(0, 1)[None], keys, values, mask, block_size)[1][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_block_mass_export_compiled(dtype, block_size):
+    """H2O's mass export in the compiled kernels (split-K decode at 8k, an extend chunk over a
+    cached prefix): the torch reference's mass per block, the outputs those of the plain launch."""
+    num_heads, kv_heads, d = 32, 8, 128
+    lens = [8000, 1, 17, 4096]
+    width = math.ceil(max(lens) / block_size)
+    k_cache, v_cache = pool(width * len(lens) + 1, block_size, kv_heads, d, dtype)
+    table = torch.randperm(width * len(lens), device=CUDA).view(len(lens), width).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=CUDA)
+    q = torch.randn(len(lens), num_heads, d, device=CUDA).to(dtype)
+    mass = torch.zeros(len(lens), width, device=CUDA)
+    out = paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5, max_len=8192, num_splits=7, block_mass=mass)
+    assert torch.equal(out, paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5, max_len=8192,
+                                         num_splits=7))
+    for i, n in enumerate(lens):
+        ref = mass_reference(q[i:i + 1], k_cache, v_cache, table[i], n, block_size)
+        torch.testing.assert_close(mass[i, :len(ref)], ref, atol=1e-3, rtol=1e-2)
+    # one decode row, then a 700-token chunk after a 300-token prefix
+    q_lens, ext_lens = [1, 700], [50, 1000]
+    starts = torch.tensor([0] + q_lens, device=CUDA).cumsum(0).int()
+    qx = torch.randn(int(starts[-1]), num_heads, d, device=CUDA).to(dtype)
+    outs, mass = [torch.zeros_like(qx), torch.zeros_like(qx)], torch.zeros(2, width, device=CUDA)
+    for o, m in zip(outs, (mass, None)):
+        paged_extend(qx, k_cache, v_cache, table[:2], starts, torch.tensor(ext_lens, dtype=torch.int32, device=CUDA),
+                     o, d ** -0.5, seq_offset=1, num_seqs=1, max_query_len=700, block_mass=m)
+    assert torch.equal(outs[0], outs[1]) and (mass[0] == 0).all()
+    ref = mass_reference(qx[1:], k_cache, v_cache, table[1], ext_lens[1], block_size)
+    torch.testing.assert_close(mass[1, :len(ref)], ref, atol=1e-2, rtol=1e-2)

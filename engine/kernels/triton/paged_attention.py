@@ -20,6 +20,12 @@ a quarter of fp32's (half of bf16's) bytes per key instead of a dequantized copy
 and block, values per token, open blocks in a residual of the model's dtype) are read the same
 way (``KV_INT4``): each token's block is taken from the residual where ``slot_of[block] >= 0``.
 
+H2O block mass (``block_mass=`` on either wrapper): the ``MASS`` constexpr makes each program
+also store, per key tile, every (query row, head)'s log-sum-exp of the raw scores over each block
+of the tile (``_store_granule_lse``); after the launch ``exp(block_lse - row_lse)``, summed over
+heads (and a chunk's rows), is the mass per block, the probabilities the values were weighed with.
+One pass over K/V; ``MASS=False`` compiles the plain kernel.
+
 Softmax runs online in float32; dots take the pool's dtype (bf16/fp16 on tensor cores,
 float32 with IEEE precision). Every launch is free of host synchronisation, so a decode step
 can be captured in a CUDA graph when its split count is fixed (``num_splits``). Tile sizes
@@ -107,13 +113,35 @@ def _load_kv_tile(K, V, KS, VS, KR, VR, SLOT, bt_row, n, nmask, d, dmask, kvh, s
 
 
 @triton.jit
+def _store_granule_lse(G, rows, stride_row, rmask, p, m_row, n0, num_granules, ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GRANULE: tl.constexpr):
+    """Block-mass export (``MASS``): for the tile of keys ``n0 .. n0 + BLOCK_N - 1`` whose
+    ``p = exp(score - m_row)`` ``[ROWS, BLOCK_N]`` the online softmax just computed, store each
+    row's log-sum-exp of the raw scores over every ``GRANULE`` keys, ``m_row + log(sum p)``, at
+    ``G + rows * stride_row + n0 // GRANULE + i`` (granules past ``num_granules`` dropped). An
+    absolute quantity, so it needs no rescaling when the running maximum moves later:
+    ``exp(granule_lse - row_lse)`` is the granule's softmax mass. ``n0`` is a multiple of
+    ``BLOCK_N`` and ``GRANULE`` divides both ``BLOCK_N`` and the pool's block size, so a granule
+    lies in one block. A granule with no visible key stores -inf."""
+    NUM: tl.constexpr = BLOCK_N // GRANULE
+    part = tl.sum(tl.reshape(p, [ROWS, NUM, GRANULE]), 2)
+    gi = n0 // GRANULE + tl.arange(0, NUM)
+    seen = part > 0
+    lse = tl.where(seen, m_row[:, None] + tl.log(tl.where(seen, part, 1.0)), float("-inf"))
+    tl.store(G + rows[:, None].to(tl.int64) * stride_row + gi[None, :], lse,
+             mask=rmask[:, None] & (gi < num_granules)[None, :])
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, LENS, OUT, LSE, scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_rb, stride_rt,
                    stride_rh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, split_tokens,
+                   GLSE, stride_gb, stride_gh, num_granules,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr,
+                   MASS: tl.constexpr, GRANULE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -145,6 +173,9 @@ def _decode_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, LENS, OUT, LSE, scale,
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
+        if MASS:
+            _store_granule_lse(GLSE + b * stride_gb, heads, stride_gh, gmask, p, m_new, n0, num_granules, GROUP_P,
+                               BLOCK_N, GRANULE)
         alpha = tl.exp(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -161,10 +192,11 @@ def _decode_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, LENS, OUT, LSE, scale,
 def _extend_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, QSTART, LENS, OUT, scale, seq_offset,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_rb, stride_rt,
-                   stride_rh, stride_bt, stride_ot, stride_oh,
+                   stride_rh, stride_bt, stride_ot, stride_oh, LSE, stride_lt, GLSE, stride_gt, stride_gh, num_granules,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, KV_INT8: tl.constexpr, KV_INT4: tl.constexpr,
+                   MASS: tl.constexpr, GRANULE: tl.constexpr):
     sid = tl.program_id(0) + seq_offset
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -202,6 +234,9 @@ def _extend_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, QSTART, LENS, OUT, scale, 
         scores = tl.where(nmask[None, :] & (n[None, :] <= qpos[:, None]), scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
+        if MASS:
+            _store_granule_lse(GLSE + h * stride_gh, q0 + rows, stride_gt, rmask, p, m_new, n0, num_granules,
+                               BLOCK_M, BLOCK_N, GRANULE)
         alpha = tl.exp(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -209,6 +244,8 @@ def _extend_kernel(Q, K, V, KS, VS, KR, VR, SLOT, BT, QSTART, LENS, OUT, scale, 
     out = acc / lsum[:, None]
     tl.store(OUT + (q0 + rows)[:, None].to(tl.int64) * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    if MASS:
+        tl.store(LSE + (q0 + rows).to(tl.int64) * stride_lt + h, m + tl.log(lsum), mask=rmask)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -284,12 +321,17 @@ def combine_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch.Tensor | Int8KV,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_len: int,
-                 num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                 num_splits: int | None = None, block_n: int = 64,
+                 block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[B, H, d]`` (one token per sequence) -> ``[B, H, d]`` in q's dtype. The pools are
     float tensors of q's dtype or ``Int8KV`` (dequantized in the kernel, to q's dtype).
 
     ``block_table`` ``[B, W]`` int32 and ``seq_lens`` ``[B]`` int32 (every length >= 1 and
     <= ``max_len``). ``num_splits`` None plans them with :func:`plan_splits`.
+
+    ``block_mass`` (H2O, float32 ``[B, >= W]``): each row's softmax mass per block of its table,
+    summed over the heads, is added to it, from the probabilities the kernel weighs the values with
+    (see :func:`_store_granule_lse`); the output is the same as without.
     """
     pool, flags, (num_blocks, block_size, kv_heads) = _pool_args(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
@@ -300,14 +342,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch
         split_tokens = math.ceil(math.ceil(max_len / num_splits) / block_n) * block_n
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    mass = None if block_mass is None else _MassPartials(batch, num_heads, block_table.shape[1], block_size,
+                                                         block_n, q.device)
     k, v, ks, vs, kr, vr, slot, *pool_strides = pool
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k, v, ks, vs, kr, vr, slot, block_table, seq_lens, partial, lse, scale,
         q.stride(0), q.stride(1), *pool_strides, block_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), split_tokens,
+        *_MassPartials.launch_args(mass, dummy=lse),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype), **flags)
+        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype), **flags, **_MassPartials.flags(mass))
+    if mass is not None and block_mass is not None:
+        per_block = mass.per_block(torch.logsumexp(lse, -1))  # the row's lse over all its splits
+        block_mass[:, :per_block.shape[1]] += per_block
     out = partial[:, :, 0] if num_splits == 1 else combine_splits(partial, lse)
     return out.to(q.dtype)
 
@@ -315,20 +363,73 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor | Int8KV, v_cache: torch.Tensor | Int8KV,
                  block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
                  scale: float, seq_offset: int, num_seqs: int, max_query_len: int, block_m: int = 64,
-                 block_n: int = 64) -> None:
+                 block_n: int = 64, block_mass: torch.Tensor | None = None) -> None:
     """Causal attention of sequences ``seq_offset .. seq_offset + num_seqs - 1`` of a varlen
     batch: q/out ``[T, H, d]`` (rows ``query_start[i]:query_start[i + 1]``), each sequence's
     ``seq_lens[i]`` keys read from the pool (the chunk's own keys already written there).
-    Writes ``out`` rows of those sequences only."""
+    Writes ``out`` rows of those sequences only.
+
+    ``block_mass`` (H2O, float32 ``[all sequences, >= W]``, rows indexed like ``seq_lens``): row
+    ``i`` of those sequences gets its chunk's softmax mass per block of its table added, summed
+    over heads and query rows; the other rows are left as they are."""
     pool, flags, (_, block_size, kv_heads) = _pool_args(q, k_cache, v_cache)
     if num_seqs == 0:
         return
-    _, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape
+    mass = None if block_mass is None else _MassPartials(num_tokens, num_heads, block_table.shape[1], block_size,
+                                                         block_n, q.device)
+    # each row's final log-sum-exp; rows of other sequences stay 0, their granules -inf: no mass
+    row_lse = out if mass is None else torch.zeros((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     k, v, ks, vs, kr, vr, slot, *pool_strides = pool
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_kernel[grid](
         q, k, v, ks, vs, kr, vr, slot, block_table, query_start, seq_lens, out, scale, seq_offset,
         q.stride(0), q.stride(1), *pool_strides, block_table.stride(0), out.stride(0), out.stride(1),
+        row_lse, row_lse.stride(0), *_MassPartials.launch_args(mass, dummy=out),
         GROUP=num_heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype), **flags)
+        DOT_PREC=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype), **flags, **_MassPartials.flags(mass))
+    if mass is not None and block_mass is not None:
+        per_row = mass.per_block(row_lse)  # [T, W]
+        # each row's sequence, on the device (no host sync): the first i with query_start[i + 1] > row
+        rows = torch.arange(num_tokens, dtype=query_start.dtype, device=q.device)
+        seq_of_row = torch.searchsorted(query_start[1:], rows, right=True)
+        block_mass[:, :per_row.shape[1]].index_add_(0, seq_of_row.clamp_max(block_mass.shape[0] - 1), per_row)
+
+
+class _MassPartials:
+    """The partials of one launch's block-mass export: ``granule_lse`` ``[rows, heads, granules]``
+    float32, the log-sum-exp of each ``granule`` keys' raw scores (-inf where no program wrote),
+    with ``granule = min(block_n, block_size)`` (both powers of two, so granules tile the kernel's
+    key tiles and the pool's blocks alike): ``rows x heads x width x block_size / granule``
+    floats, one per (row, head, block) when a block holds at least ``block_n`` keys. Without the
+    export (``None``) the kernels get a dummy pointer they never read and ``MASS=False``: the
+    plain kernel, with no allocation (graph capture sees the launch it always saw)."""
+
+    def __init__(self, rows: int, heads: int, width: int, block_size: int, block_n: int,
+                 device: torch.device) -> None:
+        if block_size & (block_size - 1) or block_n & (block_n - 1):
+            raise ValueError(f"block-mass export needs power-of-two block_size and block_n, got {block_size} "
+                             f"and {block_n}")
+        self.granule = min(block_n, block_size)
+        self.block_size = block_size
+        self.granule_lse = torch.full((rows, heads, width * block_size // self.granule), float("-inf"),
+                                      dtype=torch.float32, device=device)
+
+    @staticmethod
+    def launch_args(mass: _MassPartials | None, dummy: torch.Tensor) -> tuple:
+        """``GLSE, stride_row, stride_head, num_granules`` of the kernels' signatures."""
+        if mass is None:
+            return dummy, 0, 0, 0
+        g = mass.granule_lse
+        return g, g.stride(0), g.stride(1), g.shape[2]
+
+    @staticmethod
+    def flags(mass: _MassPartials | None) -> dict[str, object]:
+        return {"MASS": mass is not None, "GRANULE": 1 if mass is None else mass.granule}
+
+    def per_block(self, row_lse: torch.Tensor) -> torch.Tensor:
+        """``[rows, width]`` float32: each row's softmax mass per block summed over heads, given
+        each (row, head)'s final log-sum-exp ``row_lse`` ``[rows, heads]``."""
+        mass = torch.exp(self.granule_lse - row_lse.unsqueeze(-1)).sum(1)  # [rows, granules]
+        return mass.view(mass.shape[0], -1, self.block_size // self.granule).sum(-1)
