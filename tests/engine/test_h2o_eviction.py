@@ -1,5 +1,6 @@
-"""H2O eviction through the engine (torch attention backend, which exports per-block attention
-mass from the softmax it computes) against a torch reference that builds the same kept set
+"""H2O eviction through the engine (the torch attention backend and the native one, with the
+native decode path: both export per-block attention mass from the softmax they compute) against
+a torch reference that builds the same kept set
 explicitly: transformers' own Llama in eager attention, returning its attention probabilities;
 the reference sums them per kept block (over layers, heads and query rows), applies the same
 block rule (sinks, recent tokens and the open block kept; the lightest other blocks out over the
@@ -66,15 +67,61 @@ def reference_h2o(hf, prompt: list[int], max_tokens: int, sinks: int, budget: in
 PROMPT = [(i * 7) % 120 + 3 for i in range(80)]
 
 
-@pytest.mark.parametrize("sinks, budget, recent", [(4, 32, 8), (0, 24, 4)])
-def test_h2o_engine_equals_the_explicit_kept_set(hf, sinks, budget, recent):
+def h2o_engine(hf, backend: str, sinks: int, budget: int, recent: int, **options):
+    """A tiny engine under h2o that records every plan's evicted block-table indices
+    (``engine.plans``) and each step's block mass as the pool receives it (``engine.masses``);
+    with ``native``, also counts the native decode calls that exported mass."""
+    if backend == "native":
+        from tests.helpers import require_native_kernel
+        require_native_kernel()
     engine = tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK,
-                         attention_backend="torch", kv_eviction="h2o", kv_sink_tokens=sinks,
-                         kv_budget_tokens=budget, kv_recent_tokens=recent)
+                         attention_backend=backend, kv_eviction="h2o", kv_sink_tokens=sinks,
+                         kv_budget_tokens=budget, kv_recent_tokens=recent, **options)
+    policy, model = engine.kv_cache.eviction, engine.runner.model
+    engine.plans, engine.masses, engine.native_mass_steps = [], [], 0
+    plan, add_mass = policy.plan, engine.kv_cache.add_block_mass
+
+    def adding(request_id, mass):
+        engine.masses.append(list(mass))
+        add_mass(request_id, mass)
+
+    engine.kv_cache.add_block_mass = adding
+
+    def recording(seq):
+        result = plan(seq)
+        if result.indices:
+            engine.plans.append(result.indices)
+        return result
+
+    policy.plan = recording
+    if backend == "native":
+        assert model.attn.name == "native" and model.decode_path == "native"
+        run = model.native.run
+
+        def counting(x, cos, sin, meta, *args, **kwargs):
+            engine.native_mass_steps += meta.block_mass is not None
+            return run(x, cos, sin, meta, *args, **kwargs)
+
+        model.native.run = counting
+    return engine
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("sinks, budget, recent", [(4, 32, 8), (0, 24, 4)])
+def test_h2o_engine_equals_the_explicit_kept_set(hf, sinks, budget, recent, backend):
+    engine = h2o_engine(hf, backend, sinks, budget, recent)
     holes: list[int] = []
     want = reference_h2o(hf, PROMPT, 40, sinks, budget, recent, holes)
     out = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     assert out.token_ids == want
+    if backend == "native":  # the decode steps ran natively, with torch's mass, and the same blocks left
+        assert engine.native_mass_steps >= 39
+        torch_engine = h2o_engine(hf, "torch", sinks, budget, recent)
+        torch_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert len(engine.masses) == len(torch_engine.masses) == 10 + 39
+        for got, ref in zip(engine.masses, torch_engine.masses):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-4)
+        assert engine.plans == torch_engine.plans
     # not what streaming would keep: the evicted blocks are not one run right after the sinks
     sink_blocks = -(-sinks // BLOCK)
     assert holes and holes != list(range(sink_blocks, sink_blocks + len(holes)))
@@ -93,15 +140,10 @@ def test_dense_steps_are_unchanged_by_the_mass_export(hf):
     assert h2o.kv_cache.num_evicted_blocks_total == 0
 
 
-@pytest.mark.parametrize("backend, named", [("native", "native"), ("triton", "triton")])
-def test_backends_without_block_mass_are_refused_naming_why(hf, backend, named):
-    if backend == "native":
-        from tests.helpers import require_native_kernel
-        require_native_kernel()
-    else:
-        pytest.importorskip("triton")
-    with pytest.raises(ValueError, match=f"kv_eviction 'h2o' needs the attention mass per block.*{named}"):
-        tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend=backend,
+def test_backends_without_block_mass_are_refused_naming_why(hf):
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match="kv_eviction 'h2o' needs the attention mass per block.*triton"):
+        tiny_engine(hf, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=CHUNK, attention_backend="triton",
                     kv_eviction="h2o", kv_budget_tokens=32, cuda_graphs=False)
 
 
