@@ -187,3 +187,69 @@ def test_block_mass_is_each_rows_softmax_per_block_and_the_output_sdpas(monkeypa
     assert torch.allclose(mass, mass_sliced, atol=1e-5)
     assert torch.allclose(mass.sum(-1), torch.tensor([heads, heads, heads * n], dtype=torch.float32), atol=1e-4)
     assert mass[0, 2] == 0  # row 0 holds two blocks: nothing falls on the padding
+
+
+def test_native_decode_mass_equals_the_python_torch_layers_on_the_default_model():
+    """The default model at the CPU defaults (native backend, native decode path, fp16 KV) under
+    h2o: every step the native path takes (all-decode steps; mixed steps whose decode rows run
+    natively and whose fresh chunk runs in torch; mixed steps whose continuing chunk's tokens are
+    native rows too) is also run on the Python layers with the torch backend, and the block mass
+    each sequence gets (over 30 layers, 9 heads, its query rows) must agree to fp32 summation
+    order (measured within 1e-5). fp32 activations: with int8 ones the two paths quantize inputs
+    that differ in summation order, a code rounds the other way now and then, and the mass moved
+    by up to 0.6% in one run, which would hide a mistake of that size."""
+    import dataclasses
+
+    from cache import CacheConfig
+    from engine.attention.torch_sdpa import TorchAttention
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine
+    from engine.loader import load_model
+    from scheduler.config import SchedulerConfig
+    from tests.helpers import require_native_kernel
+
+    require_native_kernel()
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(num_threads=1, max_model_len=256, activation_quant="none"),
+        cache=CacheConfig(num_blocks=32, kv_eviction="h2o", kv_sink_tokens=4, kv_budget_tokens=64,
+                          kv_recent_tokens=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)), load_model(None, torch.float32, False))
+    model = engine.runner.model
+    assert model.attn.name == "native" and model.decode_path == "native"
+    inner, kinds, failures = model.forward, [], []  # the engine retries a step that raises: keep its failure
+
+    def compared(input_ids, positions, meta, kv_caches):
+        decodes = model.native.rows(meta, kv_caches)
+        if not decodes:
+            return inner(input_ids, positions, meta, kv_caches)
+        groups = [dataclasses.replace(g, mask=(torch.arange(g.length)[None] < g.context_lens[:, None])[:, None, None])
+                  for g in meta.decode_groups]  # the torch backend masks the padding the native one skips
+        ref = dataclasses.replace(meta, decode_groups=groups, block_mass=torch.zeros_like(meta.block_mass))
+        native, attn = model.native, model.attn
+        model.native, model.attn = None, TorchAttention()
+        try:
+            inner(input_ids, positions, ref, kv_caches)
+        finally:
+            model.native, model.attn = native, attn
+        hidden = inner(input_ids, positions, meta, kv_caches)
+        try:
+            torch.testing.assert_close(meta.block_mass, ref.block_mass, rtol=1e-4,
+                                       atol=1e-4 * ref.block_mass.max().item())
+        except AssertionError as exc:
+            failures.append(exc)
+            raise
+        kinds.append("decode" if not meta.prefills else "chunk rows" if decodes == input_ids.shape[0] else "split")
+        return hidden
+
+    model.forward = compared
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request([(5 * j) % 900 + 10 for j in range(70)], params)
+    for _ in range(5):
+        engine.step()
+    engine.add_request([(7 * j) % 900 + 20 for j in range(60)], params)  # chunked beside the first one's decodes
+    while engine.has_unfinished():
+        engine.step()
+    assert not failures, failures[0]
+    assert {"decode", "split", "chunk rows"} <= set(kinds), kinds
+    assert engine.kv_cache.num_evicted_blocks_total > 0
+    engine.kv_cache.check_invariants()
