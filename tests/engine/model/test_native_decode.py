@@ -301,6 +301,21 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             want_normed = F.rms_norm(want_x, (want_x.shape[-1],), model.norm, model.arch.rms_norm_eps)
             torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-6)
             assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
+            # H2O's block mass: the outputs stay as they were; each row's probabilities, one per
+            # head and layer, land in its table's columns (one past them stays 0); one thread or
+            # two (the (row, kv head) jobs dealt out differently), the same sums
+            masses = []
+            for n in (2, 1):
+                torch.set_num_threads(n)
+                x3, _, _, ks3, vs3, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
+                masses.append(torch.zeros(rows, table.shape[1] + 1))
+                model.native.stack.run(x3, cos, sin, ks3, vs3, slots, table, lens, scale, int8, False, False,
+                                       masses[-1])
+                assert torch.equal(x3, want_x)
+            torch.set_num_threads(2)
+            assert torch.equal(masses[0], masses[1]) and not masses[0][:, -1].any()
+            per_row = torch.full((rows,), float(model.arch.num_heads * len(model.layers)))
+            torch.testing.assert_close(masses[0].sum(-1), per_row, rtol=1e-5, atol=0)
     finally:
         torch.set_num_threads(threads)
 
