@@ -59,7 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="evict KV inside a sequence: streaming keeps the first --kv-sink-tokens and the last "
                         "--kv-window-tokens (StreamingLLM), so a request may run past the context; h2o keeps the "
                         "sinks, the last --kv-recent-tokens and the blocks with the most accumulated attention within "
-                        "--kv-budget-tokens (needs --attention-backend torch, or triton on a GPU) (default none)")
+                         "--kv-budget-tokens (attention backends native, torch and triton) (default none)")
     g.add_argument("--kv-sink-tokens", dest="kv_sink_tokens", type=int, metavar="S",
                    help="streaming: tokens kept at the start of every sequence, in whole blocks (default 4)")
     g.add_argument("--kv-window-tokens", dest="kv_window_tokens", type=int, metavar="W",

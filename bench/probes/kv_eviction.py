@@ -12,8 +12,8 @@ the end (pool bytes per token x tokens held / tokens seen). One run, machine loa
 engines alike (they run one after the other, so compare the quality columns, not times).
 
 H2O rows, at the same budget as sinks + window (``sink blocks x 16 + --window`` tokens;
-``--recent`` recent tokens, default the policy's): the engine (torch attention backend, which
-exports per-block attention mass), then a torch reference in transformers' eager attention on
+``--recent`` recent tokens, default the policy's): the engine (at the defaults: the native
+attention backend and decode path export per-block attention mass), then a torch reference in transformers' eager attention on
 the same weights and text, chunked alike, that evicts whole 16-token blocks (what kvserve does)
 and one that evicts single tokens (H2O as published): their difference is the price of block
 granularity. The reference rows' deltas are against transformers' own dense run.
@@ -41,7 +41,7 @@ def text_tokens(tokenizer, n: int) -> list[int]:
 def run(args: argparse.Namespace, policy: str, sinks: int, ids: list[int] | None = None):
     """(per-position (logprob, top-1 id) from position 1 on, tokens held at the end, bytes per token, ids)."""
     h2o = policy == "h2o"
-    config = EngineConfig(model=ModelConfig(max_model_len=args.context, **({"attention_backend": "torch"} if h2o else {})),
+    config = EngineConfig(model=ModelConfig(max_model_len=args.context),
                           cache=CacheConfig(kv_cache_memory_gib=0.25, kv_eviction=policy, kv_sink_tokens=sinks,
                                             kv_window_tokens=None if h2o else args.window,
                                             kv_budget_tokens=budget(args) if h2o else None,

@@ -104,12 +104,15 @@ class AttentionMetadata:
 
     def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
         """(the decode rows, the prefill chunks) as two steps: the first ``n`` rows (every decode
-        group) and the rest, its chunks renumbered from row 0. Not for a paged layout."""
+        group) and the rest, its chunks renumbered from row 0. Not for a paged layout.
+        ``block_mass`` is split the same way, as views: both halves add into the step's."""
         assert self.paged is None, "a paged layout spans the whole step"
         n = self.decode_groups[-1].end if self.decode_groups else 0
         chunks = [dataclasses.replace(c, start=c.start - n, end=c.end - n) for c in self.prefills]
-        return (AttentionMetadata(self.slot_mapping[:n], self.decode_groups, []),
-                AttentionMetadata(self.slot_mapping[n:], [], chunks))
+        mass = self.block_mass
+        return (AttentionMetadata(self.slot_mapping[:n], self.decode_groups, [],
+                                  block_mass=None if mass is None else mass[:n]),
+                AttentionMetadata(self.slot_mapping[n:], [], chunks, block_mass=None if mass is None else mass[n:]))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -24,9 +24,9 @@ class NativeAttention(TorchAttention):
     name = "native"
     reads_lengths_in_place = True
     supports_native_decode = True  # decode_layer.cpp attends through this kernel (paged_attention.h)
-    exports_block_mass = False
-    block_mass_refusal = ("its C++ decode kernel keeps each block's partial softmax sums in its online softmax "
-                          "and does not export them yet; run --attention-backend torch")
+    # decode rows: the kernel adds each block's mass from the softmax it weighs V with; prefill
+    # chunks: the torch explicit-softmax path (TorchAttention._forward_with_mass)
+    exports_block_mass = True
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
@@ -51,6 +51,18 @@ class NativeAttention(TorchAttention):
                 q.shape[-1] ** -0.5).to(q.dtype)
         return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, g.block_table, g.context_lens,
                                                         q.shape[-1] ** -0.5)
+
+    def _decode_with_mass(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+                          mass: torch.Tensor) -> torch.Tensor:
+        if isinstance(k_cache, Int4KV):  # its kernel exports no mass (h2o is refused with int4 pools anyway)
+            return super()._decode_with_mass(q, k_cache, v_cache, g, mass)
+        scale = q.shape[-1] ** -0.5
+        if isinstance(k_cache, Int8KV):
+            return torch.ops.kvserve.paged_decode_attention_int8(
+                q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, g.block_table, g.context_lens, scale,
+                mass).to(q.dtype)
+        return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, g.block_table, g.context_lens, scale,
+                                                        mass)
 
     def describe(self) -> str:
         return "native paged decode kernel + SDPA prefill"

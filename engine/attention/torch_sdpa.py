@@ -75,13 +75,7 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         bs = k_cache.shape[1]
         for g in meta.decode_groups:
-            n = g.end - g.start
-            keys = gather_kv(k_cache, g.block_ids, n, g.length).to(q.dtype)
-            values = gather_kv(v_cache, g.block_ids, n, g.length).to(q.dtype)
-            mask = g.mask if g.mask is not None else None
-            o, m = _attend_with_mass(q[g.start:g.end].unsqueeze(2), keys, values, mask, bs)
-            out[g.start:g.end] = o.squeeze(2)
-            mass[g.start:g.end, :m.shape[-1]] += m
+            out[g.start:g.end] = self._decode_with_mass(q[g.start:g.end], k_cache, v_cache, g, mass[g.start:g.end])
         num_decodes = meta.decode_groups[-1].end if meta.decode_groups else 0
         for j, chunk in enumerate(meta.prefills):
             q_c = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
@@ -101,6 +95,17 @@ class TorchAttention(AttentionBackend):
                 out[chunk.start + r:chunk.start + r + o.shape[2]] = o[0].transpose(0, 1)
                 mass[num_decodes + j, :m.shape[-1]] += m[0]
         return out
+
+    def _decode_with_mass(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+                          mass: torch.Tensor) -> torch.Tensor:
+        """``_decode``, adding each row's probability mass per block of its table (over heads) to
+        ``mass`` ``[B, >= blocks]`` (a view of the step's ``block_mass``)."""
+        n = g.end - g.start
+        keys = gather_kv(k_cache, g.block_ids, n, g.length).to(q.dtype)
+        values = gather_kv(v_cache, g.block_ids, n, g.length).to(q.dtype)
+        o, m = _attend_with_mass(q.unsqueeze(2), keys, values, g.mask, k_cache.shape[1])
+        mass[:, :m.shape[-1]] += m
+        return o.squeeze(2)
 
     def describe(self) -> str:
         return "torch SDPA"

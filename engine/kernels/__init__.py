@@ -4,7 +4,8 @@ Five kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
-  which triples the memory traffic of batched decode in the torch backend.
+  which triples the memory traffic of batched decode in the torch backend; optionally adds
+  each row's softmax mass per block (H2O eviction) from the same pass.
 * ``quant_linear.cpp``: linear layers computed straight from GGUF blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, and F16/BF16 halves), for the
   few-row matmuls of decode, which stream every weight once per step (see engine/loader/gguf/blocks.py).
 * ``quant_linear_q8.cpp``: the same matmuls on int8-quantized activations (Q4_1, Q8_0, Q4_K,

@@ -163,12 +163,17 @@ class NativeDecoder:
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8_activations: bool,
             final_norm: bool) -> torch.Tensor:
         """The decode rows ``x`` (contiguous, at their positions' cos / signed sin) through every
-        layer, in place; with ``final_norm`` also the model's final RMSNorm."""
+        layer, in place; with ``final_norm`` also the model's final RMSNorm. With
+        ``meta.block_mass`` (H2O), each row's attention mass per block, over heads and layers, is
+        added to its sequence's row of it (a chunk's rows to the chunk's)."""
         table, lens = row_tables(meta)
+        mass = None if meta.block_mass is None else torch.zeros(table.shape, dtype=torch.float32)
         # every layer in one call and one OpenMP region (decode_layer.cpp DecodeStack): the
         # same arithmetic as one torch.ops.kvserve.decode_layer call per layer
         self.stack.run(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
-                       table, lens, self.scale, int8_activations, final_norm, bool(meta.prefills))
+                       table, lens, self.scale, int8_activations, final_norm, bool(meta.prefills), mass)
+        if mass is not None:
+            meta.block_mass[:, :mass.shape[1]].index_add_(0, row_sequences(meta), mass)
         return x
 
 
@@ -191,6 +196,14 @@ def row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(t.shape[1] for t in tables)
     return (torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).contiguous(),
             torch.cat(lens))
+
+
+def row_sequences(meta: AttentionMetadata) -> torch.Tensor:
+    """The sequence (``block_mass`` row) of each of ``row_tables``' rows: a decode row is its own,
+    chunk j's rows are sequence ``decode rows + j``."""
+    decodes = meta.decode_groups[0].end if meta.decode_groups else 0
+    chunks = torch.tensor([c.end - c.start for c in meta.prefills], dtype=torch.long)
+    return torch.cat([torch.arange(decodes), torch.arange(decodes, decodes + len(chunks)).repeat_interleave(chunks)])
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,9 @@ struct StepInputs {
   // speculative verify row, attend to the chunk's earlier tokens): every K/V write of a layer
   // then happens before any of its attention, behind one more barrier.
   bool writes_first = false;
+  // H2O: [B * KVH, W] fp32, zeroed; the attention job (row b, kv head g) adds its heads' softmax
+  // mass per table column to row b * KVH + g, every layer (one writer per row: no race).
+  float* block_mass = nullptr;
 };
 
 // x [B, hidden]; cos/sin [B, head_dim] (the rows of the RoPE tables at each row's position,
@@ -350,7 +353,7 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
     const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
     ts.scores.resize(G * lay.len);
     kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
-                    ts.acc.data(), s.attn + b * q_size);
+                    ts.acc.data(), s.attn + b * q_size, in.block_mass ? in.block_mass + job * in.W : nullptr);
   }
   matmul(l.o, s.attn, B, s.tmp, add_residual(l.o_bias), quantized(l.o, s.attn, q_size));
   rms_norm(xp, l.post_norm, B, hidden, l.eps, y);
@@ -443,9 +446,12 @@ struct DecodeStack : torch::CustomClassHolder {
   // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools. With
   // final_norm, then through the model's final RMSNorm (set_final_norm), in the same region.
   // writes_first: some row reads a slot another row of the step writes (StepInputs).
+  // block_mass (H2O), fp32 [B, >= W]: each row's softmax mass per table column, summed over
+  // heads and layers, is added to its columns [0, W).
   void run(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
            std::vector<at::Tensor> v_caches, at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens,
-           double scale, bool int8_activations, bool final_norm, bool writes_first) {
+           double scale, bool int8_activations, bool final_norm, bool writes_first,
+           std::optional<at::Tensor> block_mass) {
     TORCH_CHECK(!final_norm || norm.defined(), "run(final_norm=True) needs set_final_norm first");
     TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "one K and one V cache per layer (", layers.size(), " layers)");
@@ -462,10 +468,18 @@ struct DecodeStack : torch::CustomClassHolder {
       return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
     }), in);
     const float* w = final_norm ? norm.data_ptr<float>() : nullptr;
+    at::Tensor job_mass;
+    if (block_mass) {
+      TORCH_CHECK(block_mass->scalar_type() == at::kFloat && block_mass->dim() == 2 && block_mass->size(0) == in.B &&
+                      block_mass->size(1) >= in.W, "block_mass must be float32 [B, >= the table width]");
+      job_mass = at::zeros({in.B * in.KVH, in.W}, x.options());
+      in.block_mass = job_mass.data_ptr<float>();
+    }
     if (k_caches[0].scalar_type() == at::kHalf)
       run_layers<c10::Half>(in, k_caches, v_caches, *shared, w);
     else
       run_layers<float>(in, k_caches, v_caches, *shared, w);
+    if (block_mass) block_mass->narrow(1, 0, in.W).add_(job_mass.view({in.B, in.KVH, in.W}).sum(1));
   }
 
   template <typename T>

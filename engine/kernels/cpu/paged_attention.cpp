@@ -5,6 +5,9 @@
 // Threads split the batch by sequence; a job reads each cached token's row (all kv heads, one
 // contiguous run) once for the scores and once for the values, walking the blocks in table
 // order so the hardware prefetcher streams each block. Softmax is max-subtracted, in fp32.
+//
+// With block_mass (H2O eviction, cache/eviction/h2o.py), each row also adds the softmax mass of
+// its heads per block of its table, taken from the probabilities that weigh the values.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -50,8 +54,18 @@ Checked check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   return c;
 }
 
+// block_mass, when given: fp32 [B, >= W] (a view into a wider buffer will do); each row's mass
+// per table column is added to its columns [0, W).
+void check_block_mass(const std::optional<at::Tensor>& block_mass, const Checked& c) {
+  if (!block_mass) return;
+  const at::Tensor& m = *block_mass;
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.dim() == 2 && m.size(0) == c.q.size(0) &&
+                  m.size(1) >= c.tables.size(1), "block_mass must be float32 [B, >= the table width]");
+}
+
 template <typename T>
-at::Tensor run(const Checked& c, const Pool<T>& k, const Pool<T>& v, int64_t block_size, double scale) {
+at::Tensor run(const Checked& c, const Pool<T>& k, const Pool<T>& v, int64_t block_size, double scale,
+               const std::optional<at::Tensor>& block_mass) {
   const int64_t B = c.q.size(0), H = c.q.size(1), D = c.q.size(2), KVH = k.kv_heads;
   const int64_t G = H / KVH, W = c.tables.size(1);
   auto out = at::empty({B, H, D}, c.q.options());
@@ -68,6 +82,10 @@ at::Tensor run(const Checked& c, const Pool<T>& k, const Pool<T>& v, int64_t blo
   // Jobs are dealt out round-robin, not in contiguous ranges: rows usually arrive sorted by
   // context length, and a contiguous split would hand one thread all the long ones.
   const int64_t num_jobs = B * split;
+  // one row of W per job (the jobs of a row split by kv head would race on a shared one), summed
+  // into block_mass after
+  at::Tensor job_mass = block_mass ? at::zeros({num_jobs, W}, c.q.options()) : at::Tensor();
+  float* jm = block_mass ? job_mass.data_ptr<float>() : nullptr;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_jobs));
   at::parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
     std::vector<float> scores, acc(heads_per_job * D);
@@ -77,30 +95,33 @@ at::Tensor run(const Checked& c, const Pool<T>& k, const Pool<T>& v, int64_t blo
         const Layout lay{tp + b * W, lp[b], block_size, KVH * D, block_size * KVH * D};
         scores.resize(heads_per_job * lay.len);
         attend(qp + b * H * D, k, v, lay, h0, h0 + heads_per_job, G, D, fscale, scores.data(), acc.data(),
-               op + b * H * D);
+               op + b * H * D, jm ? jm + job * W : nullptr);
       }
     }
   });
+  if (block_mass) block_mass->narrow(1, 0, W).add_(job_mass.view({B, split, W}).sum(1));
   return out;
 }
 
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], both fp32 or both fp16
 // (widened as they are read); block_tables [B, W]; context_lens [B] >= 1. Row b attends to its
-// first context_lens[b] cached tokens. -> [B, H, D] fp32.
+// first context_lens[b] cached tokens. -> [B, H, D] fp32. block_mass: see check_block_mass.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  const std::optional<at::Tensor>& block_mass) {
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == dtype &&
                   (dtype == at::kFloat || dtype == at::kHalf),
               "paged_decode_attention takes fp32 queries and two fp32 or two fp16 pools");
   const Checked c = check_inputs(q, k_cache, v_cache, block_tables, context_lens);
+  check_block_mass(block_mass, c);
   const int64_t KVH = k_cache.size(2);
   if (dtype == at::kHalf) {
     const Pool<c10::Half> k{k_cache.data_ptr<c10::Half>(), nullptr, KVH}, v{v_cache.data_ptr<c10::Half>(), nullptr, KVH};
-    return run(c, k, v, k_cache.size(1), scale);
+    return run(c, k, v, k_cache.size(1), scale, block_mass);
   }
   const Pool<float> k{k_cache.data_ptr<float>(), nullptr, KVH}, v{v_cache.data_ptr<float>(), nullptr, KVH};
-  return run(c, k, v, k_cache.size(1), scale);
+  return run(c, k, v, k_cache.size(1), scale, block_mass);
 }
 
 // As paged_decode_attention over int8 pools (engine/kv/int8.py): k_codes, v_codes int8
@@ -108,19 +129,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // holding (step, minimum); value = (code + 128) * step + minimum. q and the result are fp32.
 at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
                                        const at::Tensor& v_codes, const at::Tensor& v_scale,
-                                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                       const std::optional<at::Tensor>& block_mass) {
   TORCH_CHECK(k_codes.scalar_type() == at::kChar && v_codes.scalar_type() == at::kChar,
               "paged_decode_attention_int8 reads int8 codes");
   TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
                   k_scale.is_contiguous() && v_scale.is_contiguous(), "the scales must be contiguous fp32");
   const Checked c = check_inputs(q, k_codes, v_codes, block_tables, context_lens);
+  check_block_mass(block_mass, c);
   const int64_t KVH = k_codes.size(2);
   const std::vector<int64_t> scale_shape{k_codes.size(0), k_codes.size(1), KVH, 2};
   TORCH_CHECK(k_scale.sizes() == scale_shape && v_scale.sizes() == scale_shape,
               "the scales must be [num_blocks, block_size, kv_heads, 2]");
   const Pool<int8_t> k{k_codes.data_ptr<int8_t>(), k_scale.data_ptr<float>(), KVH};
   const Pool<int8_t> v{v_codes.data_ptr<int8_t>(), v_scale.data_ptr<float>(), KVH};
-  return run(c, k, v, k_codes.size(1), scale);
+  return run(c, k, v, k_codes.size(1), scale, block_mass);
 }
 
 // Quantize-on-write for int8 pools: rows x [T, KVH, D] (fp32) go to their flat slots
@@ -172,9 +195,9 @@ void write_int8_kv(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, Tensor(a!)? block_mass=None) -> Tensor");
   m.def("paged_decode_attention_int8(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, Tensor(a!)? block_mass=None) -> Tensor");
   m.def("write_int8_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scale, Tensor slot_mapping) -> ()");
 }
 

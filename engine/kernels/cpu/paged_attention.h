@@ -79,6 +79,19 @@ inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
   }
 }
 
+// H2O's per-block attention mass (cache/eviction/h2o.py): mass[j] += the probabilities of the
+// nh rows of L in block j (tokens [j * block_size, (j + 1) * block_size)), from the softmax the
+// values are weighed with: no second pass over K or V.
+inline void add_block_mass(const float* probs, int64_t nh, int64_t L, int64_t block_size, float* mass) {
+  for (int64_t t0 = 0, j = 0; t0 < L; t0 += block_size, ++j) {
+    const int64_t t1 = std::min(L, t0 + block_size);
+    float s = 0.f;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t t = t0; t < t1; ++t) s += probs[h * L + t];
+    mass[j] += s;
+  }
+}
+
 #ifdef KVSERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -192,7 +205,7 @@ inline void values_group(const T* const* rows, int64_t L, const float* p, int64_
 template <typename T>
 inline void attend_avx2(
     const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
-    int64_t G, int64_t D, float scale, float* scores, float* out) {
+    int64_t G, int64_t D, float scale, float* scores, float* out, float* mass) {
   const int64_t L = lay.len, nh = h1 - h0;
   thread_local std::vector<const T*> krows, vrows;
   krows.resize(L), vrows.resize(L);
@@ -223,6 +236,7 @@ inline void attend_avx2(
     }
   });
   softmax_rows(scores, nh, L);
+  if (mass) add_block_mass(scores, nh, L, lay.block_size, mass);
   for_each_group([&](int64_t h, int64_t n, int64_t off) {
     const float* p = scores + (h - h0) * L;
     float* o = out + h * D;
@@ -242,15 +256,16 @@ inline void attend_avx2(
 // Heads [h0, h1) of one sequence against its cached tokens. q [H, D] (this sequence's
 // queries); k/v the pools; scores is scratch [h1 - h0, len]; acc scratch [h1 - h0, D];
 // out [H, D] (this sequence's output rows). Every cached token's row of those heads is read
-// once, in block order.
+// once, in block order. With mass (one float per block of the table), the heads' probability
+// mass per block is added to it (add_block_mass).
 template <typename T>
 inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
-            int64_t G, int64_t D, float scale, float* scores, float* acc, float* out) {
+            int64_t G, int64_t D, float scale, float* scores, float* acc, float* out, float* mass = nullptr) {
   constexpr bool quantized = std::is_same<T, int8_t>::value;
   constexpr bool widened = !std::is_same<T, float>::value;  // int8 codes or fp16 values
 #ifdef KVSERVE_X86
   if constexpr (!quantized) {
-    if (D % 8 == 0 && cpu_has_avx2()) return attend_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out);
+    if (D % 8 == 0 && cpu_has_avx2()) return attend_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out, mass);
   }
 #endif
   const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
@@ -309,6 +324,7 @@ inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Lay
     }
   });
   softmax_rows(scores, nh, L);
+  if (mass) add_block_mass(scores, nh, L, lay.block_size, mass);
   std::fill(acc, acc + nh * D, 0.f);
   // int8: sum_t p_t ((c_t + 128) step_t + min_t) = sum_t (p_t step_t) c_t + sum_t p_t (128 step_t + min_t);
   // the second term is the same for every channel, so it is one scalar per head.

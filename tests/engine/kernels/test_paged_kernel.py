@@ -143,3 +143,69 @@ def test_native_int8_write_equals_the_torch_quantizer():
     assert not cache.data.view(-1, 3, 32)[untouched].any()
     with pytest.raises(RuntimeError, match="slot out of range"):
         torch.ops.kvserve.write_int8_kv(x[:1], cache.data, cache.scale, torch.tensor([24]))
+
+
+def reference_mass(q, k_cache, tables, lens, width):
+    """H2O's block mass, explicitly: each row's softmax over its gathered context (fp64), summed
+    over heads, then per block of its table -> [B, width] (zero past a row's blocks)."""
+    bs, heads, kv_heads = k_cache.shape[1], q.shape[1], k_cache.shape[2]
+    out = torch.zeros(len(lens), width, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        nb = (n + bs - 1) // bs
+        k = k_cache[tables[b, :nb]].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * q.shape[-1] ** -0.5, dim=-1)
+        out[b, :nb] = F.pad(probs.sum(0), (0, nb * bs - n)).view(nb, bs).sum(-1)
+    return out.float()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 40, 4), (4, 2, 12, 4)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8], ids=["fp32", "fp16", "int8"])
+def test_block_mass_equals_the_explicit_softmax_per_block(heads, kv_heads, head_dim, block_size, kv_dtype):
+    """With ``block_mass`` the kernel adds each row's softmax mass per block of its table (over
+    heads) to it, and its output is the same bit for bit. Rows of different lengths, last blocks
+    partly filled, GQA; head_dim 64 and 40: the AVX2 path, 12: the portable one (the int8 kernel's
+    too). One thread: a job per row; as many threads as rows: a job per (row, kv head), summed."""
+    from engine.kv.int8 import Int8KV, dequantize, write_int8
+
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    num_blocks, width = 64, 5
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    keys = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen) * 2  # peakier softmax
+    values = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    if kv_dtype == torch.int8:
+        k, v = (Int8KV.zeros(shape, torch.float32, torch.device("cpu")) for _ in range(2))
+        write_int8(k, keys, torch.arange(num_blocks * block_size))
+        write_int8(v, values, torch.arange(num_blocks * block_size))
+        k_ref = dequantize(k.data, k.scale, torch.float32)
+
+        def attend(q, tables, lens, mass=None):
+            return torch.ops.kvserve.paged_decode_attention_int8(q, k.data, k.scale, v.data, v.scale, tables, lens,
+                                                                 head_dim ** -0.5, mass)
+    else:
+        k_cache, v_cache = keys.view(shape).to(kv_dtype), values.view(shape).to(kv_dtype)
+        k_ref = k_cache.float()
+
+        def attend(q, tables, lens, mass=None):
+            return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, mass)
+
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size, 7])
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    want = reference_mass(q, k_ref, tables, lens, width)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, len(lens)):
+            torch.set_num_threads(n)
+            for rows in (slice(None), slice(4, 5)):  # every row; one row alone (a job per kv head)
+                # added to what is there, in columns [0, width) of a wider buffer
+                mass = torch.full((len(lens), width + 2), 0.5)[rows]
+                got = attend(q[rows], tables[rows], lens[rows], mass)
+                assert torch.equal(got, attend(q[rows], tables[rows], lens[rows]))
+                torch.testing.assert_close(mass[:, :width] - 0.5, want[rows], atol=2e-6 * heads, rtol=1e-5)
+                assert torch.all(mass[:, width:] == 0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(want.sum(-1), torch.full((len(lens),), float(heads)), atol=1e-4)
+    with pytest.raises(RuntimeError, match="block_mass must be float32"):
+        attend(q, tables, lens, torch.zeros(len(lens), width - 1))

@@ -290,17 +290,32 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             for args, k, v in zip(model.native.layers, want_k, want_v):
                 torch.ops.kvserve.decode_layer(want_x, *args, cos, sin, k, v, slots, table, lens,
                                                model.arch.num_heads, scale, int8)
-            model.native.stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False, False)
+            model.native.stack.run(x, cos, sin, ks, vs, slots, table, lens, scale, int8, False, False, None)
             assert torch.equal(x, want_x), (rows, int8)
             assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v)), (rows, int8)
             assert not torch.equal(x, _step_inputs(model, rows, context, 4, seed=rows)[0])  # the layers ran
             fresh_k = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)[3]
             assert not all(torch.equal(a, b) for a, b in zip(ks, fresh_k))  # and wrote their new keys
             normed, _, _, ks2, vs2, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
-            model.native.stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True, False)
+            model.native.stack.run(normed, cos, sin, ks2, vs2, slots, table, lens, scale, int8, True, False, None)
             want_normed = F.rms_norm(want_x, (want_x.shape[-1],), model.norm, model.arch.rms_norm_eps)
             torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-6)
             assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
+            # H2O's block mass: the outputs stay as they were; each row's probabilities, one per
+            # head and layer, land in its table's columns (one past them stays 0); one thread or
+            # two (the (row, kv head) jobs dealt out differently), the same sums
+            masses = []
+            for n in (2, 1):
+                torch.set_num_threads(n)
+                x3, _, _, ks3, vs3, _, _, _ = _step_inputs(model, rows, context, 4, seed=rows, kv_dtype=kv_dtype)
+                masses.append(torch.zeros(rows, table.shape[1] + 1))
+                model.native.stack.run(x3, cos, sin, ks3, vs3, slots, table, lens, scale, int8, False, False,
+                                       masses[-1])
+                assert torch.equal(x3, want_x)
+            torch.set_num_threads(2)
+            assert torch.equal(masses[0], masses[1]) and not masses[0][:, -1].any()
+            per_row = torch.full((rows,), float(model.arch.num_heads * len(model.layers)))
+            torch.testing.assert_close(masses[0].sum(-1), per_row, rtol=1e-5, atol=0)
     finally:
         torch.set_num_threads(threads)
 
@@ -310,20 +325,21 @@ def test_decode_stack_rejects_mismatched_caches():
     model = engine.runner.model
     x, cos, sin, ks, vs, slots, table, lens = _step_inputs(model, 2, 5, 4, seed=0)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        model.native.stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False, False)
+        model.native.stack.run(x, cos, sin, ks[:1], vs[:1], slots, table, lens, 0.25, False, False, False, None)
     bad = ks[:1] + [torch.zeros(3, 4, model.arch.num_kv_heads, model.arch.head_dim)] + ks[2:]
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model.native.stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False, False)
+        model.native.stack.run(x, cos, sin, bad, vs, slots, table, lens, 0.25, False, False, False, None)
     mixed = ks[:1] + [ks[1].half()] + ks[2:]  # one layer's pool fp16, the others fp32
     with pytest.raises(RuntimeError, match="of one shape and one dtype"):
-        model.native.stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False, False)
+        model.native.stack.run(x, cos, sin, mixed, vs, slots, table, lens, 0.25, False, False, False, None)
     with pytest.raises(RuntimeError, match="contiguous float32 or float16"):
-        model.native.stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False, False)
+        model.native.stack.run(x, cos, sin, [k.double() for k in ks], vs, slots, table, lens, 0.25, False, False, False,
+                               None)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        model.native.stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False, False)
+        model.native.stack.run(x, cos, sin, ks, vs, slots + 10**6, table, lens, 0.25, False, False, False, None)
     a = model.arch
     bare = torch.classes.kvserve.DecodeStack(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
     for args in model.native.layers:
         bare.add_layer(*args)
     with pytest.raises(RuntimeError, match="needs set_final_norm"):
-        bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True, False)
+        bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True, False, None)
