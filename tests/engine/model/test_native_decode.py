@@ -467,8 +467,14 @@ def test_int4_native_decode_on_the_default_model():
     blocks (its 5 new tokens continue them: native chunk rows), one prefilled from scratch (a mixed
     step: decode rows native, the chunk in Python). Every compared step's layer-0 pool agrees with
     the Python path's, every block it completes holds the torch quantizer's codes (all layers),
-    the logits of the steps that quantize no block agree (Int4PoolCheck(layers=1)), and the
-    greedy tokens equal a python-path engine's."""
+    and the logits of the steps that quantize no block agree (Int4PoolCheck(layers=1)).
+
+    Not compared: a whole run's greedy tokens against a python-path engine's. A step that
+    quantizes blocks can flip a code on one path and not the other (the K/V rows differ in fp32
+    summation order), and 30 layers amplify that to logit changes of O(1): with random-token
+    prompts (near ties) one such run agreed token for token and another diverged at a request's
+    second token. The tiny model's runs (test_int4_native_decode_equals_python,
+    test_int4_preempted_requests_resume_natively) do compare tokens."""
     from cache import CacheConfig
     from engine.config import EngineConfig, ModelConfig
     from engine.llm_engine import LLMEngine
@@ -479,18 +485,14 @@ def test_int4_native_decode_on_the_default_model():
     rng = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 10000, (n,), generator=rng).tolist() for n in (40, 21, 17)]
     late = [prompts[0][:32] + [11, 12, 13, 14, 15], torch.randint(100, 10000, (40,), generator=rng).tolist()]
-    runs, comparer = {}, None
-    for path in ("python", "native"):
-        engine = LLMEngine(EngineConfig(
-            model=ModelConfig(num_threads=1, decode_path=path, **EXACT_MODEL_FLAGS),
-            cache=CacheConfig(num_blocks=48, kv_cache_dtype="int4"),
-            scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)), load_model(None, torch.float32))
-        assert engine.runner.model.decode_path == path
-        if path == "native":
-            comparer = PathComparer(engine.runner.model)
-            comparer.int4 = Int4PoolCheck(layers=1)
-        runs[path] = _int4_schedule(engine, prompts, late, tokens=20)
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(num_threads=1, decode_path="native", **EXACT_MODEL_FLAGS),
+        cache=CacheConfig(num_blocks=48, kv_cache_dtype="int4"),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)), load_model(None, torch.float32))
+    assert engine.runner.model.decode_path == "native"
+    comparer = PathComparer(engine.runner.model)
+    comparer.int4 = Int4PoolCheck(layers=1)
+    assert [len(t) for t in _int4_schedule(engine, prompts, late, tokens=20)] == [20] * 5
     assert not comparer.failures, comparer.failures[0]
     assert comparer.native_steps and comparer.mixed_steps and comparer.chunk_steps
     assert comparer.int4.blocks_checked and comparer.int4.logit_steps >= 10
-    assert runs["native"] == runs["python"]
