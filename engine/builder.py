@@ -351,7 +351,7 @@ class _EngineBuild:
         self.config = config
         logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
                     "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks")
-        _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype in ("int8", "int4"))
+        _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype)
 
         per_token = pool_bytes_per_token(config, arch, model, dtype, device)
         self.runner, num_blocks = build_runner(config, model, dtype, device, per_token)
@@ -419,6 +419,6 @@ def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, d
     configure_linear_layers(model, loaded, backend, device, dtype, logger)
 
 
-def _select_decode_path(model: LlamaForCausalLM, choice: str, int8_kv: bool) -> None:
+def _select_decode_path(model: LlamaForCausalLM, choice: str, kv_cache_dtype: str) -> None:
     """The decode path (``ModelConfig.decode_path``), chosen and logged (engine/model/native_decode.py)."""
-    configure_decode_path(model, choice, int8_kv, logger)
+    configure_decode_path(model, choice, kv_cache_dtype, logger)

@@ -37,8 +37,9 @@ when the slots run out, by asking the block pool which blocks are still held (``
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -122,6 +123,24 @@ class Int4Plan:
     done_blocks: torch.Tensor  # long [f]: open blocks the step completes
     done_slots: torch.Tensor  # long [f]: their residual slots (freed after the plan)
 
+    def split(self, n: int) -> tuple["Int4Plan", "Int4Plan"]:
+        """(rows ``[0, n)``, rows ``[n, num_rows)`` renumbered from 0): the plans of a step whose
+        first ``n`` rows (the decode rows) are written by another call than the rest. A block
+        belongs to the rows that write it: one sequence's rows, all on one side."""
+        bs = self.direct_rows.shape[1]
+        head = self.res_rows < n
+        direct = self.direct_rows[:, 0] < n
+        # an open block is completed by the row that writes its last offset
+        done = torch.isin(self.done_slots * bs + bs - 1, self.res_slots[head])
+
+        def part(keep_res: torch.Tensor, keep_direct: torch.Tensor, keep_done: torch.Tensor, shift: int,
+                 rows: int) -> Int4Plan:
+            return Int4Plan(rows, self.res_rows[keep_res] - shift, self.res_slots[keep_res],
+                            self.direct_blocks[keep_direct], self.direct_rows[keep_direct] - shift,
+                            self.done_blocks[keep_done], self.done_slots[keep_done])
+
+        return part(head, direct, done, 0, n), part(~head, ~direct, ~done, n, self.num_rows - n)
+
 
 @dataclass
 class Int4Residual:
@@ -190,6 +209,18 @@ class Int4Residual:
         self.plan_ = Int4Plan(len(slots), long(res_rows), long(res_slots), long(direct_blocks),
                               long(direct_rows).view(-1, bs), long(done_blocks), long(done_slots))
         return self.plan_
+
+    @contextmanager
+    def rows_from(self, n: int) -> Iterator[None]:
+        """Inside, the step's plan is that of its rows from ``n`` on (``Int4Plan.split``): for the
+        Python layers of a mixed step whose first ``n`` rows the native decode path wrote."""
+        full = self.plan_
+        assert full is not None, "int4 KV: the step's write plan is missing"
+        self.plan_ = full.split(n)[1]
+        try:
+            yield
+        finally:
+            self.plan_ = full
 
     def release(self, block: int) -> None:
         """``block`` now holds quantized content written from elsewhere (a tier load): drop the

@@ -11,6 +11,7 @@ the others.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.kernels import load_kernels
+from engine.kv.int4 import Int4KV
 from engine.kv.transfer import BlockCopier
 from engine.loader import LoadedModel
 from engine.loader.gguf.blocks import BlockMatrix, GGUFMatrix
@@ -134,11 +136,11 @@ class LlamaForCausalLM(nn.Module):
         """``native`` or ``python``: how decode rows run (see ``select_decode_path``)."""
         return "python" if self.native is None else "native"
 
-    def select_decode_path(self, choice: str = "auto", int8_kv: bool = False) -> tuple[str, str | None]:
+    def select_decode_path(self, choice: str = "auto", kv_cache_dtype: str = "auto") -> tuple[str, str | None]:
         """How decode rows run (``engine.model.native_decode``, where it is decided); returns
-        (path, why not native or None). ``int8_kv``: the pool is int8 (the native path does not
-        cover it)."""
-        decided = decide_decode_path(self, choice, int8_kv)
+        (path, why not native or None). ``kv_cache_dtype``: the pool's (the native path does not
+        cover int8)."""
+        decided = decide_decode_path(self, choice, kv_cache_dtype)
         return decided.path, decided.reason
 
     def native_decode(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -275,8 +277,10 @@ class LlamaForCausalLM(nn.Module):
             x, positions = x[decodes:], positions[decodes:]
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin_signed[positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, k_cache, v_cache, meta, self.attn)
+        int4 = kv_caches[0][0].state if decodes and isinstance(kv_caches[0][0], Int4KV) else None
+        with int4.rows_from(decodes) if int4 is not None else nullcontext():  # the decode rows wrote theirs
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x = layer.forward(x, cos, sin, k_cache, v_cache, meta, self.attn)
         if decodes:
             x = torch.cat([head, x])
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)

@@ -1,7 +1,7 @@
 """The native decode path: every decoder layer of an all-decode step in ONE C++ call.
 
 ``native``: the single-new-token rows of a step, at most ``NativeDecoder.max_rows`` of them,
-over a float32 or float16 pool, run every layer in one ``torch.classes.kvserve.DecodeStack``
+over a float32, float16 or int4 pool (``pool_arguments``), run every layer in one ``torch.classes.kvserve.DecodeStack``
 call (engine/kernels/cpu/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per
 layer, each with its own fork/join); a mixed step's prefill chunks then run
 ``DecoderLayer.forward``, as do larger batches, unless the whole step fits in ``max_rows``
@@ -14,7 +14,9 @@ This module is the one place that decides whether the path runs (``decide_decode
 when the model is built, with the reason when it cannot) and binds it (``NativeDecoder``). It
 needs the CPU, float32, the kernels and an attention backend whose numerics it shares
 (``AttentionBackend.supports_native_decode``); it does not cover tensor-parallel ranks or int8
-KV pools. Per step, the model only asks ``NativeDecoder.rows``: is this an all-decode step (or
+KV pools. An int4 pool's write follows the step's plan (engine/kv/int4.py ``Int4Plan``, made
+once before the forward pass): the native call takes the plan of its rows, and in a mixed step
+the Python layers that of the rest (``Int4Residual.rows_from``). Per step, the model only asks ``NativeDecoder.rows``: is this an all-decode step (or
 a mixed one whose decode rows can go first) of at most ``max_rows`` rows.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Protocol, Sequence
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.kv.int4 import Int4KV
 from engine.loader.gguf.blocks import BlockFormat
 from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
@@ -92,12 +95,12 @@ def layer_unavailable(layer: DecoderLayer) -> str | None:
     return None
 
 
-def not_covered(model: DecodingModel, int8_kv: bool) -> str | None:
+def not_covered(model: DecodingModel, kv_cache_dtype: str) -> str | None:
     """A setting the native path does not cover at all (as opposed to a check that failed), or None."""
     if model.shard is not None:
         return "tensor parallel ranks"
-    if int8_kv:
-        return "a quantized (int8 or int4) KV pool"
+    if kv_cache_dtype == "int8":
+        return "an int8 KV pool"
     return None
 
 
@@ -167,14 +170,34 @@ class NativeDecoder:
         ``meta.block_mass`` (H2O), each row's attention mass per block, over heads and layers, is
         added to its sequence's row of it (a chunk's rows to the chunk's)."""
         table, lens = row_tables(meta)
+        k_pools, v_pools = pool_arguments(self.stack, kv_caches, x.shape[0])
         mass = None if meta.block_mass is None else torch.zeros(table.shape, dtype=torch.float32)
         # every layer in one call and one OpenMP region (decode_layer.cpp DecodeStack): the
         # same arithmetic as one torch.ops.kvserve.decode_layer call per layer
-        self.stack.run(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+        self.stack.run(x, cos, sin, k_pools, v_pools, meta.slot_mapping,
                        table, lens, self.scale, int8_activations, final_norm, bool(meta.prefills), mass)
         if mass is not None:
             meta.block_mass[:, :mass.shape[1]].index_add_(0, row_sequences(meta), mass)
         return x
+
+
+def pool_arguments(stack, kv_caches: list, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's K and V pools as ``DecodeStack.run`` takes them: a float pool itself; an int4
+    pool its codes, after handing the stack the scales, residuals, ``slot_of`` and the write plan
+    of the step's first ``rows`` rows (``DecodeStack.int4_step``)."""
+    k0 = kv_caches[0][0]
+    if not isinstance(k0, Int4KV):
+        return [k for k, _ in kv_caches], [v for _, v in kv_caches]
+    plan = k0.state.plan_
+    if plan is None or plan.num_rows < rows:
+        raise RuntimeError("int4 KV: the step's write plan is missing (ModelRunner.prepare_inputs makes it)")
+    if plan.num_rows > rows:  # a mixed step's decode rows
+        plan = plan.split(rows)[0]
+    stack.int4_step([k.scale for k, _ in kv_caches], [v.scale for _, v in kv_caches],
+                    [k.residual for k, _ in kv_caches], [v.residual for _, v in kv_caches], k0.state.slot_of,
+                    plan.res_rows, plan.res_slots, plan.direct_blocks, plan.direct_rows, plan.done_blocks,
+                    plan.done_slots)
+    return [k.codes for k, _ in kv_caches], [v.codes for _, v in kv_caches]
 
 
 def row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,12 +251,12 @@ class DecodePath:
         return "python" + (f" (native unavailable: {self.reason})" if self.reason else "")
 
 
-def decide_decode_path(model: DecodingModel, choice: str = "auto", int8_kv: bool = False) -> DecodePath:
+def decide_decode_path(model: DecodingModel, choice: str = "auto", kv_cache_dtype: str = "auto") -> DecodePath:
     """Decide how decode rows run (``ModelConfig.decode_path``) and bind ``model.native``
     accordingly; ValueError when ``choice`` is unknown, or ``native`` and it cannot run."""
     if choice not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, got {choice!r}")
-    outside = not_covered(model, int8_kv)
+    outside = not_covered(model, kv_cache_dtype)
     if outside is not None:
         if choice == "native":
             raise ValueError(f"decode_path 'native' cannot run with {outside}; use 'auto' or 'python'")
@@ -256,6 +279,7 @@ def rebind_native_decoder(model: DecodingModel) -> None:
         model.native = NativeDecoder(model.layers, model.norm, model.arch)
 
 
-def configure_decode_path(model: DecodingModel, choice: str, int8_kv: bool, log: logging.Logger = logger) -> None:
+def configure_decode_path(model: DecodingModel, choice: str, kv_cache_dtype: str,
+                          log: logging.Logger = logger) -> None:
     """The engine's one decision of the decode path, logged (on ``log``) as it was decided."""
-    log.info("Decode path: %s", decide_decode_path(model, choice, int8_kv).describe())
+    log.info("Decode path: %s", decide_decode_path(model, choice, kv_cache_dtype).describe())

@@ -3,7 +3,8 @@
 // fused QKV matmul (+ bias), RoPE, the KV write into the paged pool, paged attention, the O
 // matmul (+ bias) and residual, RMSNorm, gate/up, SiLU * up, down and residual. fp32, CPU; the KV
 // pools fp32 or fp16 (``--kv-cache-dtype float16``: new rows rounded to fp16 as they are written,
-// as torch's ``.to(torch.float16)`` rounds them on the python path).
+// as torch's ``.to(torch.float16)`` rounds them on the python path) or int4 (KIVI, kv_int4.h:
+// DecodeStack only, following the step's write plan, engine/kv/int4.py's Int4Plan).
 //
 // Why: on a small model a decode step is ~10 small torch calls per layer, and each one pays
 // dispatch plus an OpenMP fork/join, which on 2 cores costs about as much as the matmuls. Here
@@ -29,6 +30,7 @@
 
 #include "block_codes.h"
 #include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx2
+#include "kv_int4.h"
 #include "paged_attention.h"
 #include "quant_linear.h"
 #include "vec_math.h"      // silu_mul
@@ -223,14 +225,12 @@ struct StepInputs {
 // sin sign-adjusted); a cache [blocks, block_size, kv_heads, head_dim]; slots [B] the flat slot
 // of each new token; block_tables [B, W] and context_lens [B] (the new token included) as
 // paged_decode_attention takes them. Checks them against each other and the pool.
-StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+// pool: the pools' [blocks, block_size, kv_heads, head_dim].
+StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef pool,
                      const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t num_heads, double scale, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [B, hidden]");
-  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
-                  k_cache.is_contiguous(),
-              "the caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, head_dim] of one shape");
-  const int64_t B = x.size(0), block_size = k_cache.size(1), D = k_cache.size(3);
+  const int64_t B = x.size(0), block_size = pool[1], D = pool[3];
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat, "cos/sin must be contiguous float32 [B, head_dim]");
@@ -238,15 +238,24 @@ StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
                   context_lens.scalar_type() == at::kLong && context_lens.numel() == B && context_lens.is_contiguous() &&
                   block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
                   block_tables.is_contiguous(), "slots, block_tables and context_lens must be int64, one row per token");
-  const int64_t W = block_tables.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t W = block_tables.size(1), num_slots = pool[0] * block_size;
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(sp[b] >= 0 && sp[b] < num_slots, "slot ", sp[b], " is outside the pool");
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * block_size, "a context is empty or longer than its block table");
   }
-  return {x.data_ptr<float>(), B, num_heads, k_cache.size(2), D, block_size, W, cos.data_ptr<float>(),
+  return {x.data_ptr<float>(), B, num_heads, pool[2], D, block_size, W, cos.data_ptr<float>(),
           sin.data_ptr<float>(), sp, block_tables.data_ptr<int64_t>(), lp, static_cast<float>(scale), int8_activations};
+}
+
+StepInputs make_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     int64_t num_heads, double scale, bool int8_activations) {
+  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  k_cache.is_contiguous(),
+              "the caches must be contiguous float32 or float16 [blocks, block_size, kv_heads, head_dim] of one shape");
+  return make_step(x, cos, sin, k_cache.sizes(), slots, block_tables, context_lens, num_heads, scale, int8_activations);
 }
 
 // k_cache and v_cache of like's shape and dtype (make_step checked like), contiguous.
@@ -293,7 +302,42 @@ struct SharedScratch {
 struct ThreadScratch {
   std::vector<float> y, head, scores, acc;
   kvserve::Q8Act qx;
+  std::vector<const float*> rows;  // an int4 block's token rows, as it is quantized
 };
+
+// One step over int4 pools (DecodeStack::int4_step): every layer's pools and the step's write
+// plan (engine/kv/int4.py Int4Plan) resolved per row. A row's K/V go to its residual row; the
+// blocks the step completes are quantized, per KV head, before any row attends to them: by the
+// job of the row that completes the block (its owner) when rows read only their own writes, in
+// a phase of their own after the writes otherwise (writes_first).
+struct Int4Step {
+  struct Block {
+    int64_t block, slot;  // slot -1: filled by this step alone, quantized from its rows' K/V
+    const int64_t* rows;  // such a block's block_size rows of the step, in offset order
+  };
+  std::vector<kvserve::Int4Pools> layers;
+  std::vector<int64_t> row_res;      // [B]: the flat residual row (slot * block_size + offset) row b writes, or -1
+  std::vector<int64_t> owner_block;  // [B]: the index in `blocks` of the block row b completes, or -1
+  std::vector<Block> blocks;
+};
+
+// Block q of the step, KV head g, quantized (kv_int4.h) from the residual or the step's K/V rows.
+void quantize_block(const Int4Step& q4, const kvserve::Int4Pools& p, int64_t q, int64_t g, const float* qkv,
+                    int64_t ldq, int64_t H, std::vector<const float*>& rows) {
+  const Int4Step::Block& b = q4.blocks[q];
+  const int64_t bs = p.bs, KVH = p.KVH, D = p.D;
+  rows.resize(bs);
+  for (int pass = 0; pass < 2; ++pass) {
+    const float* res = pass == 0 ? p.kr : p.vr;
+    const int64_t head = pass == 0 ? H + g : H + KVH + g;
+    for (int64_t i = 0; i < bs; ++i)
+      rows[i] = b.slot >= 0 ? res + ((b.slot * bs + i) * KVH + g) * D : qkv + b.rows[i] * ldq + head * D;
+    if (pass == 0)
+      kvserve::quantize_key_block(p, b.block, g, rows.data());
+    else
+      for (int64_t i = 0; i < bs; ++i) kvserve::quantize_value_row(p, b.block, i, g, rows[i]);
+  }
+}
 
 // One layer, run by every thread of the enclosing parallel region; ends with a barrier, after
 // which in.x holds the layer's output. `s` must be sized for this layer (SharedScratch::size_for,
@@ -303,8 +347,12 @@ struct ThreadScratch {
 // computed by every thread into its own copy (no barrier of their own); a row's RoPE and KV
 // write happen in the attention job that reads them (with writes_first, in a phase of their own
 // before it: a fifth barrier); SiLU * up in the gate/up chunk that computed both halves.
+//
+// int4 pools (T = uint8_t, kp / vp their codes): q4 is the step, p4 this layer's pools.
 template <typename T>
-void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const SharedScratch& s, ThreadScratch& ts) {
+void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const SharedScratch& s, ThreadScratch& ts,
+               const Int4Step* q4 = nullptr, const kvserve::Int4Pools* p4 = nullptr) {
+  constexpr bool int4 = std::is_same<T, uint8_t>::value;
   const int64_t B = in.B, hidden = l.hidden, I = l.I, H = in.H, KVH = in.KVH, D = in.D, G = H / KVH;
   const int64_t q_size = H * D;
   float* xp = in.x;
@@ -338,22 +386,49 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   // a (row, kv head)'s G query heads, key and value: bias, RoPE, and the K/V write into the pool
   const auto prepare_job = [&](int64_t b, int64_t g) {
     for (int64_t h = g * G; h < (g + 1) * G; ++h) prepare_head(b, h);
-    store_row(prepare_head(b, H + g), D, kp + (in.slots[b] * KVH + g) * D);
-    store_row(prepare_head(b, H + KVH + g), D, vp + (in.slots[b] * KVH + g) * D);
+    const float* k_new = prepare_head(b, H + g);
+    const float* v_new = prepare_head(b, H + KVH + g);
+    if constexpr (int4) {
+      const int64_t r = q4->row_res[b];  // -1: a row of a block the step fills alone, quantized from qkv
+      if (r >= 0) {
+        std::copy(k_new, k_new + D, p4->kr + (r * KVH + g) * D);
+        std::copy(v_new, v_new + D, p4->vr + (r * KVH + g) * D);
+      }
+    } else {
+      store_row(k_new, D, kp + (in.slots[b] * KVH + g) * D);
+      store_row(v_new, D, vp + (in.slots[b] * KVH + g) * D);
+    }
   };
   if (in.writes_first) {
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < B * KVH; ++job) prepare_job(job / KVH, job % KVH);
+    if constexpr (int4) {
+      const int64_t jobs = static_cast<int64_t>(q4->blocks.size()) * KVH;
+      if (jobs) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; ++job) quantize_block(*q4, *p4, job / KVH, job % KVH, s.qkv, l.qkv.N, H, ts.rows);
+      }
+    }
   }
   // attention: one job per (row, kv head): its G query heads over its own context
 #pragma omp for schedule(dynamic, 1)
   for (int64_t job = 0; job < B * KVH; ++job) {
     const int64_t b = job / KVH, g = job % KVH;
-    if (!in.writes_first) prepare_job(b, g);
-    const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
-    ts.scores.resize(G * lay.len);
-    kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
-                    ts.acc.data(), s.attn + b * q_size, in.block_mass ? in.block_mass + job * in.W : nullptr);
+    if (!in.writes_first) {
+      prepare_job(b, g);
+      if constexpr (int4) {
+        if (q4->owner_block[b] >= 0) quantize_block(*q4, *p4, q4->owner_block[b], g, s.qkv, l.qkv.N, H, ts.rows);
+      }
+    }
+    if constexpr (int4) {
+      kvserve::attend_int4(s.qkv + b * l.qkv.N, *p4, in.tables + b * in.W, in.lens[b], g, G, in.scale,
+                           s.attn + b * q_size, ts.scores, ts.acc);
+    } else {
+      const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
+      ts.scores.resize(G * lay.len);
+      kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
+                      ts.acc.data(), s.attn + b * q_size, in.block_mass ? in.block_mass + job * in.W : nullptr);
+    }
   }
   matmul(l.o, s.attn, B, s.tmp, add_residual(l.o_bias), quantized(l.o, s.attn, q_size));
   rms_norm(xp, l.post_norm, B, hidden, l.eps, y);
@@ -415,6 +490,8 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
   at::Tensor norm;  // the model's final RMSNorm weight (set_final_norm), or undefined
   float norm_eps = 0.f;
+  std::vector<at::Tensor> int4_next;  // int4_step's tensors, for the next run
+  std::vector<at::Tensor> int4_keep;  // the current run's
 
   DecodeStack(int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_)
       : hidden(hidden_size), heads(num_heads), kv_heads(num_kv_heads), head_dim(head_dim_) {}
@@ -443,6 +520,102 @@ struct DecodeStack : torch::CustomClassHolder {
     norm = weight, norm_eps = static_cast<float>(eps);
   }
 
+  // The next run's pools are int4 (engine/kv/int4.py; run's k_caches / v_caches are then each
+  // layer's codes): each layer's scales and residuals, the pool's slot_of, and the step's write
+  // plan (Int4Plan's tensors, for the run's rows). Taken by that run.
+  void int4_step(std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
+                 std::vector<at::Tensor> k_residuals, std::vector<at::Tensor> v_residuals, at::Tensor slot_of,
+                 at::Tensor res_rows, at::Tensor res_slots, at::Tensor direct_blocks, at::Tensor direct_rows,
+                 at::Tensor done_blocks, at::Tensor done_slots) {
+    TORCH_CHECK(k_scales.size() == layers.size() && v_scales.size() == layers.size() &&
+                    k_residuals.size() == layers.size() && v_residuals.size() == layers.size(),
+                "int4_step: one K and one V scale and residual per layer (", layers.size(), " layers)");
+    int4_next.clear();
+    for (auto* list : {&k_scales, &v_scales, &k_residuals, &v_residuals})
+      int4_next.insert(int4_next.end(), list->begin(), list->end());
+    int4_next.insert(int4_next.end(), {slot_of, res_rows, res_slots, direct_blocks, direct_rows, done_blocks, done_slots});
+  }
+
+  // int4_next (int4_step) over the codes k_caches / v_caches for a step of `in`'s rows, checked.
+  Int4Step take_int4_step(const StepInputs& in, const std::vector<at::Tensor>& k_codes,
+                          const std::vector<at::Tensor>& v_codes, bool writes_first) {
+    TORCH_CHECK(!int4_next.empty(), "int4 pools: call int4_step before each run");
+    std::vector<at::Tensor> a;
+    a.swap(int4_next);
+    const size_t L = layers.size();
+    const at::Tensor& codes = k_codes[0];
+    const int64_t N = codes.size(0), bs = in.block_size, KVH = in.KVH, D = in.D, B = in.B;
+    const at::Tensor& res0 = a[2 * L];
+    const int64_t R = res0.size(0);
+    const auto is = [](const at::Tensor& t, at::ScalarType type, std::vector<int64_t> shape) {
+      return t.scalar_type() == type && t.is_contiguous() && t.sizes() == at::IntArrayRef(shape);
+    };
+    Int4Step q4;
+    for (size_t i = 0; i < L; ++i) {
+      const at::Tensor &kc = k_codes[i], &vc = v_codes[i], &ks = a[i], &vs = a[L + i], &kr = a[2 * L + i],
+                       &vr = a[3 * L + i];
+      TORCH_CHECK(is(kc, at::kByte, {N, bs, KVH, D / 2}) && is(vc, at::kByte, {N, bs, KVH, D / 2}),
+                  "int4 pools: the codes must be contiguous uint8 [blocks, block_size, kv_heads, head_dim / 2] of one shape");
+      TORCH_CHECK(is(ks, at::kHalf, {N, KVH, 2, D}) && is(vs, at::kHalf, {N, bs, KVH, 2}),
+                  "int4 pools: the scales must be contiguous fp16 [blocks, kv_heads, 2, head_dim] (K) and "
+                  "[blocks, block_size, kv_heads, 2] (V)");
+      TORCH_CHECK(is(kr, at::kFloat, {R, bs, KVH, D}) && is(vr, at::kFloat, {R, bs, KVH, D}),
+                  "int4 pools: the residuals must be contiguous float32 [slots, block_size, kv_heads, head_dim]");
+      q4.layers.push_back({kc.data_ptr<uint8_t>(), ks.data_ptr<c10::Half>(), vc.data_ptr<uint8_t>(),
+                           vs.data_ptr<c10::Half>(), kr.data_ptr<float>(), vr.data_ptr<float>(), nullptr, bs, KVH, D});
+    }
+    const at::Tensor &slot_of = a[4 * L], &res_rows = a[4 * L + 1], &res_slots = a[4 * L + 2],
+                     &direct_blocks = a[4 * L + 3], &direct_rows = a[4 * L + 4], &done_blocks = a[4 * L + 5],
+                     &done_slots = a[4 * L + 6];
+    TORCH_CHECK(is(slot_of, at::kInt, {N}), "int4 pools: slot_of must be a contiguous int32 [blocks]");
+    const int32_t* so = slot_of.data_ptr<int32_t>();
+    for (auto& p : q4.layers) p.slot_of = so;
+    const int64_t n_res = res_rows.numel(), n_direct = direct_blocks.numel(), n_done = done_blocks.numel();
+    TORCH_CHECK(is(res_rows, at::kLong, {n_res}) && is(res_slots, at::kLong, {n_res}) &&
+                    is(direct_blocks, at::kLong, {n_direct}) && is(direct_rows, at::kLong, {n_direct, bs}) &&
+                    is(done_blocks, at::kLong, {n_done}) && is(done_slots, at::kLong, {n_done}),
+                "int4 pools: the plan must be contiguous int64 (Int4Plan's tensors)");
+    q4.row_res.assign(B, -1);
+    q4.owner_block.assign(B, -1);
+    std::vector<int> placed(B, 0);
+    const int64_t *rr = res_rows.data_ptr<int64_t>(), *rs = res_slots.data_ptr<int64_t>();
+    const int64_t *db = direct_blocks.data_ptr<int64_t>(), *dr = direct_rows.data_ptr<int64_t>();
+    const int64_t *fb = done_blocks.data_ptr<int64_t>(), *fs = done_slots.data_ptr<int64_t>();
+    for (int64_t j = 0; j < n_res; ++j) {
+      TORCH_CHECK(rr[j] >= 0 && rr[j] < B && rs[j] >= 0 && rs[j] < R * bs, "int4 pools: a plan row or residual slot is out of range");
+      q4.row_res[rr[j]] = rs[j], ++placed[rr[j]];
+    }
+    for (int64_t j = 0; j < n_done; ++j) {
+      TORCH_CHECK(fb[j] >= 0 && fb[j] < N && fs[j] >= 0 && fs[j] < R, "int4 pools: a completed block or its slot is out of range");
+      int64_t owner = -1;  // the row writing the block's last offset
+      for (int64_t r = 0; r < B; ++r)
+        if (q4.row_res[r] == fs[j] * bs + bs - 1) owner = r;
+      TORCH_CHECK(owner >= 0, "int4 pools: no row of the step completes block ", fb[j]);
+      q4.owner_block[owner] = static_cast<int64_t>(q4.blocks.size());
+      q4.blocks.push_back({fb[j], fs[j], nullptr});
+    }
+    for (int64_t j = 0; j < n_direct; ++j) {
+      TORCH_CHECK(db[j] >= 0 && db[j] < N, "int4 pools: a block is out of range");
+      TORCH_CHECK(writes_first || bs == 1, "int4 pools: a block filled by one step's rows needs writes_first");
+      int64_t owner = 0;
+      for (int64_t i = 0; i < bs; ++i) {
+        const int64_t r = dr[j * bs + i];
+        TORCH_CHECK(r >= 0 && r < B, "int4 pools: a plan row is out of range");
+        ++placed[r], owner = std::max(owner, r);
+      }
+      q4.owner_block[owner] = static_cast<int64_t>(q4.blocks.size());
+      q4.blocks.push_back({db[j], -1, dr + j * bs});
+    }
+    for (int64_t r = 0; r < B; ++r) TORCH_CHECK(placed[r] == 1, "int4 pools: the plan places row ", r, " ", placed[r], " times");
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < (in.lens[b] + bs - 1) / bs; ++j) {
+        const int64_t blk = in.tables[b * in.W + j];
+        TORCH_CHECK(blk >= 0 && blk < N && so[blk] < R, "int4 pools: a block or its residual slot is out of range");
+      }
+    int4_keep = std::move(a);  // the plan's rows are read during the run
+    return q4;
+  }
+
   // x [B, hidden] through every layer in place; k_caches[i] / v_caches[i] layer i's pools. With
   // final_norm, then through the model's final RMSNorm (set_final_norm), in the same region.
   // writes_first: some row reads a slot another row of the step writes (StepInputs).
@@ -456,12 +629,22 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "one K and one V cache per layer (", layers.size(), " layers)");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden, "x must be [B, ", hidden, "]");
-    StepInputs in = make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
-                              int8_activations);
+    const bool int4 = k_caches[0].scalar_type() == at::kByte;
+    TORCH_CHECK(!int4 || k_caches[0].dim() == 4, "int4 pools: the codes must be [blocks, block_size, kv_heads, head_dim / 2]");
+    StepInputs in = int4 ? make_step(x, cos, sin, {k_caches[0].size(0), k_caches[0].size(1), k_caches[0].size(2),
+                                                   2 * k_caches[0].size(3)},
+                                     slots, block_tables, context_lens, heads, scale, int8_activations)
+                         : make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
+                                     int8_activations);
     in.writes_first = writes_first;
     TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
                 ", the layers ", kv_heads, " of ", head_dim);
-    for (size_t i = 0; i < layers.size(); ++i) check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);
+    std::optional<Int4Step> q4;
+    if (int4)
+      q4 = take_int4_step(in, k_caches, v_caches, writes_first);
+    else
+      for (size_t i = 0; i < layers.size(); ++i) check_cache_pair(k_caches[i], v_caches[i], k_caches[0]);
+    TORCH_CHECK(int4 || int4_next.empty(), "int4_step was called, but the pools are not int4 codes");
     static thread_local SharedScratch scratch;  // the caller's, passed by address (see decode_layer)
     SharedScratch* shared = &scratch;
     shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
@@ -470,12 +653,16 @@ struct DecodeStack : torch::CustomClassHolder {
     const float* w = final_norm ? norm.data_ptr<float>() : nullptr;
     at::Tensor job_mass;
     if (block_mass) {
+      // int4 attention (kv_int4.h) does not export mass: h2o is refused with int4 pools (builder)
+      TORCH_CHECK(!q4, "block_mass is not exported from int4 pools");
       TORCH_CHECK(block_mass->scalar_type() == at::kFloat && block_mass->dim() == 2 && block_mass->size(0) == in.B &&
                       block_mass->size(1) >= in.W, "block_mass must be float32 [B, >= the table width]");
       job_mass = at::zeros({in.B * in.KVH, in.W}, x.options());
       in.block_mass = job_mass.data_ptr<float>();
     }
-    if (k_caches[0].scalar_type() == at::kHalf)
+    if (q4)
+      run_layers<uint8_t>(in, k_caches, v_caches, *shared, w, &*q4);
+    else if (k_caches[0].scalar_type() == at::kHalf)
       run_layers<c10::Half>(in, k_caches, v_caches, *shared, w);
     else
       run_layers<float>(in, k_caches, v_caches, *shared, w);
@@ -484,13 +671,15 @@ struct DecodeStack : torch::CustomClassHolder {
 
   template <typename T>
   void run_layers(const StepInputs& in, const std::vector<at::Tensor>& k_caches,
-                  const std::vector<at::Tensor>& v_caches, const SharedScratch& shared, const float* final_norm) const {
+                  const std::vector<at::Tensor>& v_caches, const SharedScratch& shared, const float* final_norm,
+                  const Int4Step* q4 = nullptr) const {
     std::vector<T*> kp(layers.size()), vp(layers.size());
     for (size_t i = 0; i < layers.size(); ++i) kp[i] = k_caches[i].data_ptr<T>(), vp[i] = v_caches[i].data_ptr<T>();
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       static thread_local ThreadScratch ts;
-      for (size_t i = 0; i < layers.size(); ++i) run_layer(layers[i], in, kp[i], vp[i], shared, ts);
+      for (size_t i = 0; i < layers.size(); ++i)
+        run_layer(layers[i], in, kp[i], vp[i], shared, ts, q4, q4 ? &q4->layers[i] : nullptr);
       if (final_norm) {
 #pragma omp for
         for (int64_t r = 0; r < in.B; ++r) rms_norm(in.x + r * hidden, final_norm, 1, hidden, norm_eps, in.x + r * hidden);
@@ -507,6 +696,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_final_norm", &DecodeStack::set_final_norm)
+      .def("int4_step", &DecodeStack::int4_step)
       .def("run", &DecodeStack::run);
   m.def("decode_layer(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor[] qkv, int[] qkv_rows, int[] qkv_formats, Tensor? qkv_bias, "

@@ -31,7 +31,10 @@ class PathComparer:
     """Wraps the model's forward: a step whose decode rows the native path takes (an all-decode
     step, or a mixed one: decode rows native, then the prefill chunks in Python) runs on both
     paths and their logits are compared, every row; the native result goes on. The engine answers
-    a step that raises by retrying its requests alone, so mismatches are also kept in ``failures``."""
+    a step that raises by retrying its requests alone, so mismatches are also kept in ``failures``.
+
+    int4 pools (``Int4PoolCheck``): the pool after each path's run is compared too, and the blocks
+    the step completed are checked against the torch quantizer."""
 
     def __init__(self, model, rtol: float = 1e-4) -> None:
         self.model, self.inner, self.rtol = model, model.forward, rtol
@@ -39,6 +42,7 @@ class PathComparer:
         self.mixed_steps: list[tuple[int, int]] = []  # (decode rows, prefill rows) of each compared mixed step
         self.chunk_steps: list[int] = []  # rows of each compared step whose chunks ran natively too
         self.failures: list[AssertionError] = []
+        self.int4: Int4PoolCheck | None = None
         model.forward = self
 
     def __call__(self, input_ids, positions, meta, kv_caches):
@@ -51,10 +55,15 @@ class PathComparer:
             want = m.compute_logits(self.inner(input_ids, positions, meta, kv_caches))
         finally:
             m.native = native
+        reference_pool = self.int4.snapshot(kv_caches) if self.int4 is not None else None
         hidden = self.inner(input_ids, positions, meta, kv_caches)
         got = m.compute_logits(hidden)
         try:
-            torch.testing.assert_close(got, want, rtol=self.rtol, atol=self.rtol * max(1.0, want.abs().max().item()))
+            if self.int4 is None or self.int4.logits_comparable(kv_caches):
+                torch.testing.assert_close(got, want, rtol=self.rtol,
+                                           atol=self.rtol * max(1.0, want.abs().max().item()))
+            if self.int4 is not None:
+                self.int4.compare(reference_pool, kv_caches)
         except AssertionError as exc:
             self.failures.append(exc)
             raise
@@ -67,14 +76,73 @@ class PathComparer:
         return hidden
 
 
+class Int4PoolCheck:
+    """An int4 pool after the native path's run of a step against the same pool after the Python
+    path's (both start from the same pool: the reference run writes only the step's rows and the
+    blocks it completes, which the native run writes again). The two paths' K/V rows differ in
+    fp32 summation order (~1e-6 relative), so the residual rows agree to that, a scale to one fp16
+    rounding, and a code may round to its neighbour where a value sits on a rounding edge: at most
+    ``max_code_flips`` of the codes the steps wrote, none by more than 1. Exactly: every block the
+    step completed holds the torch quantizer's (engine/kv/int4.py) codes and scales of its
+    residual rows, which the block keeps until its slot is reused.
+
+    ``layers``: compare only the first ones. A code flip moves a key or value by a whole step, so
+    later layers (and the logits) of a step that quantizes a block take the two paths' code
+    flips as input, amplified: on a deep model (SmolLM2, 30 layers) only layer 0, whose inputs
+    the paths share, is compared, and the logits only of steps that quantize no block (a step that
+    only writes residual rows and reads codes can flip nothing, so those must agree to summation
+    order)."""
+
+    def __init__(self, max_code_flips: float = 1e-3, layers: int | None = None) -> None:
+        self.max_code_flips, self.layers = max_code_flips, layers
+        self.codes_written = self.code_flips = self.blocks_checked = self.logit_steps = 0
+
+    def logits_comparable(self, kv_caches) -> bool:
+        plan = kv_caches[0][0].state.plan_
+        comparable = self.layers is None or not (plan.done_blocks.numel() or plan.direct_blocks.numel())
+        self.logit_steps += comparable
+        return comparable
+
+    def snapshot(self, kv_caches) -> list[torch.Tensor]:
+        return [t.clone() for k, v in kv_caches[:self.layers]
+                for t in (k.codes, k.scale, k.residual, v.codes, v.scale, v.residual)]
+
+    def compare(self, reference: list[torch.Tensor], kv_caches) -> None:
+        from engine.kv import int4
+
+        got = self.snapshot(kv_caches)
+        for i, (a, b) in enumerate(zip(reference, got)):
+            if i % 3 == 2:  # residual
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * max(1.0, a.abs().max().item()))
+            elif i % 3 == 1:  # scales
+                torch.testing.assert_close(b.float(), a.float(), rtol=2e-3, atol=1e-3)
+            else:
+                ca, cb = int4.unpack(a), int4.unpack(b)
+                changed = (ca != cb)
+                assert (ca - cb).abs().max() <= 1
+                self.code_flips += int(changed.sum())
+        state = kv_caches[0][0].state
+        plan = state.plan_
+        self.codes_written += 2 * plan.num_rows * kv_caches[0][0].codes[0, 0].numel() * 2 * len(got) // 6
+        for k, v in kv_caches:
+            if plan.done_blocks.numel():
+                self.blocks_checked += plan.done_blocks.numel()
+                codes, scale = int4.quantize_keys(k.residual[plan.done_slots])
+                assert torch.equal(k.codes[plan.done_blocks], codes) and torch.equal(k.scale[plan.done_blocks], scale)
+                codes, scale = int4.quantize_values(v.residual[plan.done_slots])
+                assert torch.equal(v.codes[plan.done_blocks], codes) and torch.equal(v.scale[plan.done_blocks], scale)
+        assert self.code_flips <= self.max_code_flips * max(self.codes_written, 1), (self.code_flips, self.codes_written)
+
+
 # prompt lengths around the test pools' 4-token blocks; 9 new tokens move every context across an edge
 RAGGED = [3, 4, 7, 9]
 
 
-def run_and_compare(engine, lengths: list[int], tokens: int = 9) -> list[int]:
+def run_and_compare(engine, lengths: list[int], tokens: int = 9, int4: Int4PoolCheck | None = None) -> list[int]:
     model = engine.runner.model
     assert model.decode_path == "native"
     comparer = PathComparer(model)
+    comparer.int4 = int4
     prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
     assert not comparer.failures, comparer.failures[0]
@@ -146,14 +214,39 @@ def test_dense_fp32_native_decode_equals_python(heads, kv_cache_dtype):
     assert max(run_and_compare(engine, RAGGED)) == 4
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
+def test_int4_native_decode_equals_python(heads):
+    """int4 pools (KIVI): the native path writes each row to its block's residual slot, quantizes
+    the blocks a step completes before any row attends (engine/kv/int4.py's arithmetic, checked
+    bit for bit against its torch quantizer) and reads quantized blocks as codes; logits and
+    pool contents equal the Python path's (Int4PoolCheck) over ragged contexts crossing 4-token
+    blocks, on one and on two threads (two share each step's block quantization)."""
+    hf = tiny_hf_model(tiny_llama_config(num_key_value_heads=heads))
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        try:
+            engine = tiny_engine(hf, block_size=4, kv_cache_dtype="int4")
+            assert engine.runner.model.decode_path == "native"
+            check = Int4PoolCheck()
+            assert run_and_compare(engine, [6], int4=check) == [1] * 8
+            assert max(run_and_compare(engine, RAGGED, int4=check)) == 4
+            assert check.blocks_checked >= 8 and check.codes_written
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int4"])
 def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     """Requests arriving while others decode make mixed steps: the decode rows take the native path,
     the new prompts' chunks (a chunked 30-token prompt, and one that reuses a cached prefix) the
     Python one, unless the whole step fits in the native rows (then the chunk's tokens are native
-    rows too), and every row's logits equal the all-Python step's."""
+    rows too), and every row's logits equal the all-Python step's (int4: and the pools,
+    Int4PoolCheck; the prefix hit reads quantized blocks)."""
     engine = tiny_engine(tiny_hf_model(), block_size=4, max_num_batched_tokens=12, kv_cache_dtype=kv_cache_dtype)
     comparer = PathComparer(engine.runner.model)
+    if kv_cache_dtype == "int4":
+        comparer.int4 = Int4PoolCheck()
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     first = [[(5 * i + j) % 120 + 3 for j in range(n)] for i, n in enumerate((6, 9))]
     for p in first:
@@ -169,6 +262,8 @@ def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     assert comparer.native_steps
     # a mixed step within native.max_rows (4) whose chunk continues a pooled context: all native
     assert comparer.chunk_steps
+    if comparer.int4 is not None:
+        assert comparer.int4.blocks_checked
     engine.kv_cache.check_invariants()
     assert engine.kv_cache.usage == 0
 
@@ -343,3 +438,77 @@ def test_decode_stack_rejects_mismatched_caches():
         bare.add_layer(*args)
     with pytest.raises(RuntimeError, match="needs set_final_norm"):
         bare.run(x, cos, sin, ks, vs, slots, table, lens, 0.25, False, True, False, None)
+
+
+def _int4_schedule(engine, prompts: list[list[int]], late: list[list[int]], tokens: int) -> list[list[int]]:
+    """``prompts`` at once, ``late`` after three steps (mixed steps), greedy: each request's tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    out: dict[str, list[int]] = {engine.add_request(p, params): [] for p in prompts}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3:
+            out.update({engine.add_request(p, params): [] for p in late})
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        steps += 1
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.usage == 0
+    return list(out.values())
+
+
+def test_int4_preempted_requests_resume_natively():
+    """A pool too small for three sequences preempts one (its half-filled block goes back with its
+    residual slot, reclaimed later): on the native path the tokens equal the Python path's, and
+    every compared step's logits and pools agree (Int4PoolCheck)."""
+    hf = tiny_hf_model()
+    prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(10)] for i in range(3)]
+    runs = {}
+    for path in ("python", "native"):
+        engine = tiny_engine(hf, num_blocks=12, block_size=4, kv_cache_dtype="int4", max_num_seqs=3)
+        if path == "python":
+            engine.runner.model.select_decode_path("python", "int4")
+        else:
+            comparer = PathComparer(engine.runner.model)
+            comparer.int4 = Int4PoolCheck()
+        runs[path] = _int4_schedule(engine, prompts, [], tokens=14)
+        assert engine.scheduler.stats.num_preemptions > 0
+    assert not comparer.failures, comparer.failures[0]
+    assert comparer.native_steps and comparer.int4.blocks_checked
+    assert runs["native"] == runs["python"]
+
+
+def test_int4_native_decode_on_the_default_model():
+    """SmolLM2-135M (exact flags: fp32 activations) with an int4 pool of 16-token blocks: decode
+    rows crossing block edges, a late request whose first two blocks are prefix hits on quantized
+    blocks (its 5 new tokens continue them: native chunk rows), one prefilled from scratch (a mixed
+    step: decode rows native, the chunk in Python). Every compared step's layer-0 pool agrees with
+    the Python path's, every block it completes holds the torch quantizer's codes (all layers),
+    and the logits of the steps that quantize no block agree (Int4PoolCheck(layers=1)).
+
+    Not compared: a whole run's greedy tokens against a python-path engine's. A step that
+    quantizes blocks can flip a code on one path and not the other (the K/V rows differ in fp32
+    summation order), and 30 layers amplify that to logit changes of O(1): with random-token
+    prompts (near ties) one such run agreed token for token and another diverged at a request's
+    second token. The tiny model's runs (test_int4_native_decode_equals_python,
+    test_int4_preempted_requests_resume_natively) do compare tokens."""
+    from cache import CacheConfig
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine
+    from engine.loader import load_model
+    from scheduler.config import SchedulerConfig
+    from tests.helpers import EXACT_MODEL_FLAGS
+
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 10000, (n,), generator=rng).tolist() for n in (40, 21, 17)]
+    late = [prompts[0][:32] + [11, 12, 13, 14, 15], torch.randint(100, 10000, (40,), generator=rng).tolist()]
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(num_threads=1, decode_path="native", **EXACT_MODEL_FLAGS),
+        cache=CacheConfig(num_blocks=48, kv_cache_dtype="int4"),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)), load_model(None, torch.float32))
+    assert engine.runner.model.decode_path == "native"
+    comparer = PathComparer(engine.runner.model)
+    comparer.int4 = Int4PoolCheck(layers=1)
+    assert [len(t) for t in _int4_schedule(engine, prompts, late, tokens=20)] == [20] * 5
+    assert not comparer.failures, comparer.failures[0]
+    assert comparer.native_steps and comparer.mixed_steps and comparer.chunk_steps
+    assert comparer.int4.blocks_checked and comparer.int4.logit_steps >= 10
