@@ -159,7 +159,7 @@ def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
 
 
 def scenario_roofline(ctx: Context) -> dict[str, Any]:
-    from bench.roofline import run_roofline
+    from bench.roofline import BREAKDOWN_ROWS, run_roofline
 
     a = ctx.args
     engine = ctx.engine
@@ -168,7 +168,8 @@ def scenario_roofline(ctx: Context) -> dict[str, Any]:
     batch = chat_prompts(tok, _q(a, "batch_size", 32, 16), offset=5)
     return run_roofline(engine, single, batch, new_tokens=_q(a, "new_tokens", 32, 16),
                         matmul_n=_q(a, "matmul_n", 2048, 1024), bandwidth_mib=_q(a, "bandwidth_mib", 1024, 512),
-                        out_dir=ctx.out)
+                        out_dir=ctx.out, rows_levels=_q(a, "rows", BREAKDOWN_ROWS, BREAKDOWN_ROWS),
+                        step_tokens=_q(a, "step_tokens", 64, 16))
 
 
 def scenario_kv_tier(ctx: Context) -> dict[str, Any]:
@@ -386,12 +387,16 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="miss/hit pairs (default 3; quick 1)")
     p.add_argument("--tensor-parallel-size", type=int, help="ranks the model is split over (default 1; SmolLM2: 1 or 3)")
 
-    p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both")
+    p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both; "
+                                                          "the decode step's roofline and breakdown at 1/4/8/16 rows")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 16")
     p.add_argument("--single-requests", type=int, help="default 2; quick 1")
     p.add_argument("--batch-size", type=int, help="default 32; quick 16")
     p.add_argument("--matmul-n", type=int, help="default 2048; quick 1024")
     p.add_argument("--bandwidth-mib", type=int, help="default 1024; quick 512")
+    p.add_argument("--rows", type=int, nargs="+", help="decode step breakdown at these row counts (default 1 4 8 16; "
+                                                       "the step check is on the largest)")
+    p.add_argument("--step-tokens", type=int, help="tokens per request of the breakdown's rounds (default 64; quick 16)")
 
     p = sub.add_parser("all", parents=[common], help="every scenario, then the PASS/FAIL summary")
     p.add_argument("--skip", help="comma list of scenarios to leave out")

@@ -49,15 +49,38 @@ def _zmq_echo(addr: str) -> None:
         sock.send(data, copy=False)
 
 
-def _time(roundtrip: Callable[[], None]) -> float:
-    for _ in range(100):
+def _time(roundtrip: Callable[[], None], rounds: int = ROUNDS) -> float:
+    for _ in range(min(100, rounds)):
         roundtrip()
     samples = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         t0 = time.perf_counter()
         roundtrip()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e6
+
+
+def pipe_round_trip_us(num_requests: int = 32, rounds: int = ROUNDS, timeout_s: float = 60.0) -> float:
+    """Median echo round trip (us) of one ``num_requests``-request step message over a
+    ``multiprocessing`` pipe with pickle, the transport ``engine/core/process_client.py`` uses,
+    to a spawned process (the core sends one such message per step, one way: about half this)."""
+    ctx = mp.get_context("spawn")
+    msg = step_message(num_requests)
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_pipe_echo, args=(b, False), daemon=True)
+    proc.start()
+    try:
+        a.send(msg)
+        if not a.poll(timeout_s):  # a child that died (e.g. a __main__ without its guard) never answers
+            raise RuntimeError(f"the echo process did not answer in {timeout_s:g} s (exit code {proc.exitcode})")
+        a.recv()
+        return _time(lambda: (a.send(msg), a.recv()), rounds)
+    finally:
+        if proc.is_alive():
+            a.send("stop")
+            proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
 
 
 def main() -> None:
