@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 from bench.context import Context
 from bench.machine import CpuMonitor, cpu_model, machine_info, mem_total_gib
+from bench.peers.llama_server import SAME_FILE_CHOICES
 from bench.report import (FAIL, PASS, RESULTS_DIR, SKIPPED, check_line, print_result, summary_markdown,
                           write_benchmarks_md, write_scenario)
 from bench.workload import chat_prompts
@@ -357,6 +358,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                         "'Q8_0', 'Q4_K_M', 'F16' or 'BF16' (made with llama-quantize, cached) or a path")
     p.add_argument("--no-agreement", action="store_true",
                    help="skip the teacher-forced agreement (and loading the engine and transformers in process)")
+    p.add_argument("--gguf", choices=SAME_FILE_CHOICES,
+                   help="one file on both sides: the shipped Q4_1, SmolLM2 re-quantized by llama-quantize (Q4_K_M, "
+                        "Q8_0; made and cached) or the 1B-shaped random Q4_K_M (bench.make_gguf); sets --llama-gguf "
+                        "and kvserve's --model (the random 1B also turns the agreement off)")
 
     p = sub.add_parser("kv-cache", parents=[common], help="TTFT/TPOT and per-token cost with vs without a KV cache")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 8")
@@ -428,6 +433,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.scenario == "all":
         results = run_all(args, argv, prog)
         return 1 if any("error" in r for r in results) else 0
+    if args.scenario == "llama-server" and args.gguf:
+        from bench.vs_llama_server import same_file_args
+
+        args.llama_gguf, args.serve_arg, keep_agreement = same_file_args(args.gguf, args.serve_arg)
+        args.no_agreement = args.no_agreement or not keep_agreement
     ctx = Context(args)
     try:
         result = run_one(args.scenario, ctx)

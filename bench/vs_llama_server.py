@@ -36,7 +36,7 @@ from bench.machine import LoadMonitor, machine_info
 from bench.peers.base import PeerUnavailable
 from bench.peers.gguf_files import gguf_weights
 from bench.peers.llama_server import (LlamaServerConfig, check_available, ctx_size_for, llama_server_next_token,
-                                      package_version, resolve_gguf, start_llama_server)
+                                      package_version, resolve_gguf, same_file_gguf, start_llama_server)
 from bench.peers.transformers import hf_top1, hf_weight_bytes_per_decode_token
 from bench.report import Progress, check, info, new_figure, ratio, save_figure, table
 from bench.server import Server, free_port
@@ -48,6 +48,18 @@ DEFAULT_LEVELS = (4, 8, 16)
 # 16 streams at least 3x output tok/s), and parity at the other stream counts.
 TARGETS = {"single": 1.2, "streams": 1.0}
 STREAM_TARGETS = {16: 3.0}
+
+
+def same_file_args(choice: str, serve_args: Sequence[str] | None) -> tuple[str, list[str], bool]:
+    """(``--llama-gguf``, ``--serve-arg`` list, whether the teacher-forced agreement applies) for
+    ``--gguf choice``: llama-server runs the file, kvserve serves it (``--model``; the default
+    model needs none), and the agreement against transformers' SmolLM2 only means something for
+    SmolLM2's own weights, so the random 1B file turns it off."""
+    path = same_file_gguf(choice)
+    served = [*(serve_args or [])]
+    if choice != "Q4_1":
+        served.append(f"--model={path}")
+    return str(path), served, choice != "random-1b-Q4_K_M"
 
 
 def stream_target(concurrency: int) -> float:
