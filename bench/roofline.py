@@ -163,6 +163,16 @@ def kernel_peaks(groups: Sequence[MatmulGroup], matmul_gflops_value: float, min_
     return peaks
 
 
+def matmul_sweep_ms(model: Any, rows: int, min_s: float = 0.2) -> float:
+    """Best ms of one pass over the model's block matmuls as bound (``block_linears``: each
+    layer's, then the LM head) at ``rows`` random rows: the step's matmuls alone, their weights
+    coming from memory as in a step (the pass reads them all). Dense matmuls are not included."""
+    mms = model.block_linears()
+    xs = {mm.blocks.in_features: torch.randn(rows, mm.blocks.in_features) for mm in mms}
+    with torch.inference_mode():
+        return 1000 * time_call(lambda: [mm(xs[mm.blocks.in_features]) for mm in mms], min_s)
+
+
 def step_bound(groups: Sequence[MatmulGroup], weight_bytes: int, bandwidth_gbs: float, peaks: dict[str, float],
                rows: int) -> dict[str, Any]:
     """The least time an ``rows``-row decode step can take here: streaming the weights once
@@ -203,6 +213,7 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
     for prof in profile:
         bound = step_bound(groups, weight_bytes, bandwidth, peaks, prof["rows"])
         rows.append({**prof, **bound, "ratio": prof["step_ms"] / bound["bound_ms"],
+                     "matmuls_alone_ms": matmul_sweep_ms(model, prof["rows"], kernel_min_s),
                      "ipc_ms": ipc_us[prof["rows"]] / 1000 if prof["rows"] in ipc_us else None})
     return {"isa": isa_report(), "weight_bytes": weight_bytes, "model_bandwidth_gbs": bandwidth,
             "bandwidth_mib": max(1, round(weight_bytes / 2**20)), "peaks_gops": peaks, "peak_rows": peak_rows,
@@ -323,10 +334,10 @@ def step_tables(step: dict[str, Any]) -> list[dict[str, Any]]:
     for r in step["steps"]:
         pieces = r["pieces_ms"]
         rows.append([r["rows"], round(r["bytes_ms"], 2), round(r["compute_ms"], 2), round(r["bound_ms"], 2),
-                     round(r["step_ms"], 2), round(r["ratio"], 2),
+                     round(r["step_ms"], 2), round(r["ratio"], 2), round(r["matmuls_alone_ms"], 2),
                      *[round(pieces[k], 2) if k in pieces else "-" for k in labels], round(r["other_ms"], 2),
                      "-" if r["ipc_ms"] is None else round(r["ipc_ms"], 3)])
-    header = ["rows", "bytes / bw ms", "MACs / peak ms", "roofline ms", "step ms", "step / roofline",
+    header = ["rows", "bytes / bw ms", "MACs / peak ms", "roofline ms", "step ms", "step / roofline", "matmuls alone ms",
               *[label.strip() for label in labels], "other (engine) ms", "IPC round trip ms"]
     return [table("decode step bounds on this machine", ["bound", "value", "how"], bounds),
             table("decode step in process: roofline and where the time goes (ms per step)", header, rows)]
@@ -346,6 +357,8 @@ def step_note(step: dict[str, Any]) -> str:
             "and everything but the matmuls are outside the bound. Steps: pure decode steps of the given rows "
             f"({step['prompt_len']}-token prompts, {step['tokens']} tokens each), engine in process, each piece timed "
             "by wrapping its method (bench.probes.step_profile); 'other' is the step less its top-level pieces. "
+            "'matmuls alone': one pass over the model's block matmuls at the step's rows, random inputs, weights "
+            "from memory (the layers' and LM head's matmul time without attention, norms, RoPE and the rest). "
             "IPC: the echo round trip of one step message over the engine core's pipe (one way is about half); "
             "the frontend's CPU per token is not measured here (python -m bench.probes.frontend_cost). Other "
             f"processes used {step['foreign_cores']} cores while the steps ran (load average "

@@ -2,7 +2,7 @@
 text and positions the CPU defaults' numbers use (docs/configuration.md: the first 2,000 tokens of
 ``bench/probes/fixed_text.txt`` repeated, as ``tests/engine/model/test_default_numerics.py``).
 
-    python -m bench.probes.llama_server_agreement [--gguf Q4_1|Q4_K_M|Q8_0|PATH] [--tokens 2000]
+    python -m bench.probes.llama_server_agreement [--gguf Q4_K_M|Q8_0|f32|PATH] [--tokens 2000]
                                                   [--top-k 1000] [--num-threads N]
 
 The reference: transformers' fp32 log-probabilities of every next token (one forward pass on the
