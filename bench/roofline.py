@@ -90,7 +90,7 @@ def random_packed(fmt: Any, out_features: int, in_features: int, seed: int = 0) 
     return GGUFMatrix(torch.from_numpy(raw), fmt, in_features).pack()
 
 
-def time_call(fn: Any, min_s: float) -> float:
+def best_call_s(fn: Any, min_s: float) -> float:
     """Best seconds per call over as many calls as fit in ``min_s`` (at least 3), after a warm-up."""
     fn()
     best, calls, start = float("inf"), 0, time.perf_counter()
@@ -111,7 +111,7 @@ def kernel_peak_gops(op_name: str, fmt: Any, rows: int = 128, out_features: int 
     m = random_packed(fmt, out_features, in_features)
     x = torch.randn(rows, in_features)
     fmt_id = int(m.format)
-    seconds = time_call(lambda: op(x, m.data, m.out_features, fmt_id), min_s)
+    seconds = best_call_s(lambda: op(x, m.data, m.out_features, fmt_id), min_s)
     return 2 * rows * out_features * in_features / seconds / 1e9
 
 
@@ -170,7 +170,7 @@ def matmul_sweep_ms(model: Any, rows: int, min_s: float = 0.2) -> float:
     mms = model.block_linears()
     xs = {mm.blocks.in_features: torch.randn(rows, mm.blocks.in_features) for mm in mms}
     with torch.inference_mode():
-        return 1000 * time_call(lambda: [mm(xs[mm.blocks.in_features]) for mm in mms], min_s)
+        return 1000 * best_call_s(lambda: [mm(xs[mm.blocks.in_features]) for mm in mms], min_s)
 
 
 def step_bound(groups: Sequence[MatmulGroup], weight_bytes: int, bandwidth_gbs: float, peaks: dict[str, float],
