@@ -31,7 +31,6 @@ from typing import Any, Callable, Sequence
 
 from bench.context import Context
 from bench.machine import CpuMonitor, cpu_model, machine_info, mem_total_gib
-from bench.peers.llama_server import SAME_FILE_CHOICES
 from bench.report import (FAIL, PASS, RESULTS_DIR, SKIPPED, check_line, print_result, summary_markdown,
                           write_benchmarks_md, write_scenario)
 from bench.workload import chat_prompts
@@ -358,6 +357,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                         "'Q8_0', 'Q4_K_M', 'F16' or 'BF16' (made with llama-quantize, cached) or a path")
     p.add_argument("--no-agreement", action="store_true",
                    help="skip the teacher-forced agreement (and loading the engine and transformers in process)")
+    from bench.vs_llama_server import SAME_FILE_CHOICES
+
     p.add_argument("--gguf", choices=SAME_FILE_CHOICES,
                    help="one file on both sides: the shipped Q4_1, SmolLM2 re-quantized by llama-quantize (Q4_K_M, "
                         "Q8_0; made and cached) or the 1B-shaped random Q4_K_M (bench.make_gguf); sets --llama-gguf "

@@ -17,8 +17,8 @@
   VNNI/AVX2 kernel, per block format the model's matmuls run, and the fp32 ``gguf_linear``), so
   an R-row decode step can take no less than max(weight bytes / bandwidth, R x MACs / peak)
   (``step_bound``); the in-process 16-row decode step against it (target: within 2x) and the
-  step's breakdown at 1, 4, 8 and 16 rows (``bench.probes.step_profile.decode_profile``), with
-  the engine core's per-step IPC round trip (``bench.probes.ipc_transport``) beside it. AMX is
+  step's breakdown at 1, 4, 8 and 16 rows (``bench.step_timing.decode_profile``), with
+  the engine core's per-step IPC round trip (``bench.ipc_echo``) beside it. AMX is
   read from ``/proc/cpuinfo`` and from the kernel's own detection.
 """
 from __future__ import annotations
@@ -190,7 +190,7 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
     """The decode step against its roofline at each of ``rows_levels`` rows: the bounds
     (``step_bound``), the measured decode step in process and its pieces
     (``decode_profile``), the largest row count's ratio, and the per-step IPC round trip."""
-    from bench.probes.step_profile import decode_profile
+    from bench.step_timing import decode_profile
 
     model = engine.runner.model
     weight_bytes = weight_bytes_per_decode_token(engine)
@@ -223,8 +223,8 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
 
 def ipc_round_trip_us(num_requests: int, rounds: int = 500) -> float | None:
     """Median echo round trip (us) of one step message of ``num_requests`` requests over the
-    pipe the engine core process uses (``bench.probes.ipc_transport``); None where it fails."""
-    from bench.probes.ipc_transport import pipe_round_trip_us
+    pipe the engine core process uses (``bench.ipc_echo``); None where it fails."""
+    from bench.ipc_echo import pipe_round_trip_us
 
     try:
         return pipe_round_trip_us(num_requests, rounds)
@@ -313,7 +313,7 @@ def run_roofline(engine: Any, single_prompts: Sequence[Sequence[int]], batch_pro
 def step_tables(step: dict[str, Any]) -> list[dict[str, Any]]:
     """The bounds (bandwidth, kernel peaks, ISA) and, per row count, the step against its
     roofline and where its time goes."""
-    from bench.probes.step_profile import PIECES
+    from bench.step_timing import PIECES
 
     isa = step["isa"]
     amx = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in isa["amx_cpuinfo"].items())
@@ -356,7 +356,7 @@ def step_note(step: dict[str, Any]) -> str:
             f"peak ({step['peak_rows']} rows on a cache-resident 512 x 2048 random matrix of its format); attention "
             "and everything but the matmuls are outside the bound. Steps: pure decode steps of the given rows "
             f"({step['prompt_len']}-token prompts, {step['tokens']} tokens each), engine in process, each piece timed "
-            "by wrapping its method (bench.probes.step_profile); 'other' is the step less its top-level pieces. "
+            "by wrapping its method (bench.step_timing); 'other' is the step less its top-level pieces. "
             "'matmuls alone': one pass over the model's block matmuls at the step's rows, random inputs, weights "
             "from memory (the layers' and LM head's matmul time without attention, norms, RoPE and the rest). "
             "IPC: the echo round trip of one step message over the engine core's pipe (one way is about half); "

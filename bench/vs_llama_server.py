@@ -36,7 +36,7 @@ from bench.machine import LoadMonitor, machine_info
 from bench.peers.base import PeerUnavailable
 from bench.peers.gguf_files import gguf_weights
 from bench.peers.llama_server import (LlamaServerConfig, check_available, ctx_size_for, llama_server_next_token,
-                                      package_version, resolve_gguf, same_file_gguf, start_llama_server)
+                                      package_version, resolve_gguf, start_llama_server)
 from bench.peers.transformers import hf_top1, hf_weight_bytes_per_decode_token
 from bench.report import Progress, check, info, new_figure, ratio, save_figure, table
 from bench.server import Server, free_port
@@ -48,6 +48,25 @@ DEFAULT_LEVELS = (4, 8, 16)
 # 16 streams at least 3x output tok/s), and parity at the other stream counts.
 TARGETS = {"single": 1.2, "streams": 1.0}
 STREAM_TARGETS = {16: 3.0}
+
+
+# ``--gguf``: one file both servers run (issue 39: "the benches use SmolLM2 re-quantized by
+# llama-quantize to Q4_K_M and Q8_0 and the 1B-shaped random Q4_K_M, beside the shipped Q4_1").
+SAME_FILE_CHOICES = ("Q4_1", "Q4_K_M", "Q8_0", "random-1b-Q4_K_M")
+
+
+def same_file_gguf(choice: str) -> Path:
+    """The GGUF of a ``SAME_FILE_CHOICES`` entry: the shipped Q4_1 file; SmolLM2 re-quantized by
+    the sid tree's llama-quantize (``resolve_gguf``: made once from the all-F32 conversion, so no
+    ``--allow-requantize``, and cached; ``PeerUnavailable`` without the tree); or the 1B-shaped
+    random Q4_K_M (``bench.make_gguf.one_b_q4_k_m``, written once)."""
+    if choice not in SAME_FILE_CHOICES:
+        raise ValueError(f"--gguf must be one of {', '.join(SAME_FILE_CHOICES)}, not {choice!r}")
+    if choice == "random-1b-Q4_K_M":
+        from bench.make_gguf import one_b_q4_k_m
+
+        return one_b_q4_k_m()
+    return resolve_gguf(None if choice == "Q4_1" else choice)
 
 
 def same_file_args(choice: str, serve_args: Sequence[str] | None) -> tuple[str, list[str], bool]:

@@ -176,25 +176,6 @@ def resolve_gguf(spec: str | None) -> Path:
     return Path(spec)
 
 
-# ``--gguf``: one file both servers run (issue 39: "the benches use SmolLM2 re-quantized by
-# llama-quantize to Q4_K_M and Q8_0 and the 1B-shaped random Q4_K_M, beside the shipped Q4_1").
-SAME_FILE_CHOICES = ("Q4_1", "Q4_K_M", "Q8_0", "random-1b-Q4_K_M")
-
-
-def same_file_gguf(choice: str) -> Path:
-    """The GGUF of a ``SAME_FILE_CHOICES`` entry: the shipped Q4_1 file; SmolLM2 re-quantized by
-    the sid tree's llama-quantize (``resolve_gguf``: made once from the all-F32 conversion, so no
-    ``--allow-requantize``, and cached; ``PeerUnavailable`` without the tree); or the 1B-shaped
-    random Q4_K_M (``bench.make_gguf.one_b_q4_k_m``, written once)."""
-    if choice not in SAME_FILE_CHOICES:
-        raise ValueError(f"--gguf must be one of {', '.join(SAME_FILE_CHOICES)}, not {choice!r}")
-    if choice == "random-1b-Q4_K_M":
-        from bench.make_gguf import one_b_q4_k_m
-
-        return one_b_q4_k_m()
-    return resolve_gguf(None if choice == "Q4_1" else choice)
-
-
 # ---- one greedy token per prefix (teacher-forced agreement, bench.agreement) -----------------
 def llama_server_next_token(url: str, timeout_s: float = 120.0) -> Callable[[list[int]], int]:
     """llama-server's ``/completion``: token-id prompt, one greedy token, its id back."""

@@ -71,7 +71,7 @@ def test_decode_matmuls_cover_the_model(engine):
 
 def test_step_roofline_breakdown(engine):
     from bench.roofline import step_roofline, step_tables
-    from bench.probes.step_profile import top_level
+    from bench.step_timing import top_level
 
     model = engine.runner.model
     prompt = [5 + i for i in range(12)]
