@@ -159,7 +159,7 @@ def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
 
 
 def scenario_roofline(ctx: Context) -> dict[str, Any]:
-    from bench.roofline import run_roofline
+    from bench.roofline import BREAKDOWN_ROWS, run_roofline
 
     a = ctx.args
     engine = ctx.engine
@@ -168,7 +168,8 @@ def scenario_roofline(ctx: Context) -> dict[str, Any]:
     batch = chat_prompts(tok, _q(a, "batch_size", 32, 16), offset=5)
     return run_roofline(engine, single, batch, new_tokens=_q(a, "new_tokens", 32, 16),
                         matmul_n=_q(a, "matmul_n", 2048, 1024), bandwidth_mib=_q(a, "bandwidth_mib", 1024, 512),
-                        out_dir=ctx.out)
+                        out_dir=ctx.out, rows_levels=_q(a, "rows", BREAKDOWN_ROWS, BREAKDOWN_ROWS),
+                        step_tokens=_q(a, "step_tokens", 64, 16))
 
 
 def scenario_kv_tier(ctx: Context) -> dict[str, Any]:
@@ -356,6 +357,12 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
                                         "'Q8_0', 'Q4_K_M', 'F16' or 'BF16' (made with llama-quantize, cached) or a path")
     p.add_argument("--no-agreement", action="store_true",
                    help="skip the teacher-forced agreement (and loading the engine and transformers in process)")
+    from bench.vs_llama_server import SAME_FILE_CHOICES
+
+    p.add_argument("--gguf", choices=SAME_FILE_CHOICES,
+                   help="one file on both sides: the shipped Q4_1, SmolLM2 re-quantized by llama-quantize (Q4_K_M, "
+                        "Q8_0; made and cached) or the 1B-shaped random Q4_K_M (bench.make_gguf); sets --llama-gguf "
+                        "and kvserve's --model (the random 1B also turns the agreement off)")
 
     p = sub.add_parser("kv-cache", parents=[common], help="TTFT/TPOT and per-token cost with vs without a KV cache")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 8")
@@ -386,12 +393,16 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="miss/hit pairs (default 3; quick 1)")
     p.add_argument("--tensor-parallel-size", type=int, help="ranks the model is split over (default 1; SmolLM2: 1 or 3)")
 
-    p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both")
+    p = sub.add_parser("roofline", parents=[common], help="matmul GFLOP/s, memory bandwidth, kvserve against both; "
+                                                          "the decode step's roofline and breakdown at 1/4/8/16 rows")
     p.add_argument("--new-tokens", type=int, help="default 32; quick 16")
     p.add_argument("--single-requests", type=int, help="default 2; quick 1")
     p.add_argument("--batch-size", type=int, help="default 32; quick 16")
     p.add_argument("--matmul-n", type=int, help="default 2048; quick 1024")
     p.add_argument("--bandwidth-mib", type=int, help="default 1024; quick 512")
+    p.add_argument("--rows", type=int, nargs="+", help="decode step breakdown at these row counts (default 1 4 8 16; "
+                                                       "the step check is on the largest)")
+    p.add_argument("--step-tokens", type=int, help="tokens per request of the breakdown's rounds (default 64; quick 16)")
 
     p = sub.add_parser("all", parents=[common], help="every scenario, then the PASS/FAIL summary")
     p.add_argument("--skip", help="comma list of scenarios to leave out")
@@ -423,6 +434,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.scenario == "all":
         results = run_all(args, argv, prog)
         return 1 if any("error" in r for r in results) else 0
+    if args.scenario == "llama-server" and args.gguf:
+        from bench.vs_llama_server import same_file_args
+
+        args.llama_gguf, args.serve_arg, keep_agreement = same_file_args(args.gguf, args.serve_arg)
+        args.no_agreement = args.no_agreement or not keep_agreement
     ctx = Context(args)
     try:
         result = run_one(args.scenario, ctx)

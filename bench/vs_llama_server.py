@@ -50,6 +50,37 @@ TARGETS = {"single": 1.2, "streams": 1.0}
 STREAM_TARGETS = {16: 3.0}
 
 
+# ``--gguf``: one file both servers run (issue 39: "the benches use SmolLM2 re-quantized by
+# llama-quantize to Q4_K_M and Q8_0 and the 1B-shaped random Q4_K_M, beside the shipped Q4_1").
+SAME_FILE_CHOICES = ("Q4_1", "Q4_K_M", "Q8_0", "random-1b-Q4_K_M")
+
+
+def same_file_gguf(choice: str) -> Path:
+    """The GGUF of a ``SAME_FILE_CHOICES`` entry: the shipped Q4_1 file; SmolLM2 re-quantized by
+    the sid tree's llama-quantize (``resolve_gguf``: made once from the all-F32 conversion, so no
+    ``--allow-requantize``, and cached; ``PeerUnavailable`` without the tree); or the 1B-shaped
+    random Q4_K_M (``bench.make_gguf.one_b_q4_k_m``, written once)."""
+    if choice not in SAME_FILE_CHOICES:
+        raise ValueError(f"--gguf must be one of {', '.join(SAME_FILE_CHOICES)}, not {choice!r}")
+    if choice == "random-1b-Q4_K_M":
+        from bench.make_gguf import one_b_q4_k_m
+
+        return one_b_q4_k_m()
+    return resolve_gguf(None if choice == "Q4_1" else choice)
+
+
+def same_file_args(choice: str, serve_args: Sequence[str] | None) -> tuple[str, list[str], bool]:
+    """(``--llama-gguf``, ``--serve-arg`` list, whether the teacher-forced agreement applies) for
+    ``--gguf choice``: llama-server runs the file, kvserve serves it (``--model``; the default
+    model needs none), and the agreement against transformers' SmolLM2 only means something for
+    SmolLM2's own weights, so the random 1B file turns it off."""
+    path = same_file_gguf(choice)
+    served = [*(serve_args or [])]
+    if choice != "Q4_1":
+        served.append(f"--model={path}")
+    return str(path), served, choice != "random-1b-Q4_K_M"
+
+
 def stream_target(concurrency: int) -> float:
     return STREAM_TARGETS.get(concurrency, TARGETS["streams"])
 

@@ -10,31 +10,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
-import statistics
 import time
-from typing import Any, Callable
+from bench.ipc_echo import median_round_trip_us, pipe_echo, step_message
 
 ROUNDS = 2000
-
-
-def step_message(num_requests: int = 32) -> tuple:
-    outputs = [(f"cmpl-{i:032x}-0", [1000 + i], None, None, 192, 1 + i % 64, 0) for i in range(num_requests)]
-    stats = (num_requests, 0, 412, 6592, 0, 0, 0, 0.021, 2)
-    return (outputs, stats)
-
-
-def _pipe_echo(conn: Any, raw: bool) -> None:
-    while True:
-        if raw:
-            data = conn.recv_bytes()
-            if data == b"stop":
-                return
-            conn.send_bytes(data)
-        else:
-            obj = conn.recv()
-            if obj == "stop":
-                return
-            conn.send(obj)
 
 
 def _zmq_echo(addr: str) -> None:
@@ -47,17 +26,6 @@ def _zmq_echo(addr: str) -> None:
         if data.bytes == b"stop":
             return
         sock.send(data, copy=False)
-
-
-def _time(roundtrip: Callable[[], None]) -> float:
-    for _ in range(100):
-        roundtrip()
-    samples = []
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
-        roundtrip()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
 
 
 def main() -> None:
@@ -75,13 +43,14 @@ def main() -> None:
         if raw and msgspec is None:
             continue
         a, b = ctx.Pipe()
-        proc = ctx.Process(target=_pipe_echo, args=(b, raw), daemon=True)
+        proc = ctx.Process(target=pipe_echo, args=(b, raw), daemon=True)
         proc.start()
         if raw:
-            results["pipe + msgspec msgpack"] = _time(lambda: (a.send_bytes(enc.encode(msg)), dec.decode(a.recv_bytes())))
+            results["pipe + msgspec msgpack"] = median_round_trip_us(
+                lambda: (a.send_bytes(enc.encode(msg)), dec.decode(a.recv_bytes())), ROUNDS)
             a.send_bytes(b"stop")
         else:
-            results["pipe + pickle"] = _time(lambda: (a.send(msg), a.recv()))
+            results["pipe + pickle"] = median_round_trip_us(lambda: (a.send(msg), a.recv()), ROUNDS)
             a.send("stop")
         proc.join()
 
@@ -95,10 +64,11 @@ def main() -> None:
         sock.bind(addr)
         proc = ctx.Process(target=_zmq_echo, args=(addr,), daemon=True)
         proc.start()
-        results["zmq ipc + pickle"] = _time(
-            lambda: (sock.send(pickle.dumps(msg, protocol=5)), pickle.loads(sock.recv())))
+        results["zmq ipc + pickle"] = median_round_trip_us(
+            lambda: (sock.send(pickle.dumps(msg, protocol=5)), pickle.loads(sock.recv())), ROUNDS)
         if msgspec is not None:
-            results["zmq ipc + msgspec msgpack"] = _time(lambda: (sock.send(enc.encode(msg)), dec.decode(sock.recv())))
+            results["zmq ipc + msgspec msgpack"] = median_round_trip_us(
+                lambda: (sock.send(enc.encode(msg)), dec.decode(sock.recv())), ROUNDS)
         sock.send(b"stop")
         proc.join()
 

@@ -16,37 +16,9 @@ from __future__ import annotations
 import argparse
 import collections
 import time
-from typing import Any, Callable
+from typing import Any
 
-PIECES = (  # (label, owner attribute path, method)
-    ("model forward", "runner.model", "forward"),
-    ("  native layers", "runner.model", "native_decode"),
-    ("  embedding", "runner.model", "embed_tokens"),
-    ("LM head", "runner.model", "compute_logits"),
-    ("sampler", "runner", "sampler"),
-    ("prepare inputs", "runner", "prepare_inputs"),
-    ("schedule", "scheduler", "schedule"),
-    ("scheduler update", "scheduler", "update"),
-)
-
-
-def instrument(engine: Any, seconds: dict[str, float], calls: collections.Counter) -> None:
-    """Replace each piece's method on its owner instance with a timed wrapper."""
-    def timed(label: str, fn: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds[label] += time.perf_counter() - t
-                calls[label] += 1
-        return wrapper
-
-    for label, path, method in PIECES:
-        owner = engine
-        for part in path.split("."):
-            owner = getattr(owner, part)
-        setattr(owner, method, timed(label, getattr(owner, method)))
+from bench.step_timing import PIECES, instrument
 
 
 def run_round(engine: Any, streams: int, prompt_len: int, tokens: int, tag: str) -> tuple[int, float]:
@@ -66,16 +38,19 @@ def profile(engine: Any, streams_levels: list[int], prompt_len: int, tokens: int
     """One row per stream count: steps, ms per step, and ms per step of each piece that ran."""
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
-    instrument(engine, seconds, calls)
+    restore = instrument(engine, seconds, calls)
     rows = []
-    for streams in streams_levels:
-        run_round(engine, streams, prompt_len, tokens, f"warm{streams}")
-        seconds.clear()
-        calls.clear()
-        steps, elapsed = run_round(engine, streams, prompt_len, tokens, f"run{streams}")
-        rows.append({"streams": streams, "steps": steps, "step_ms": 1000 * elapsed / steps,
-                     "pieces": {label: (1000 * seconds[label] / steps, calls[label])
-                                for label, _, _ in PIECES if calls[label]}})
+    try:
+        for streams in streams_levels:
+            run_round(engine, streams, prompt_len, tokens, f"warm{streams}")
+            seconds.clear()
+            calls.clear()
+            steps, elapsed = run_round(engine, streams, prompt_len, tokens, f"run{streams}")
+            rows.append({"streams": streams, "steps": steps, "step_ms": 1000 * elapsed / steps,
+                         "pieces": {label: (1000 * seconds[label] / steps, calls[label])
+                                    for label, _, _ in PIECES if calls[label]}})
+    finally:
+        restore()
     return rows
 
 

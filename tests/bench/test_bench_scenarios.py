@@ -331,13 +331,19 @@ def test_roofline(engine, tokenizer, tmp_path):
 
     prompts = [tokenizer.encode(q) for q in ("What is the sea?", "Name a colour.", "Why is the sky blue?")]
     data = _written(run_roofline(engine, prompts[:1], prompts, new_tokens=4, matmul_n=256, bandwidth_mib=16,
-                                 repeats=2, out_dir=tmp_path), tmp_path)
+                                 repeats=2, out_dir=tmp_path, rows_levels=(1, 2), step_tokens=4, step_prompt_len=8,
+                                 kernel_min_s=0.01), tmp_path)
     assert (tmp_path / "roofline.png").exists()
     assert data["machine_bounds"]["matmul_gflops"] > 0 and data["machine_bounds"]["bandwidth_gbs"] > 0
     assert data["kvserve_single_decode_tps"] > 0 and data["kvserve_batch_tps"] > 0
     assert data["bandwidth_fraction"] > 0 and data["compute_fraction"] > 0
     bound = data["checks"][0]
     assert bound["value"] == pytest.approx(data["bandwidth_fraction"], abs=1e-3) and bound["target"] == BANDWIDTH_TARGET
+    # the dense tiny model: every matmul is a dense fp32 one, bounded by the fp32 matmul peak
+    step = data["step_roofline"]
+    assert [g["op"] for g in step["matmuls"]] == ["dense"] and [r["rows"] for r in step["steps"]] == [1, 2]
+    assert data["checks"][-1]["name"] == "2-row decode step / its roofline"
+    assert data["checks"][-1]["value"] == pytest.approx(step["steps"][-1]["ratio"], abs=1e-3)
     assert bound["verdict"] == ("PASS" if data["bandwidth_fraction"] >= BANDWIDTH_TARGET else "FAIL")
 
 

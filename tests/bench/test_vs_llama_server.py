@@ -134,3 +134,31 @@ def test_rounds_alternate_the_servers_on_fresh_prompts_and_take_the_median(monke
     assert pair["kvserve"]["run"] == 2 and pair["llama-server"]["run"] in (0, 2)
     alone = vs._pair("kvserve", None, lambda r: [r], 4, "x", False, "output_tps", rounds=1)
     assert "round_ratios" not in alone and vs._pair_ratio(alone, "output_tps") is None
+
+
+# ---- --gguf: one file on both sides ---------------------------------------------------------------
+def test_same_file_q4_1_is_the_shipped_file_and_kvserve_needs_no_model_flag():
+    from bench.vs_llama_server import same_file_args
+    from engine.loader import default_gguf_path
+
+    llama_gguf, serve_args, agreement = same_file_args("Q4_1", ["--max-num-seqs=8"])
+    assert llama_gguf == str(default_gguf_path()) and serve_args == ["--max-num-seqs=8"] and agreement
+    with pytest.raises(ValueError, match="Q4_K_M"):
+        same_file_args("Q5_K_S", None)
+
+
+@needs_tree
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
+def test_same_file_requantized_smollm2_is_served_by_both_sides(qtype):
+    """llama-quantize's file (made once, cached): its header says the type asked for, both
+    servers get it, and kvserve has a block format (a kernel) for every tensor type in it."""
+    from bench.vs_llama_server import same_file_args
+    from engine.loader.gguf.blocks import BlockFormat
+
+    llama_gguf, serve_args, agreement = same_file_args(qtype, None)
+    weights = gguf_weights(llama_gguf)
+    assert weights["file_type"] == qtype and serve_args == [f"--model={llama_gguf}"] and agreement
+    mix = {kind for kind, _ in weights["type_mix"] if kind != "F32"}
+    # SmolLM2's 576-wide rows are no multiple of 256: a Q4_K_M file is mostly Q5_0 / Q8_0 fallbacks
+    assert mix == ({"Q8_0"} if qtype == "Q8_0" else {"Q4_K", "Q5_0", "Q6_K", "Q8_0"})
+    assert {BlockFormat[kind].name for kind in mix} == mix  # KeyError for a type kvserve has no kernel for
