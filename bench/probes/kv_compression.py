@@ -223,6 +223,7 @@ def flatness(engine: Any, totals: Sequence[int], new_tokens: int, vocab: int) ->
     rng = random.Random(7)
     for total in totals:
         prompt = [rng.randrange(min(100, vocab // 2), vocab) for _ in range(total - new_tokens - 1)]
+        print(f"  flatness: {total} tokens", flush=True)
         with CpuMonitor() as mon:
             rate = decode_rate(engine, prompt, new_tokens)
         try:
@@ -371,9 +372,11 @@ def kvpress_peer(hf: Any, ids: Sequence[int], engine_rows: dict[str, list[tuple[
 
 # ---- the run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, make_engine: EngineFactory = default_engine, hf_model: Any = None,
-        ids: Sequence[int] | None = None) -> dict[str, Any]:
+        ids: Sequence[int] | None = None, on_section: Callable[[dict[str, Any]], None] = lambda r: None
+        ) -> dict[str, Any]:
     """Every section not in ``args.skip``; ``make_engine`` builds each engine, ``hf_model`` is the
-    transformers model of the peer (None: the default model's), ``ids`` the text (None: pydoc's)."""
+    transformers model of the peer (None: the default model's), ``ids`` the text (None: pydoc's);
+    ``on_section(result so far)`` after each section (a long run keeps what it measured)."""
     skip = set(args.skip.split(",")) if args.skip else set()
     result: dict[str, Any] = {"args": vars(args), "machine": {**machine_info(), "cpu": cpu_model()},
                               "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
@@ -410,6 +413,7 @@ def run(args: argparse.Namespace, make_engine: EngineFactory = default_engine, h
                                         max_num_seqs=args.streams,
                                         num_blocks=args.streams * math.ceil(need / BLOCK) + 4 * args.streams)
                    for p in rows}
+        print(f"  decode: {args.streams} streams, {len(engines)} engines in lockstep", flush=True)
         vocab = next(iter(engines.values())).arch.vocab_size
         with CpuMonitor() as mon:
             rates = decode_rates(engines, args.streams, args.decode_prompt, args.decode_tokens, seed=args.seed,
@@ -422,6 +426,7 @@ def run(args: argparse.Namespace, make_engine: EngineFactory = default_engine, h
         result["decode_foreign_cores"] = mon.foreign_cores
         result["text_tokens"] = len(ids)
     result["table"] = table
+    on_section(result)
 
     streaming = rows[4]
     if "flat" not in skip:
@@ -433,6 +438,7 @@ def run(args: argparse.Namespace, make_engine: EngineFactory = default_engine, h
                           "rows": flatness(engine, args.flat_totals, args.flat_decode, engine.arch.vocab_size)}
         del engine
         gc.collect()
+        on_section(result)
 
     if "peer" not in skip:
         reason = kvpress_missing() or (None if teacher else "the policy table was skipped (the peer compares to it)")
@@ -449,6 +455,7 @@ def run(args: argparse.Namespace, make_engine: EngineFactory = default_engine, h
                 path, _ = resolve_model_dir(None)
                 hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
                                                                 attn_implementation="sdpa").eval()
+            print("  kvpress peer", flush=True)
             engine = make_engine(streaming, max_num_batched_tokens=args.chunk, kv_gib=args.pool_gib, **sized)
             with CpuMonitor():
                 ours_tps = decode_rate(engine, ids, args.flat_decode)
@@ -460,11 +467,9 @@ def run(args: argparse.Namespace, make_engine: EngineFactory = default_engine, h
             dense_nll = next(r["nll"] for r in table if r["policy"]["label"] == rows[0].label)
             result["peer"] = kvpress_peer(hf_model, ids, engine_rows, dense_nll, args.sinks, args.window,
                                           args.chunk, args.score_from, args.flat_decode, ours_tps)
-            import kvpress
-            import transformers
+            from importlib.metadata import version
 
-            result["peer"]["versions"] = f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}" \
-                                         f", transformers {transformers.__version__}"
+            result["peer"]["versions"] = f"kvpress {version('kvpress')}, transformers {version('transformers')}"
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result
 
@@ -478,7 +483,7 @@ def markdown(result: dict[str, Any]) -> str:
     a, m = result["args"], result["machine"]
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), "
              f"transformers {m['transformers']}; load average before {result['loadavg_before']}, after "
-             f"{result['loadavg_after']}"]
+             f"{result.get('loadavg_after')}"]
     if result["table"]:
         lines += ["", f"Text: {result['text_tokens']} tokens of pydoc_data.topics in {a['chunk']}-token chunks, "
                       f"scored from {a['score_from']}; concurrency: {a['request_tokens']}-token requests in a "
@@ -562,11 +567,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.tokens >= args.max_model_len:
         raise SystemExit("--tokens must be below --max-model-len: the dense rows hold the whole text")
-    result = run(args)
+    def save(result: dict[str, Any]) -> None:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2, default=str)
+
+    result = run(args, on_section=save)
+    save(result)
     print(markdown(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
 
 
 if __name__ == "__main__":
