@@ -165,16 +165,17 @@ def _engine(kv: str, backend: str, num_threads: int | None, num_blocks: int | No
                      loaded or load_model(None, torch.float32))
 
 
-def decode_rates(engines: dict, streams: int, prompt_len: int, output_len: int, seed: int) -> dict[str, float]:
+def decode_rates(engines: dict, streams: int, prompt_len: int, output_len: int, seed: int,
+                 token_range: tuple[int, int] = (100, 10000)) -> dict[str, float]:
     """Output tokens/s of each engine over its steps in which all ``streams`` requests only
-    decoded. The engines step in lockstep (one step each, in turn), so load from other processes
+    decoded (random prompts of ids in ``token_range``). The engines step in lockstep (one step each, in turn), so load from other processes
     on a shared machine falls on all of them alike."""
     import random
 
     from kvtypes.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(streams)]
+    prompts = [[rng.randrange(*token_range) for _ in range(prompt_len)] for _ in range(streams)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for engine in engines.values():
         for p in prompts:
