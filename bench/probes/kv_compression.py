@@ -3,7 +3,7 @@
     python -m bench.probes.kv_compression [--tokens 2048] [--score-from 512] [--window 256] [--sinks 4]
         [--chunk 64] [--pool-gib 1] [--request-tokens 8192] [--step-tokens 512] [--streams 16] [--decode-prompt 384]
         [--decode-tokens 32] [--flat-window 1024] [--flat-totals 8192 16384 32768] [--flat-decode 64]
-        [--h2o-backend torch] [--skip table,flat,peer] [--json FILE]
+        [--h2o-backend auto] [--skip table,flat,peer] [--json FILE]
 
 Three sections, each printed as a Markdown table with the machine's load beside it:
 
@@ -24,9 +24,8 @@ Three sections, each printed as a Markdown table with the machine's load beside 
    * decode tokens/s at ``--streams`` streams (``--decode-prompt``-token prompts, past the window
      so that eviction acts), the engines stepping in lockstep (bench.probes.kv_int8.decode_rates),
      and the ratio to dense fp32 KV.
-   The eviction rows run the CPU default KV dtype (``auto``: fp16). h2o runs with
-   ``--attention-backend torch`` (``--h2o-backend``, the one switch to re-run it at the default
-   once the native backend exports block mass).
+   The eviction rows run the CPU default KV dtype (``auto``: fp16) and, h2o included, the default
+   attention backend (``--h2o-backend torch`` runs h2o on the torch backend's explicit softmax).
 2. **Streaming flatness**: one stream, sinks + ``--flat-window``, prompts of each
    ``--flat-totals`` less ``--flat-decode`` tokens, decode tokens/s over the last
    ``--flat-decode`` tokens; the dense column is the same engine with the request's
@@ -64,7 +63,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 
 BLOCK = 16  # the pool's block size (CacheConfig's default): sinks and budgets round to it
-H2O_BACKEND = "torch"  # h2o needs the torch backend's block mass today; --h2o-backend auto re-runs it at the default
+H2O_BACKEND = "auto"  # native on the CPU: its kernels export the block mass h2o reads
 
 
 @dataclass(frozen=True)
