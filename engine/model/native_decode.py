@@ -1,8 +1,8 @@
 """The native decode path: every decoder layer of an all-decode step in ONE C++ call.
 
 ``native``: the single-new-token rows of a step, at most ``NativeDecoder.max_rows`` of them,
-over a float32, float16 or int4 pool (``pool_arguments``), run every layer in one ``torch.classes.kvserve.DecodeStack``
-call (engine/kernels/cpu/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per
+over a float32, float16 or int4 pool (``pool_arguments``), run every layer in one
+``torch.classes.kvserve.DecodeStack`` call (engine/kernels/cpu/decode_layer.cpp: one OpenMP region instead of ~10 torch calls per
 layer, each with its own fork/join); a mixed step's prefill chunks then run
 ``DecoderLayer.forward``, as do larger batches, unless the whole step fits in ``max_rows``
 rows and every chunk continues a context already in the pool (speculative verify rows,
@@ -16,8 +16,9 @@ needs the CPU, float32, the kernels and an attention backend whose numerics it s
 (``AttentionBackend.supports_native_decode``); it does not cover tensor-parallel ranks or int8
 KV pools. An int4 pool's write follows the step's plan (engine/kv/int4.py ``Int4Plan``, made
 once before the forward pass): the native call takes the plan of its rows, and in a mixed step
-the Python layers that of the rest (``Int4Residual.rows_from``). Per step, the model only asks ``NativeDecoder.rows``: is this an all-decode step (or
-a mixed one whose decode rows can go first) of at most ``max_rows`` rows.
+the Python layers that of the rest (``Int4Residual.rows_from``). Per step, the model only asks
+``NativeDecoder.rows``: is this an all-decode step (or a mixed one whose decode rows can go
+first) of at most ``max_rows`` rows.
 """
 from __future__ import annotations
 
