@@ -81,6 +81,11 @@ def same_file_args(choice: str, serve_args: Sequence[str] | None) -> tuple[str, 
     served = [*(serve_args or [])]
     if choice != "Q4_1":
         served.append(f"--model={path}")
+    if choice == "random-1b-Q4_K_M" and not any(a.startswith("--max-model-len") for a in served):
+        from bench.make_gguf import ONE_B
+
+        # the CPU profile's max_model_len (8192) is above this file's context: serving it needs its own
+        served.append(f"--max-model-len={ONE_B.context}")
     return str(path), served, choice != "random-1b-Q4_K_M"
 
 
