@@ -150,13 +150,18 @@ class EvictionMachine(RuleBasedStateMachine):
             assert len(blocks) == -(-(c - evicted) // self.bs)
             assert not req.evicts or c - evicted <= self.config.max_held_tokens
             clean_until = c if req.first_evicted_at is None else req.first_evicted_at
-            text = list(range(min(c, self.sink_tok))) + list(range(max(self.sink_tok, evicted + self.sink_tok), c))
-            if not evicted:
-                text = list(range(c))
-            seen = [self.kv[blocks[i // self.bs].block_id][i % self.bs] for i in range(len(text))]
-            want = [(req.cache_salt, req.all_token_ids[t], t, t if t < self.sink_tok or not evicted else t - shift,
-                     t < clean_until) for t in text]
-            assert seen == want
+            self.check_kept(req, blocks, evicted, shift, clean_until)
+
+    def check_kept(self, req, blocks, evicted, shift, clean_until):
+        """The held slots are exactly the sinks and the window, keys rotated by ``shift``."""
+        c = req.num_computed_tokens
+        text = list(range(min(c, self.sink_tok))) + list(range(max(self.sink_tok, evicted + self.sink_tok), c))
+        if not evicted:
+            text = list(range(c))
+        seen = [self.kv[blocks[i // self.bs].block_id][i % self.bs] for i in range(len(text))]
+        want = [(req.cache_salt, req.all_token_ids[t], t, t if t < self.sink_tok or not evicted else t - shift,
+                 t < clean_until) for t in text]
+        assert seen == want
 
     def teardown(self):
         if not hasattr(self, "mgr"):
