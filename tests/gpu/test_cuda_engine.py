@@ -158,11 +158,11 @@ def test_http_server_and_metrics_on_cuda():
     (graphs on) and /metrics reports them."""
     from bench.gpu_check import synthetic_tokenizer
     from bench.client import completion_request, run_load, scrape_metrics
-    from bench.server import start_inprocess
+    from tests.helpers import serve_inprocess
 
     hf = tiny_hf_model(CONFIGS["gqa"])
     engine = tiny_engine(hf, device="cuda", dtype="bfloat16", tokenizer=synthetic_tokenizer(128))
-    server = start_inprocess(engine)
+    server = serve_inprocess(engine)
     try:
         reqs = [completion_request(p, 8) for p in prompts(6, seed=4)]
         records, _ = run_load(server, reqs, concurrency=3)
