@@ -31,10 +31,12 @@ def int8_pool(num_blocks, block_size, kv_heads, d, out_dtype):
 
 
 def reference(q, k_cache, v_cache, row, seq_len):
+    """SDPA in float32 over the pool dequantized as the kernel reads it: to the pool's
+    ``out_dtype`` (bf16 rounds each key and value once more than a float32 dequantize would)."""
     kv_heads, d = k_cache.shape[2], k_cache.shape[3]
     r = row.long()
-    k = dequantize(k_cache.data[r], k_cache.scale[r], torch.float32).reshape(-1, kv_heads, d)[:seq_len]
-    v = dequantize(v_cache.data[r], v_cache.scale[r], torch.float32).reshape(-1, kv_heads, d)[:seq_len]
+    k = dequantize(k_cache.data[r], k_cache.scale[r], k_cache.out_dtype).float().reshape(-1, kv_heads, d)[:seq_len]
+    v = dequantize(v_cache.data[r], v_cache.scale[r], v_cache.out_dtype).float().reshape(-1, kv_heads, d)[:seq_len]
     q_len = q.shape[0]
     mask = torch.arange(seq_len, device=CUDA)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=CUDA)[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -82,15 +84,17 @@ def test_int8_extend_over_cached_prefix():
 @pytest.mark.parametrize("graphs", [False, True])
 def test_engine_int8_kv_on_cuda_runs_triton(graphs):
     """``auto`` with an int8 pool on CUDA picks Triton (not flash-attn, not torch); greedy tokens
-    of ragged batched prompts equal the torch int8 path's on the same GPU."""
+    of ragged batched prompts equal the torch int8 path's on the same GPU. In float32: the first
+    H200 run in bfloat16 flipped a near-tie of the tiny random model's logits at step 4 (the
+    kernels' bf16 accuracy is checked against SDPA above, at real shapes)."""
     hf = tiny_hf_model()
     prompts = [[random.Random(i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((3, 16, 17, 40))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    auto = tiny_engine(hf, device="cuda", dtype="bfloat16", kv_cache_dtype="int8", cuda_graphs=graphs)
+    auto = tiny_engine(hf, device="cuda", dtype="float32", kv_cache_dtype="int8", cuda_graphs=graphs)
     assert auto.runner.model.attn.name == "triton"
     assert isinstance(auto.runner.kv_caches[0][0], Int8KV)
     got = [o.token_ids for o in auto.generate(prompts, params)]
-    ref = tiny_engine(hf, device="cuda", dtype="bfloat16", kv_cache_dtype="int8", attention_backend="torch",
+    ref = tiny_engine(hf, device="cuda", dtype="float32", kv_cache_dtype="int8", attention_backend="torch",
                       cuda_graphs=False)
     want = [o.token_ids for o in ref.generate(prompts, params)]
     assert got == want
