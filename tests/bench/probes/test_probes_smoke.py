@@ -109,6 +109,19 @@ def test_step_profile_times_every_piece_of_a_step(pair):
     engine.kv_cache.check_invariants()
 
 
+def test_gpu_step_probe_profiles_each_batch():
+    """The GPU step probe on bench.gpu_check's tiny config on the CPU: one profile per batch, the
+    kernel table names the model's matmuls and the host table the engine's step."""
+    from bench.probes.gpu_step import main
+
+    rows = main(["--tiny", "--device", "cpu", "--batches", "1", "3", "--prompt-len", "12"])
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["wall_ms"] > 0 and r["device_ms"] == 0  # no CUDA activity on the CPU
+        assert "aten::mm" in r["kernels"] or "aten::addmm" in r["kernels"], r["kernels"]
+        assert "step" in r["host"]
+
+
 def test_spec_decode_probe_concurrent_streams_with_the_suffix_method():
     from bench.probes.spec_decode import copy_prompts, run_spec_decode
 
