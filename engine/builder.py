@@ -109,8 +109,14 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> EngineConfig
 
 
 def resolve_max_len(config: EngineConfig, arch: ModelArch) -> int:
-    """The context length: the model config's, else the scheduler's, else the model's own."""
+    """The context length: the model config's, else the scheduler's, else the model's own. A
+    model config value that is a cap (``max_model_len_is_cap``: it came from a profile) is
+    lowered to the model's context; any other value above it is an error."""
     max_len = config.model.max_model_len or config.scheduler.max_model_len or arch.max_position_embeddings
+    if config.model.max_model_len_is_cap and config.model.max_model_len == max_len > arch.max_position_embeddings:
+        logger.info("max_model_len %d (the profile's) is above the model's context: %d tokens", max_len,
+                    arch.max_position_embeddings)
+        return arch.max_position_embeddings
     if max_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's context of "
                          f"{arch.max_position_embeddings} tokens")

@@ -35,6 +35,10 @@ class ModelConfig:
     model: str | None = None
     served_model_name: str | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # True: max_model_len is an upper bound, lowered to the model's context where that is
+    # shorter (a profile's value: configs/cpu.yaml's 8192 must not refuse a 4k model); False: an
+    # exact request, an error above the model's context (the --max-model-len flag)
+    max_model_len_is_cap: bool = False
     dtype: str = "float32"
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     attention_backend: str = "auto"  # a name of ATTENTION_BACKENDS

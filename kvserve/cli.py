@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -100,8 +101,12 @@ def build_engine_config(args: argparse.Namespace, extra_sections: set[str] = fro
     profile = read_profile(args.config)
     check_sections(profile, {"model", "cache", "scheduler", "core", "server"} | set(extra_sections))
     flags = vars(args)
+    model = build_section(ModelConfig, "model", profile, flags)
+    if args.max_model_len is None and model.max_model_len is not None:
+        # the profile's context length bounds it; only an explicit --max-model-len is exact
+        model = dataclasses.replace(model, max_model_len_is_cap=True)
     return EngineConfig(
-        model=build_section(ModelConfig, "model", profile, flags),
+        model=model,
         cache=build_section(CacheConfig, "cache", profile, flags),
         scheduler=build_section(SchedulerConfig, "scheduler", profile, flags),
         core=build_section(EngineCoreConfig, "core", profile, flags),
