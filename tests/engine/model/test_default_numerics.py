@@ -7,7 +7,8 @@
   count 1-33: each block matmul as the defaults bind it (int8 activations where the kernel takes
   them, the dense fp32 copy beyond its rows) and fp16-pool decode attention;
 - teacher-forced top-1 agreement of the defaults with the exact flags on the default model over
-  a fixed ~2,000-token text, at or above a stated floor.
+  a fixed ~2,000-token text, one token per step, at or above llama-server's own over the same
+  text (its count, measured by bench.probes.llama_server_agreement, is the floor).
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ from engine.model.linear import resolve_activation_quant
 from tests.engine.model.test_activation_quant import INT8_FORMATS, activation_block, quantize_reference, random_matrix
 from tests.helpers import require_native_kernel, tiny_hf_model
 
-# Measured 2026-12-04 on the default model (SmolLM2-135M Q4_1 layers, Q8_0 tied LM head), 1,999
-# positions in chunks of 16: 0.9610 agreement, NLL 2.38756 -> 2.38869 nats (+0.0011;
-# docs/configuration.md has the table). The floor leaves room for another CPU's kernels (AVX2 vs AVX512-VNNI sum in other orders).
-# llama-server's own agreement over the same text is not measured here (it needs the peer's
-# container); bench.agreement's AGREEMENT_TARGET (0.95) is the suite's bar for any peer.
-AGREEMENT_FLOOR = 0.95
+# llama-server's own top-1 agreement with fp32 transformers over the same 2,000 tokens, one
+# position per request (the shipped Q4_1 file, its int8 activations and fp16 KV, 2 threads):
+# 1,944 of 1,999 (python -m bench.probes.llama_server_agreement, docs/configuration.md). The
+# defaults, measured the same way (one token per step, 1 thread, this file's test): 1,945 of 1,999,
+# NLL 2.38756 -> 2.38635 (-0.0012), on an AMD EPYC with AVX512-VNNI, 2026-12-04; in chunks of 16
+# tokens 1,939 (96.10% on a Sapphire Rapids VM earlier the same day, whose 16-row calls take AMX
+# tiles). Equal within a token: the floor is llama-server's count, not a margin above it.
+LLAMA_SERVER_AGREEMENT = 1944 / 1999
 NLL_DELTA_CEILING = 0.02
 
 
@@ -145,11 +148,12 @@ def test_default_fp16_pool_attention_equals_a_float64_reference(rows):
 
 
 def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
-    """The default model over the fixed text (bench/probes/fixed_text.txt, 2,000 tokens) in chunks
-    of 16 tokens (every matmul call within the int8 kernel's rows, as decode; later chunks read
-    the fp16 pool), the defaults against the exact engine (``default_engine``: fp32 activations
-    and KV, which equals transformers): top-1 agreement at or above ``AGREEMENT_FLOOR`` and the
-    NLL within ``NLL_DELTA_CEILING`` nats; and not equal (the defaults really round)."""
+    """The default model over the fixed text (bench/probes/fixed_text.txt, 2,000 tokens) one token
+    per step, as llama-server's agreement is measured (one request per position) and as decode
+    runs (every matmul on the int8 kernel's one-row path, attention over the fp16 pool), the
+    defaults against the exact engine (``default_engine``: fp32 activations and KV, which equals
+    transformers): top-1 agreement at or above llama-server's (``LLAMA_SERVER_AGREEMENT``) and
+    the NLL within ``NLL_DELTA_CEILING`` nats; and not equal (the defaults really round)."""
     from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
     from engine.llm_engine import LLMEngine
 
@@ -163,9 +167,9 @@ def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
     tokens = default_engine.tokenizer(FIXED_TEXT.read_text() * 4)["input_ids"][:2000]
     assert len(tokens) == 2000
     exact = teacher_forced(default_engine, tokens, 500)  # fp32: chunking changes only summation order
-    got = teacher_forced(defaults, tokens, 16)
+    got = teacher_forced(defaults, tokens, 1)
     result = compare(exact, got, tokens)
     print(f"defaults vs exact over {len(tokens)} tokens: {result}")
-    assert result["top1_agreement"] >= AGREEMENT_FLOOR, result
+    assert result["top1_agreement"] >= LLAMA_SERVER_AGREEMENT, result
     assert abs(result["nll_delta"]) <= NLL_DELTA_CEILING, result
     assert (exact - got).abs().max() > 0
