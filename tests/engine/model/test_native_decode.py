@@ -269,6 +269,36 @@ def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_mixed_steps_with_prefix_hits_and_preemption_equal_the_python_path(kv_cache_dtype):
+    """Issue 39's mixed-batch check on the float pools: four requests on a pool too small for
+    three of them (preemptions, each resumed by re-prefilling beside decode rows), a 12-token
+    budget (chunked prompts in mixed steps), and a prompt that shares two cached blocks with the
+    first. Every compared step's logits equal the all-Python step's (PathComparer), and the greedy
+    tokens equal an engine held to the Python layers."""
+    hf = tiny_hf_model()
+    prompts = [[(7 * i + 3 * j) % 120 + 3 for j in range(n)] for i, n in enumerate((10, 10, 18))]
+    prompts.append(prompts[0][:8] + [91, 92])  # the first prompt's first two blocks
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    runs = {}
+    for path in ("python", "native"):
+        engine = tiny_engine(hf, num_blocks=14, block_size=4, max_num_batched_tokens=12, max_num_seqs=3,
+                             kv_cache_dtype=kv_cache_dtype)
+        if path == "python":
+            engine.runner.model.select_decode_path("python", kv_cache_dtype)
+        else:
+            assert engine.runner.model.decode_path == "native"
+            comparer = PathComparer(engine.runner.model)
+        runs[path] = [o.token_ids for o in engine.generate(prompts, params)]
+        stats = engine.scheduler.stats
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 8, (path, stats)
+        engine.kv_cache.check_invariants()
+        assert engine.kv_cache.usage == 0
+    assert not comparer.failures, comparer.failures[0]
+    assert comparer.mixed_steps and comparer.native_steps
+    assert runs["native"] == runs["python"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 def test_speculative_verify_rows_run_natively(kv_cache_dtype):
     """A verify row (1 + k tokens of one sequence, engine/sampling/verification.py) is a chunk whose
     context is in the pool: the native path takes its tokens as rows of their own, each attending
