@@ -1,6 +1,6 @@
 // Linear layers computed from GGUF-quantized weights without a dense copy: y[M, N] = x[M, K] @ W^T
 // in fp32. Q4_1 and Q8_0 run on strips (below); Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on GGUF's own
-// rows ("Row formats"). Calls of many rows can run gguf_linear_panels (decoded tiles + GEMM), and
+// rows ("Row formats"; the loader gives Q5_0 matrices Q8_0 strips instead, GGUFMatrix.as_q8_0). Calls of many rows can run gguf_linear_panels (decoded tiles + GEMM), and
 // gguf_rows is an embedding lookup from blocks. See engine/loader/gguf/blocks.py for when kvserve uses them.
 //
 // Decode streams every weight once per step, so its speed is set by weight bytes: Q4_1 is

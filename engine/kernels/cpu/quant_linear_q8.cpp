@@ -2,8 +2,11 @@
 // with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) for
 // Q4_1 / Q8_0 weights and per 256 (llama.cpp's Q8_K) for Q4_K / Q6_K, and W the strip-packed
 // Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads, as they are
-// (the same bytes the fp32 kernel reads; no second copy). Other formats, and CPUs without AVX2,
-// have no int8 kernel here (q8_supported): callers multiply fp32 activations.
+// (the same bytes the fp32 kernel reads; no second copy). Q4_0 / Q5_0 / Q5_1 / Q5_K run row
+// kernels on their GGUF rows (below), but the loader gives Q5_0 matrices Q8_0 strips of the same
+// values (engine/loader/gguf/blocks.py GGUFMatrix.as_q8_0): 1.55x their bytes, ~3x faster per
+// call at 1 row and ~4x at 16 on SmolLM2's shapes. CPUs without AVX2 have no int8 kernel here
+// (q8_supported): callers multiply fp32 activations.
 //
 // Why: the fp32 kernel expands every 4-bit code to fp32 and FMAs it, ~5 vector ops per 8
 // multiply-adds, which makes decode compute bound on AVX2 (no AVX-512) at ~1/3 of the memory

@@ -35,6 +35,12 @@ def blocks_and_reference(fmt: BlockFormat, rows: int, cols: int, seed: int = 0) 
     return GGUFMatrix(torch.from_numpy(raw), fmt, cols), torch.from_numpy(np.ascontiguousarray(dense))
 
 
+def own_layout(blocks: GGUFMatrix) -> torch.Tensor:
+    """The bytes the kernel of ``blocks.format`` itself reads: strips for Q4_1 / Q8_0, else the
+    GGUF rows (Q5_0's row kernels too, though ``pack`` gives Q5_0 matrices Q8_0 strips)."""
+    return blocks.pack().data if blocks.format.strips else blocks.data
+
+
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal up to fp32 summation order: relative to the size of the terms summed."""
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
@@ -52,16 +58,16 @@ def test_kernel_equals_f_linear_for_every_row_count(fmt):
     """Rows 1-33 through the block kernel (every row-group size and remainder), N = 37 so the
     last strip is partial; the panel path (block-only prefill) at a few row counts too."""
     blocks, dense = blocks_and_reference(fmt, 37, 512, seed=int(fmt))
-    packed = blocks.pack()
+    packed = own_layout(blocks)
     gen = torch.Generator().manual_seed(int(fmt))
     for rows in range(1, 34):
         x = torch.randn(rows, 512, generator=gen)
-        got = torch.ops.kvserve.gguf_linear(x, packed.data, 37, int(fmt))
+        got = torch.ops.kvserve.gguf_linear(x, packed, 37, int(fmt))
         assert got.shape == (rows, 37)
         close(got, F.linear(x, dense))
     for rows, tile in ((1, 8), (17, 16), (40, 64)):
         x = torch.randn(rows, 512, generator=gen)
-        close(torch.ops.kvserve.gguf_linear_panels(x, packed.data, 37, int(fmt), tile), F.linear(x, dense))
+        close(torch.ops.kvserve.gguf_linear_panels(x, packed, 37, int(fmt), tile), F.linear(x, dense))
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.strips])
@@ -69,12 +75,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(fmt):
     """Above 4 rows the row formats' kernel keeps one accumulator per (row, feature) over all of
     K: a row's outputs are the same bits in any batch of 5-16 rows, wherever it sits."""
     blocks, _ = blocks_and_reference(fmt, 37, 512, seed=7)
-    packed = blocks.pack()
+    packed = own_layout(blocks)
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(7))
-    full = torch.ops.kvserve.gguf_linear(x, packed.data, 37, int(fmt))
+    full = torch.ops.kvserve.gguf_linear(x, packed, 37, int(fmt))
     for rows in range(5, 16):
         for start in (0, 16 - rows):
-            part = torch.ops.kvserve.gguf_linear(x[start:start + rows].contiguous(), packed.data, 37, int(fmt))
+            part = torch.ops.kvserve.gguf_linear(x[start:start + rows].contiguous(), packed, 37, int(fmt))
             assert torch.equal(part, full[start:start + rows]), (rows, start)
 
 
@@ -93,11 +99,11 @@ def test_block_linear_without_a_dense_copy(fmt):
 def test_rows_lookup_equals_the_dequantized_rows(fmt):
     """The embedding lookup of block-only models decodes just the rows asked for."""
     blocks, dense = blocks_and_reference(fmt, 37, 256, seed=5)
-    packed = blocks.pack()
+    packed = own_layout(blocks)
     ids = torch.tensor([0, 36, 9, 9, 17, 8])
-    assert torch.equal(torch.ops.kvserve.gguf_rows(packed.data, 37, 256, int(fmt), ids), dense[ids])
+    assert torch.equal(torch.ops.kvserve.gguf_rows(packed, 37, 256, int(fmt), ids), dense[ids])
     with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.kvserve.gguf_rows(packed.data, 37, 256, int(fmt), torch.tensor([37]))
+        torch.ops.kvserve.gguf_rows(packed, 37, 256, int(fmt), torch.tensor([37]))
 
 
 def test_bad_format_and_shape_are_clear_errors():
@@ -124,15 +130,20 @@ assert load_kernels() and torch.ops.kvserve.gguf_kernel_isa() == "portable"
 for fmt in BlockFormat:
     raw = random_blocks(fmt, 37, 512, np.random.default_rng(int(fmt)))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(37, 512).copy())
-    packed = GGUFMatrix(torch.from_numpy(raw), fmt, 512).pack()
+    blocks = GGUFMatrix(torch.from_numpy(raw), fmt, 512)
+    packed = blocks.pack()
     assert torch.equal(packed.dequantize(), dense), fmt
+    layouts = [(packed.data, int(packed.format))]
+    if packed.format != fmt:  # Q5_0: its own row kernel as well as the Q8_0 strips it is packed into
+        layouts.append((blocks.data, int(fmt)))
     for rows in (1, 9):
         x = torch.randn(rows, 512)
         want = F.linear(x, dense)
         tol = 1e-5 * max(1.0, want.abs().max().item())
-        for got in (torch.ops.kvserve.gguf_linear(x, packed.data, 37, int(fmt)),
-                    torch.ops.kvserve.gguf_linear_panels(x, packed.data, 37, int(fmt), 16)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=tol)
+        for data, code in layouts:
+            for got in (torch.ops.kvserve.gguf_linear(x, data, 37, code),
+                        torch.ops.kvserve.gguf_linear_panels(x, data, 37, code, 16)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=tol)
 print("ok")
 """
     env = {**os.environ, "KVSERVE_PORTABLE_KERNELS": "1"}
@@ -204,7 +215,7 @@ def test_gguf_file_logits_equal_transformers(case, cache_dir, tmp_path):
     model = engine.runner.model
     assert model.linear_backend == "gguf" and model.holds_blocks_only()
     assert all(set(layer.blocks) == {"qkv", "o_proj", "gate_up", "down"} for layer in model.layers)
-    assert model.lm_head_blocks is not None and model.lm_head_blocks.format is fmt
+    assert model.lm_head_blocks is not None and model.lm_head_blocks.format is fmt.packed
     assert model.arch.attention_bias == (shape.arch == "qwen2")
     rec = LogitRecorder(engine)
     engine.generate([list(range(3, 23)), [7, 3, 60]], GREEDY)

@@ -69,7 +69,10 @@ def random_matrix(fmt: BlockFormat, rows: int, cols: int, seed: int) -> tuple[to
 
     raw = random_blocks(fmt, rows, cols, np.random.default_rng(seed))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(rows, cols)).float()
-    return GGUFMatrix(torch.from_numpy(raw.copy()), fmt, cols).pack().data, dense
+    # fmt's own kernel: strips for the strip formats, else the GGUF rows (Q5_0's row kernel too,
+    # though GGUFMatrix.pack now gives Q5_0 matrices Q8_0 strips: test_q5_0_runs_as_q8_0_strips)
+    data = torch.from_numpy(raw.copy())
+    return (GGUFMatrix(data, fmt, cols).pack().data if fmt.strips else data), dense
 
 
 @pytest.mark.parametrize("block", [32, 256])
@@ -166,6 +169,39 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
     assert (got.double() - exact).abs().max() > 1e-5 * exact.abs().max()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33])  # Q8_0 passes of 8, 4, 2, 1
+@pytest.mark.parametrize("out_features", [37, 64])  # 37: a partial last strip, a lone full one beside pairs
+def test_q5_0_runs_as_q8_0_strips(rows, out_features):
+    """GGUFMatrix.pack gives Q5_0 matrices Q8_0 strips of the same values (c = q - 16 with the
+    same fp16 d, GGUFMatrix.as_q8_0): the packed matrix dequantizes to gguf's own Q5_0 values bit
+    for bit, BlockLinear runs the Q8_0 strip kernel on it, and the result equals the quantized
+    oracle on gguf's Q5_0 dequantization, as the Q5_0 row kernel's does."""
+    from bench.make_gguf import random_blocks
+
+    raw = random_blocks(BlockFormat.Q5_0, out_features, 512, np.random.default_rng(rows))
+    q5_0 = GGUFMatrix(torch.from_numpy(raw.copy()), BlockFormat.Q5_0, 512)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0).reshape(out_features, 512))
+    packed = q5_0.pack()
+    assert packed.format == BlockFormat.Q8_0 and packed.nbytes == (out_features + 7) // 8 * 16 * 272
+    assert torch.equal(packed.dequantize(), dense.float())
+    assert torch.equal(q5_0.data, torch.from_numpy(raw))  # the file's blocks are left as they are
+    linear = BlockLinear(packed, None, None, int8_activations=True)
+    assert linear.kernels == [torch.ops.kvserve.gguf_linear_q8] and linear.parts[0][2] == int(BlockFormat.Q8_0)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    got = linear(x)
+    q, d = quantize_reference(x)
+    oracle = F.linear((q.reshape(rows, -1, 32) * d[..., None]).reshape(rows, 512).double(), dense.double())
+    torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
+    rows_kernel = torch.ops.kvserve.gguf_linear_q8(x, q5_0.data, out_features, int(BlockFormat.Q5_0))
+    torch.testing.assert_close(got, rows_kernel, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
+
+
+def test_as_q8_0_takes_q5_0_only():
+    q8_0 = GGUFMatrix(torch.zeros(8, 34, dtype=torch.uint8), BlockFormat.Q8_0, 32)
+    with pytest.raises(ValueError, match="converts Q5_0 blocks, not Q8_0"):
+        q8_0.as_q8_0()
+
+
 def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
     """On AVX512-VNNI, Q4_1 and Q8_0 run strip pairs in 512-bit registers (vpdpbusd; Q8_0's
     codes offset by 128 and the column sums taken off) and a lone or partial strip on AVX2, and
@@ -212,6 +248,7 @@ def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     raw = random_blocks(fmt, 40, 256, np.random.default_rng(7))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(40, 256)).float()
     packed = GGUFMatrix(torch.from_numpy(raw.copy()), fmt, 256).pack()
+    fmt = packed.format  # Q5_0 is packed as Q8_0 strips
     calls = []
     fallback = (lambda x: calls.append(len(x)) or F.linear(x, dense)) if has_dense else None
     linear = BlockLinear(packed, None, fallback, int8_activations=True)
