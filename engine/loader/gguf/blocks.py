@@ -133,15 +133,18 @@ class GGUFMatrix:
         if self.format != BlockFormat.Q5_0:
             raise ValueError(f"as_q8_0 converts Q5_0 blocks, not {self.format.name}")
         rows = self.data.shape[0]
-        blocks = self.data.view(rows, -1, 22)
-        qh = blocks[..., 2:6].to(torch.int64)
-        qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
-        fifth = (qh[..., None] >> torch.arange(32)) & 1  # bit j: weight j
-        qs = blocks[..., 6:22]
-        low = torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.int64)  # weights 0-15, then 16-31
-        codes = (low | fifth << 4) - 16
-        out = torch.cat([blocks[..., :2], codes.to(torch.int8).view(torch.uint8)], dim=-1)
-        return GGUFMatrix(out.reshape(rows, -1), BlockFormat.Q8_0, self.in_features)
+        out = torch.empty((rows, self.in_features // 32 * 34), dtype=torch.uint8)
+        bit = torch.arange(32, dtype=torch.int32)
+        for r in range(0, rows, 1024):  # row slices: the int32 bit planes stay ~4 bytes a weight of 1024 rows
+            blocks = self.data[r:r + 1024].view(-1, self.in_features // 32, 22)
+            qh = blocks[..., 2:6].to(torch.int32)
+            qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+            fifth = ((qh[..., None] >> bit) & 1).to(torch.uint8)  # bit j: weight j
+            qs = blocks[..., 6:22]
+            low = torch.cat([qs & 15, qs >> 4], dim=-1)  # weights 0-15, then 16-31
+            codes = ((low | fifth << 4).to(torch.int16) - 16).to(torch.int8)
+            out[r:r + 1024] = torch.cat([blocks[..., :2], codes.view(torch.uint8)], dim=-1).view(blocks.shape[0], -1)
+        return GGUFMatrix(out, BlockFormat.Q8_0, self.in_features)
 
 
 @dataclass
