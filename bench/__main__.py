@@ -118,7 +118,7 @@ def scenario_kv_cache(ctx: Context) -> dict[str, Any]:
     engine, hf = ctx.engine, ctx.hf
     contexts = _q(a, "contexts", DEFAULT_CONTEXTS, tuple(c for c in DEFAULT_CONTEXTS if c <= 256))
     prompt = chat_prompts(engine.tokenizer, 1, offset=2)[0]
-    return run_kv_cache(engine, hf, prompt, engine.model.arch.vocab_size, new_tokens=_q(a, "new_tokens", 32, 8),
+    return run_kv_cache(engine, hf, prompt, engine.arch.vocab_size, new_tokens=_q(a, "new_tokens", 32, 8),
                         contexts=contexts, repeats=_q(a, "repeats", 3, 2), out_dir=ctx.out)
 
 
@@ -150,7 +150,7 @@ def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
     engine = build_engine(max_len, budget, num_threads=ctx.threads)
     try:
         requests = make_requests(_q(a, "requests", 48, 24), tuple(_q(a, "prompt_range", (64, 512), (96, 384))),
-                                 tuple(_q(a, "output_range", (16, 128), (8, 32))), engine.model.arch.vocab_size,
+                                 tuple(_q(a, "output_range", (16, 128), (8, 32))), engine.arch.vocab_size,
                                  seed=a.seed + 11)
         return run_kv_memory(engine, requests, progress=not a.no_progress, out_dir=ctx.out)
     finally:

@@ -62,7 +62,7 @@ def measure(model: str, resident: str, contexts: Sequence[int], tokens: int, thr
                                                * engine.capacity.bytes_per_token / 1e6),
                            "linear_backend": engine.runner.model.linear_backend, "runs": []}
     lm = engine.runner.model
-    vocab = engine.model.arch.vocab_size
+    vocab = engine.arch.vocab_size
     rng = random.Random(0)
     for ctx in contexts:
         prompt = [rng.randrange(100, vocab - 100) for _ in range(ctx)]

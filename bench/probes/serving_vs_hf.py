@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     engine, hf = load_default_pair(args.num_threads, kv_cache_gib=args.kv_cache_gib,
                                    max_num_seqs=max(64, args.requests))
     requests = make_requests(args.requests, tuple(args.prompt_len), tuple(args.output_len),
-                             engine.model.arch.vocab_size, args.seed)
+                             engine.arch.vocab_size, args.seed)
     result = run_serving_vs_hf(engine, hf, requests, args.hf_batch_size, not args.no_continuous, args.quiet_wait,
                                cb_timeout_s=args.cb_timeout)
     print_report(result)

@@ -282,6 +282,33 @@ def test_kv_cache(engine, hf, tokenizer, tmp_path):
     assert not engine.has_unfinished()
 
 
+def test_in_process_scenario_runners_hand_the_engine_s_vocabulary_on(engine, hf, monkeypatch, tmp_path):
+    """``python -m bench kv-cache`` / ``kv-memory`` as ``bench all`` runs them (``RUNNERS[name](ctx)``),
+    with the measurement functions recorded instead of run: the glue between the context's engine
+    and them works (it read ``engine.model.arch`` after the engine lost that attribute, and both
+    scenarios crashed in ``bench all`` while the tests above, which call the functions, passed)."""
+    import argparse
+    import types
+
+    import bench.kv_cache
+    import bench.kv_memory
+    from bench.__main__ import RUNNERS
+
+    calls = {}
+    monkeypatch.setattr(bench.kv_cache, "run_kv_cache", lambda *a, **k: calls.setdefault("kv-cache", (a, k)))
+    monkeypatch.setattr(bench.kv_memory, "run_kv_memory", lambda *a, **k: calls.setdefault("kv-memory", (a, k)))
+    monkeypatch.setattr(bench.kv_memory, "build_engine", lambda *a, **k: engine)
+    ctx = types.SimpleNamespace(args=argparse.Namespace(quick=True, seed=0, no_progress=True), engine=engine, hf=hf,
+                                out=tmp_path, threads=1)
+    RUNNERS["kv-cache"](ctx)
+    RUNNERS["kv-memory"](ctx)
+    vocab = engine.arch.vocab_size
+    args, _ = calls["kv-cache"]
+    assert args[0] is engine and args[1] is hf and args[3] == vocab and args[2]
+    (_, requests), _ = calls["kv-memory"]
+    assert requests and all(max(r.prompt_token_ids) < vocab for r in requests)
+
+
 def test_kv_memory(hf, tokenizer, tmp_path):
     from bench.kv_memory import run_kv_memory
     from bench.workload import make_requests
