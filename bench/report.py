@@ -39,13 +39,17 @@ def info(name: str, value: Any, detail: str = "") -> dict[str, Any]:
     return {"name": name, "value": value, "target": None, "unit": "", "verdict": INFO, "detail": detail}
 
 
+def _op(c: dict[str, Any]) -> str:
+    """The comparison a check's target is read with (a SKIPPED check has no direction: >=)."""
+    return ">=" if c.get("higher_is_better", True) else "<="
+
+
 def check_line(c: dict[str, Any]) -> str:
     if c["verdict"] == INFO:
         return f"INFO  {c['name']}: {_fmt(c['value'])} {c['detail']}".rstrip()
     if c["verdict"] == SKIPPED:
         return f"SKIPPED  {c['name']} (target >= {c['target']}{c['unit']}): {c['detail']}"
-    op = ">=" if c.get("higher_is_better", True) else "<="
-    line = f"{c['verdict']}  {c['name']}: {_fmt(c['value'])}{c['unit']} (target {op} {c['target']}{c['unit']})"
+    line = f"{c['verdict']}  {c['name']}: {_fmt(c['value'])}{c['unit']} (target {_op(c)} {c['target']}{c['unit']})"
     return f"{line}  {c['detail']}".rstrip()
 
 
@@ -226,7 +230,7 @@ def summary_markdown(results: list[dict[str, Any]], run: dict[str, Any]) -> str:
     for r in results:
         for c in r.get("checks", []):
             if c["verdict"] in (PASS, FAIL, SKIPPED):
-                target = f" (>= {c['target']}{c['unit']})" if c.get("target") is not None else ""
+                target = f" ({_op(c)} {c['target']}{c['unit']})" if c.get("target") is not None else ""
                 value = "-" if c["value"] is None else f"{c['value']:.3g}{c['unit']}"
                 verdict = c["verdict"] + (f": {c['detail']}" if c["verdict"] == SKIPPED else "")
                 lines.append(f"| {c['name']}{target} | {value} | {verdict} |")

@@ -392,12 +392,16 @@ def test_cli_and_benchmarks_md(tmp_path):
     plot.write_bytes(b"\x89PNG fake")
     results = [{"scenario": "prefix", "title": "Prefix", "machine": {}, "tables": [],
                 "checks": [check("prefix hit TTFT lower than a miss", 12.0, 10.0),
+                           check("p99 gap", 0.9, 1.25, higher_is_better=False),
                            check("llama.cpp", None, 3.0, skipped="node missing")], "plots": [str(plot)]}]
     run = {"command": "python -m bench all", "started": "a", "finished": "b", "wall_s": 60, "quick": True,
            "loadavg_before": [1, 1, 1], "loadavg_after": [1, 1, 1], "foreign_cpu_cores": 0.1,
            "machine": {"cpu": "cpu", "cores": 2, "mem_gib": 1, "python": "3", "torch": "t", "transformers": "5",
                        "threads": 2}}
     assert "PASS" in summary_markdown(results, run) and "SKIPPED: node missing" in summary_markdown(results, run)
+    # each target with its own direction (a lower-is-better line once read ">=" in BENCHMARKS.md)
+    assert "| prefix hit TTFT lower than a miss (>= 10.0x) |" in summary_markdown(results, run)
+    assert "| p99 gap (<= 1.25x) | 0.9x | PASS |" in summary_markdown(results, run)
     md = tmp_path / "BENCH.md"
     write_benchmarks_md(results, run, md, tmp_path / "plots")
     text = md.read_text()
