@@ -1,7 +1,7 @@
 """An engine step's pieces timed in-thread by wrapping the methods that do them.
 
-* ``instrument``: replaces each piece's method (``PIECES``) on its owner with a timed wrapper and
-  returns the function that puts the originals back;
+* ``instrumented``: within a ``with`` block each piece's method (``PIECES``) on its owner is a timed
+  wrapper adding to the yielded ``(seconds, calls)``; leaving the block puts the originals back;
 * ``decode_profile``: pure decode steps at each of several row counts, mean ms per step and per
   piece, and ``other`` (the step less its top-level pieces).
 
@@ -10,8 +10,9 @@ The suite's ``roofline`` scenario and the ``bench.probes.step_profile`` probe bo
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 PIECES = (  # (label, owner attribute path, method)
     ("model forward", "runner.model", "forward"),
@@ -25,9 +26,14 @@ PIECES = (  # (label, owner attribute path, method)
 )
 
 
-def instrument(engine: Any, seconds: dict[str, float], calls: collections.Counter) -> Callable[[], None]:
-    """Replace each piece's method on its owner instance with a timed wrapper; returns the
-    function that puts the originals back (the engine is then as it was)."""
+@contextlib.contextmanager
+def instrumented(engine: Any) -> Iterator[tuple[dict[str, float], collections.Counter]]:
+    """Within the block each piece's method on its owner instance is a timed wrapper adding to
+    the yielded ``(seconds, calls)`` per label; on leaving, the originals are put back (the
+    engine is then as it was)."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+
     def timed(label: str, fn: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
@@ -46,13 +52,14 @@ def instrument(engine: Any, seconds: dict[str, float], calls: collections.Counte
         undo.append((owner, method, method in vars(owner), vars(owner).get(method)))
         setattr(owner, method, timed(label, getattr(owner, method)))
 
-    def restore() -> None:
+    try:
+        yield seconds, calls
+    finally:
         for owner, method, own, value in reversed(undo):
             if own:
                 setattr(owner, method, value)
             else:
                 delattr(owner, method)
-    return restore
 
 
 def top_level(label: str) -> bool:
@@ -65,7 +72,7 @@ def decode_round(engine: Any, streams: int, prompt_len: int, tokens: int, tag: s
     """``streams`` greedy requests stepped to the end; only the steps that start with every
     request past its first token (pure decode steps of ``streams`` rows, as they all generate
     ``tokens`` tokens) are counted: their count, mean ms per step and each piece's mean ms
-    (from ``seconds``, which ``instrument``'s wrappers fill)."""
+    (from ``seconds``, which ``instrumented``'s wrappers fill)."""
     from kvtypes.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -96,16 +103,11 @@ def decode_profile(engine: Any, rows_levels: list[int], prompt_len: int, tokens:
     """``decode_round`` at each row count after an untimed warm-up round, the engine
     instrumented for the duration only; each row also gets ``other_ms``: the step less its
     top-level pieces (the engine's own bookkeeping: outputs, detokenization, stats)."""
-    seconds: dict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter = collections.Counter()
-    restore = instrument(engine, seconds, calls)
     rows = []
-    try:
+    with instrumented(engine) as (seconds, _):
         for n in rows_levels:
             decode_round(engine, n, prompt_len, max(4, tokens // 4), f"warm-decode{n}", seconds)
             row = decode_round(engine, n, prompt_len, tokens, f"decode{n}", seconds)
             row["other_ms"] = row["step_ms"] - sum(v for k, v in row["pieces_ms"].items() if top_level(k))
             rows.append(row)
-    finally:
-        restore()
     return rows

@@ -14,11 +14,10 @@ averages (one step of ``tokens``).
 from __future__ import annotations
 
 import argparse
-import collections
 import time
 from typing import Any
 
-from bench.step_timing import PIECES, instrument
+from bench.step_timing import PIECES, instrumented
 
 
 def run_round(engine: Any, streams: int, prompt_len: int, tokens: int, tag: str) -> tuple[int, float]:
@@ -36,11 +35,8 @@ def run_round(engine: Any, streams: int, prompt_len: int, tokens: int, tag: str)
 
 def profile(engine: Any, streams_levels: list[int], prompt_len: int, tokens: int) -> list[dict[str, Any]]:
     """One row per stream count: steps, ms per step, and ms per step of each piece that ran."""
-    seconds: dict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter = collections.Counter()
-    restore = instrument(engine, seconds, calls)
     rows = []
-    try:
+    with instrumented(engine) as (seconds, calls):
         for streams in streams_levels:
             run_round(engine, streams, prompt_len, tokens, f"warm{streams}")
             seconds.clear()
@@ -49,8 +45,6 @@ def profile(engine: Any, streams_levels: list[int], prompt_len: int, tokens: int
             rows.append({"streams": streams, "steps": steps, "step_ms": 1000 * elapsed / steps,
                          "pieces": {label: (1000 * seconds[label] / steps, calls[label])
                                     for label, _, _ in PIECES if calls[label]}})
-    finally:
-        restore()
     return rows
 
 
