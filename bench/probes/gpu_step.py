@@ -26,10 +26,9 @@ from bench import gpu_check
 
 
 def engine_args(device: str, tiny: bool) -> argparse.Namespace:
-    return argparse.Namespace(device=device, dtype="bfloat16", seed=0, smoke=tiny, attention_backend="auto",
-                              max_len=1024, gpu_memory_utilization=0.6, no_cuda_graphs=False, block_size=16,
-                              num_blocks=None, kv_cache_memory_gib=1.0, max_num_batched_tokens=8192,
-                              max_num_seqs=256)
+    """``bench.gpu_check``'s own flags for its engine, on ``device``, at 60% of the GPU's memory."""
+    flags = ["--device", device, "--max-len", "1024", "--gpu-memory-utilization", "0.6"]
+    return gpu_check.build_parser().parse_args(flags + (["--smoke"] if tiny else []))
 
 
 def profile_batch(engine: Any, batch: int, prompt_len: int, device: str) -> dict[str, Any]:
