@@ -287,14 +287,53 @@ inline void store_row(const float* src, int64_t D, c10::Half* dst) {
   for (; i < D; ++i) dst[i] = c10::Half(src[i]);
 }
 
+// The attention phase's work items, the same for every layer of a step. A row of at most
+// kvserve::kAttnChunk tokens (or any row, where chunks are off) is one item per kv head: its G
+// query heads over the whole context, written to the row's output. A longer row is one item per
+// chunk of kAttnChunk tokens over every head (paged_attention.h attend_chunk), written to `part`,
+// and a merge phase (merge_chunks) then gives its output. Chunks are off for int4 pools (their
+// kernel, kv_int4.h, has none), with H2O's block mass (exported per kv head) and where the AVX2
+// kernel does not run (attend_chunks_supported).
+struct AttentionPlan {
+  struct Item {
+    int64_t row, head;    // head: the kv head (whole-context items) or -1 (a chunk of every head)
+    int64_t t0, t1, part; // a chunk's tokens and its index into part / stats
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> chunked_rows;  // the rows attended in chunks
+  std::vector<int64_t> first_part;    // [B + 1]: row b's chunks are parts [first_part[b], first_part[b + 1])
+  int64_t parts = 0;
+
+  void plan(const StepInputs& in, bool chunks) {
+    items.clear(), chunked_rows.clear(), first_part.assign(in.B + 1, 0), parts = 0;
+    for (int64_t b = 0; b < in.B; ++b) {
+      const int64_t len = in.lens[b];
+      first_part[b] = parts;
+      if (!chunks || len <= kvserve::kAttnChunk) {
+        for (int64_t g = 0; g < in.KVH; ++g) items.push_back({b, g, 0, len, -1});
+        continue;
+      }
+      chunked_rows.push_back(b);
+      for (int64_t t0 = 0; t0 < len; t0 += kvserve::kAttnChunk)
+        items.push_back({b, -1, t0, std::min(len, t0 + kvserve::kAttnChunk), parts++});
+    }
+    first_part[in.B] = parts;
+  }
+};
+
 // The step's buffers between phases, shared by the threads: sized for the largest layer.
 struct SharedScratch {
   std::vector<float> data;
   float *qkv, *attn, *tmp, *gu, *act;  // [B, qkv.N], [B, q_size], [B, hidden] O / down products, [B, 2I], [B, I]
-  void size_for(const LayerWeights& l, const StepInputs& in) {
-    const int64_t B = in.B, q_size = in.H * in.D;
-    data.resize(B * (l.qkv.N + q_size + l.hidden + 3 * l.I));
+  float *part, *stats;                 // [parts, q_size] the chunks' unnormalized sums, [parts, 2 H] their softmax stats
+  AttentionPlan attention;
+  // chunks: whether long rows may be attended in chunks (see AttentionPlan)
+  void size_for(const LayerWeights& l, const StepInputs& in, bool chunks) {
+    attention.plan(in, chunks && kvserve::attend_chunks_supported(in.D));
+    const int64_t B = in.B, q_size = in.H * in.D, P = attention.parts;
+    data.resize(B * (l.qkv.N + q_size + l.hidden + 3 * l.I) + P * (q_size + 2 * in.H));
     qkv = data.data(), attn = qkv + B * l.qkv.N, tmp = attn + B * q_size, gu = tmp + B * l.hidden, act = gu + B * 2 * l.I;
+    part = act + B * l.I, stats = part + P * q_size;
   }
 };
 
@@ -399,7 +438,9 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
       store_row(v_new, D, vp + (in.slots[b] * KVH + g) * D);
     }
   };
-  if (in.writes_first) {
+  // chunked rows: every chunk of a row reads its roped queries, and the last one its new K/V
+  const bool chunked = !s.attention.chunked_rows.empty();
+  if (in.writes_first || chunked) {
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < B * KVH; ++job) prepare_job(job / KVH, job % KVH);
     if constexpr (int4) {
@@ -410,11 +451,22 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
       }
     }
   }
-  // attention: one job per (row, kv head): its G query heads over its own context
+  // attention: the plan's items (a row's G query heads of one kv head, or a chunk of a row)
+  const std::vector<AttentionPlan::Item>& items = s.attention.items;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t job = 0; job < B * KVH; ++job) {
-    const int64_t b = job / KVH, g = job % KVH;
-    if (!in.writes_first) {
+  for (int64_t job = 0; job < static_cast<int64_t>(items.size()); ++job) {
+    const int64_t b = items[job].row, g = items[job].head;
+    if constexpr (!int4) {
+      if (g < 0) {  // a chunk: its tokens, every head
+        const AttentionPlan::Item& it = items[job];
+        const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
+        ts.scores.resize(H * (it.t1 - it.t0));
+        kvserve::attend_chunk(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, H, G, D, in.scale, it.t0, it.t1,
+                              ts.scores.data(), s.part + it.part * q_size, s.stats + it.part * 2 * H);
+        continue;
+      }
+    }
+    if (!in.writes_first && !chunked) {
       prepare_job(b, g);
       if constexpr (int4) {
         if (q4->owner_block[b] >= 0) quantize_block(*q4, *p4, q4->owner_block[b], g, s.qkv, l.qkv.N, H, ts.rows);
@@ -427,7 +479,16 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
       const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
       ts.scores.resize(G * lay.len);
       kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, g * G, (g + 1) * G, G, D, in.scale, ts.scores.data(),
-                      ts.acc.data(), s.attn + b * q_size, in.block_mass ? in.block_mass + job * in.W : nullptr);
+                      ts.acc.data(), s.attn + b * q_size, in.block_mass ? in.block_mass + (b * KVH + g) * in.W : nullptr);
+    }
+  }
+  if (chunked) {
+    const std::vector<int64_t>& rows = s.attention.chunked_rows;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) {
+      const int64_t b = rows[i], p0 = s.attention.first_part[b];
+      kvserve::merge_chunks(s.part + p0 * q_size, s.stats + p0 * 2 * H, s.attention.first_part[b + 1] - p0, q_size, H,
+                            D, s.attn + b * q_size);
     }
   }
   matmul(l.o, s.attn, B, s.tmp, add_residual(l.o_bias), quantized(l.o, s.attn, q_size));
@@ -466,7 +527,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   // (a thread_local named inside the region would be each thread's own: pass the caller's by address)
   static thread_local SharedScratch scratch;
   SharedScratch* shared = &scratch;
-  shared->size_for(l, in);
+  shared->size_for(l, in, /*chunks=*/true);
   const auto each_thread = [&](auto* kp, auto* vp) {
 #pragma omp parallel num_threads(at::get_num_threads())
     {
@@ -649,7 +710,7 @@ struct DecodeStack : torch::CustomClassHolder {
     SharedScratch* shared = &scratch;
     shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
       return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
-    }), in);
+    }), in, /*chunks=*/!int4 && !block_mass);
     const float* w = final_norm ? norm.data_ptr<float>() : nullptr;
     at::Tensor job_mass;
     if (block_mass) {

@@ -191,6 +191,12 @@ void write_int8_kv(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   });
 }
 
+// The native decode layer's attention chunk (paged_attention.h kAttnChunk) for this head_dim on
+// this CPU: rows of more tokens are attended in chunks of it; 0 where it never chunks.
+int64_t attention_chunk_tokens(int64_t head_dim) {
+  return kvserve::attend_chunks_supported(head_dim) ? kvserve::kAttnChunk : 0;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
@@ -199,6 +205,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode_attention_int8(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale, Tensor(a!)? block_mass=None) -> Tensor");
   m.def("write_int8_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scale, Tensor slot_mapping) -> ()");
+  m.def("attention_chunk_tokens(int head_dim) -> int", &attention_chunk_tokens);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

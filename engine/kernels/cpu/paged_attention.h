@@ -79,6 +79,50 @@ inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
   }
 }
 
+// The softmax's first half, for a chunk of a context whose other chunks are attended apart
+// (merge_chunks): per row of L scores, stats[2 h] = the row's maximum m and stats[2 h + 1] =
+// sum_t exp(s_t - m), and the scores become exp(s_t - m), not divided by that sum.
+inline void exp_rows(float* scores, int64_t nh, int64_t L, float* stats) {
+  for (int64_t h = 0; h < nh; ++h) {
+    float* s = scores + h * L;
+    float m = s[0];
+    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      s[t] = exp_nonpositive(s[t] - m);
+      sum += s[t];
+    }
+    stats[2 * h] = m, stats[2 * h + 1] = sum;
+  }
+}
+
+// One row's attention from its n chunks (attend_chunk): chunk c's heads hold acc_c = sum_t
+// exp(s_t - m_c) v_t at parts + c * ld (head h at h * D) and (m_c, l_c) at stats + c * 2 * H;
+// out[h] = sum_c w_c acc_c[h] / sum_c w_c l_c[h], w_c = exp(m_c - max_c m_c): the softmax over the
+// whole context, up to fp32 rounding.
+inline void merge_chunks(const float* parts, const float* stats, int64_t n, int64_t ld, int64_t H, int64_t D,
+                         float* out) {
+  for (int64_t h = 0; h < H; ++h) {
+    float m = stats[2 * h];
+    for (int64_t c = 1; c < n; ++c) m = std::max(m, stats[c * 2 * H + 2 * h]);
+    float* o = out + h * D;
+    std::fill(o, o + D, 0.f);
+    float sum = 0.f;
+    for (int64_t c = 0; c < n; ++c) {
+      const float* st = stats + c * 2 * H + 2 * h;
+      const float w = exp_nonpositive(st[0] - m);
+      sum += w * st[1];
+      const float* a = parts + c * ld + h * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] += w * a[i];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+  }
+}
+
 // H2O's per-block attention mass (cache/eviction/h2o.py): mass[j] += the probabilities of the
 // nh rows of L in block j (tokens [j * block_size, (j + 1) * block_size)), from the softmax the
 // values are weighed with: no second pass over K or V.
@@ -202,16 +246,23 @@ inline void values_group(const T* const* rows, int64_t L, const float* p, int64_
 // prefetches V too: a job had started on a cold pool twice (its K pass, then its V pass),
 // which in a decode step, where the weights have swept the caches, is where attention waited
 // (native layers of a step 3% faster at 16 rows of ~150 tokens, 5% at one row of ~1,000).
+//
+// A chunk (stats not null): tokens [t0, t1) only, and instead of the softmax, exp_rows: out gets
+// the heads' unnormalized sums and stats their (maximum, sum) for merge_chunks.
 template <typename T>
 inline void attend_avx2(
     const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
-    int64_t G, int64_t D, float scale, float* scores, float* out, float* mass) {
-  const int64_t L = lay.len, nh = h1 - h0;
+    int64_t G, int64_t D, float scale, float* scores, float* out, float* mass, int64_t t0 = 0, int64_t t1 = -1,
+    float* stats = nullptr) {
+  if (t1 < 0) t1 = lay.len;
+  const int64_t L = t1 - t0, nh = h1 - h0, bs = lay.block_size;
   thread_local std::vector<const T*> krows, vrows;
   krows.resize(L), vrows.resize(L);
-  for (int64_t t = 0; t < L; ++t) {
-    const int64_t slot = lay.table[t / lay.block_size] * lay.block_size + t % lay.block_size;
-    krows[t] = k.data + slot * lay.token_stride, vrows[t] = v.data + slot * lay.token_stride;
+  for (int64_t u = t0, t = 0; u < t1;) {  // block by block: no division per token
+    const int64_t first = lay.table[u / bs] * bs + u % bs, n = std::min(bs - u % bs, t1 - u);
+    for (int64_t i = 0; i < n; ++i, ++t)
+      krows[t] = k.data + (first + i) * lay.token_stride, vrows[t] = v.data + (first + i) * lay.token_stride;
+    u += n;
   }
   const int64_t ahead0 = (h0 / G) * D, ahead_bytes = ((h1 - 1) / G + 1 - h0 / G) * D * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0; t < std::min(L, kRowsAhead); ++t)
@@ -235,7 +286,10 @@ inline void attend_avx2(
       default: dots_group<4>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
     }
   });
-  softmax_rows(scores, nh, L);
+  if (stats)
+    exp_rows(scores, nh, L, stats);
+  else
+    softmax_rows(scores, nh, L);
   if (mass) add_block_mass(scores, nh, L, lay.block_size, mass);
   for_each_group([&](int64_t h, int64_t n, int64_t off) {
     const float* p = scores + (h - h0) * L;
@@ -355,6 +409,38 @@ inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Lay
       for (int64_t i = 0; i < D; ++i) acc[h * D + i] += bs[h];
   }
   std::copy(acc, acc + nh * D, out + h0 * D);
+}
+
+// Contexts longer than this many tokens may be attended in chunks of it, each a work item of its
+// own on every head, merged afterwards (merge_chunks), where the kernel has chunks
+// (attend_chunks_supported). Why: one decode row has only kv_heads work items otherwise (3 for
+// SmolLM2, on 2 threads: one thread does two), and a kv head's slice of each token row is 2 of its
+// 6 cache lines; whole rows in chunks measured 84 against 134 us a row of 1,000 fp16 tokens on one
+// thread. A row's chunks depend on its own length only, so its result does not depend on the rest
+// of the batch.
+constexpr int64_t kAttnChunk = 256;
+
+// Whether attend_chunk runs here: the AVX2 kernel (x86 CPUs with it, head_dim a multiple of 8).
+inline bool attend_chunks_supported(int64_t D) {
+#ifdef KVSERVE_X86
+  return D % 8 == 0 && cpu_has_avx2();
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// Every head of one sequence over its tokens [t0, t1) (attend_avx2's chunk; requires
+// attend_chunks_supported): out [H, D] the unnormalized sums, stats [H, 2]; scores scratch [H, t1 - t0].
+template <typename T>
+inline void attend_chunk(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t H, int64_t G,
+                         int64_t D, float scale, int64_t t0, int64_t t1, float* scores, float* out, float* stats) {
+#ifdef KVSERVE_X86
+  attend_avx2(q, k, v, lay, 0, H, G, D, scale, scores, out, nullptr, t0, t1, stats);
+#else
+  (void)q, (void)k, (void)v, (void)lay, (void)H, (void)G, (void)D, (void)scale, (void)t0, (void)t1, (void)scores,
+      (void)out, (void)stats;
+#endif
 }
 
 }  // namespace kvserve

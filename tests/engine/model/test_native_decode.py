@@ -236,6 +236,28 @@ def test_int4_native_decode_equals_python(heads):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_long_contexts_attended_in_chunks_equal_python(kv_cache_dtype):
+    """Rows of more than 256 tokens (paged_attention.h kAttnChunk) are attended in chunks of every
+    head, merged after (a softmax over chunk statistics), beside rows of one work item per kv head:
+    contexts of 600, 300 and 40 tokens decoding together and one alone equal the Python path's
+    single softmax, on one thread and on two (set after the build, which sets one)."""
+    hf = tiny_hf_model(tiny_llama_config(max_position_embeddings=1024))
+    if torch.ops.kvserve.attention_chunk_tokens(hf.config.head_dim) == 0:
+        pytest.skip("no AVX2 on this CPU: the native layer attends whole contexts")
+    assert torch.ops.kvserve.attention_chunk_tokens(hf.config.head_dim) == 256
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            engine = tiny_engine(hf, block_size=16, num_blocks=128, max_num_batched_tokens=256,
+                                 kv_cache_dtype=kv_cache_dtype)
+            torch.set_num_threads(n)
+            assert max(run_and_compare(engine, [600, 300, 40], tokens=4)) == 3
+            assert run_and_compare(engine, [520], tokens=3) == [1] * 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int4"])
 def test_mixed_steps_run_their_decode_rows_natively(kv_cache_dtype):
     """Requests arriving while others decode make mixed steps: the decode rows take the native path,
