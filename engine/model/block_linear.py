@@ -45,7 +45,10 @@ class BlockLinear:
     # 16 rows for every format that has one (bench.probes.activation_quant speed, 16 streams). Beyond
     # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
     # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
-    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls), and when there is
+    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls) and for Q4_K and
+    # Q6_K (their 512-bit row kernels, on AMX CPUs tiles: on a Zen 4, 2 threads, 1.29-1.42x oneDNN
+    # fp32 at 64 and 256 rows on the 1B Q4_K_M's four matrices, 1.38 / 1.10x at 64 / 512 rows on
+    # SmolLM2 Q4_K_M's 576 x 1536 Q6_K down; a 1,000-token prefill of that file in process 1.10 -> 1.00 s), and when there is
     # no dense copy for the formats whose int8 kernel beats the fp32 panels (8192 x 2048 Q4_K at 64
     # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
     # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
@@ -54,7 +57,7 @@ class BlockLinear:
     # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16)
     BLOCKS_ONLY_MAX_ROWS = 16
     INT8_MAX_ROWS = 16
-    INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0})
+    INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K})
     INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K,
                                           BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
