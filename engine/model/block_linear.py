@@ -57,9 +57,10 @@ class BlockLinear:
     # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16)
     BLOCKS_ONLY_MAX_ROWS = 16
     INT8_MAX_ROWS = 16
-    INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K})
-    INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K,
-                                          BlockFormat.Q6_K})
+    INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
+                                   BlockFormat.Q6_K})
+    INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
+                                          BlockFormat.Q5_K, BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,

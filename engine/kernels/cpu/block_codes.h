@@ -20,8 +20,10 @@ constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K =
 // Unquantized halves (F16, BF16 files): GGUF rows of K values, read 32 at a time as if in blocks.
 constexpr int64_t kF16 = 8, kBF16 = 9, kNumFormats = 10;
 constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
-// quant_linear.cpp's strips: 8 output columns, strip-blocks of 32 k (Q4_1 160 bytes, Q8_0 272)
-constexpr int64_t kStripColumns = 8, kQ4_1StripBytes = 160, kQ8_0StripBytes = 272;
+// quant_linear.cpp's strips: 8 output columns, strip-blocks of 32 k (Q4_1 160 bytes, Q8_0 272, Q5_0 176)
+constexpr int64_t kStripColumns = 8, kQ4_1StripBytes = 160, kQ8_0StripBytes = 272, kQ5_0StripBytes = 176;
+// Whether `format`'s packed matrices are strips (gguf_pack regroups them), not GGUF rows.
+constexpr bool is_strip_format(int64_t format) { return format == kQ4_1 || format == kQ8_0 || format == kQ5_0; }
 }  // namespace blocks
 
 // A little-endian uint32 at p (Q5_0 / Q5_1 keep their 32 fifth bits so).
@@ -87,22 +89,45 @@ __attribute__((target("avx2"))) inline __m256i q4_codes(const uint8_t* qs) {
 // rows of an AMX B tile (quant_linear_amx.cpp).
 #define KVSERVE_ZMM_TARGET __attribute__((target("avx2,avx512f,avx512vl,avx512bw")))
 
-// Q4_1 (unsigned codes 0..15): group g (16 bytes) of a strip-block holds column i % 8 at
-// k = 4g + i / 8 (low nibble of byte i) and k = 4g + 2 + i / 8 (high nibble).
-KVSERVE_ZMM_TARGET inline void relay_q4_1_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
-  const __m512i mask = _mm512_set1_epi8(15);
+KVSERVE_ZMM_TARGET inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+// Nibble codes (Q4_1: unsigned 0..15 at byte 32; Q5_0: at byte 16, with fifth bits): group g (16
+// bytes) of the nibbles holds column i % 8 at k = 4g + i / 8 (low nibble of byte i) and
+// k = 4g + 2 + i / 8 (high nibble). kFifth (Q5_0, quant_linear.cpp): bits 2o and 2o + 1 of byte j
+// of the 32 at `fifth` are the fifth bits of byte j's low and high nibble in chunk o (groups 2o,
+// 2o + 1), OR-ed in as bit 4 (codes 0..31).
+template <bool kFifth>
+KVSERVE_ZMM_TARGET inline void relay_nibbles_pair(const uint8_t* a, const uint8_t* b, int64_t codes, int64_t fifth,
+                                                  __m512i* w) {
+  const __m512i mask = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
   const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
   const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  const __m512i f = kFifth ? load_pair(a + fifth, b + fifth) : _mm512_setzero_si512();
   for (int o = 0; o < 4; ++o) {
-    const __m512i q = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 + 32 * o))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * o)), 1);
-    const __m512i k01 = _mm512_shuffle_epi8(_mm512_and_si512(q, mask), idx);
-    const __m512i k23 = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), mask), idx);
+    const __m512i q = load_pair(a + codes + 32 * o, b + codes + 32 * o);
+    __m512i c0 = _mm512_and_si512(q, mask), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), mask);
+    if (kFifth) {  // + 16 where bit 2o (low nibble) or 2o + 1 (high) of the byte is set
+      c0 = _mm512_mask_add_epi8(c0, _mm512_test_epi8_mask(f, _mm512_set1_epi8(static_cast<char>(1 << (2 * o)))), c0, sixteen);
+      c1 = _mm512_mask_add_epi8(c1, _mm512_test_epi8_mask(f, _mm512_set1_epi8(static_cast<char>(2 << (2 * o)))), c1, sixteen);
+    }
+    const __m512i k01 = _mm512_shuffle_epi8(c0, idx), k23 = _mm512_shuffle_epi8(c1, idx);
     const __m512i c03 = _mm512_unpacklo_epi16(k01, k23), c47 = _mm512_unpackhi_epi16(k01, k23);
     w[2 * o] = _mm512_permutex2var_epi64(c03, lo, c47);
     w[2 * o + 1] = _mm512_permutex2var_epi64(c03, hi, c47);
   }
+}
+
+// Q4_1 (unsigned codes 0..15 from byte 32 of a strip-block).
+KVSERVE_ZMM_TARGET inline void relay_q4_1_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
+  relay_nibbles_pair<false>(a, b, 32, 0, w);
+}
+
+// Q5_0 (codes 0..31: the nibbles from byte 16, the fifth bits from byte 144).
+KVSERVE_ZMM_TARGET inline void relay_q5_0_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
+  relay_nibbles_pair<true>(a, b, 16, 144, w);
 }
 
 // Q8_0 (signed codes): byte 16 + 8k + c of a strip-block is column c at k. A 32-byte load at quad

@@ -77,8 +77,9 @@ Matrix make_matrix(at::TensorList data, at::IntArrayRef rows, at::IntArrayRef fo
                   ": a block part must be a packed uint8 matrix (gguf_pack)");
       TORCH_CHECK(formats[i] >= 0 && formats[i] < kvserve::blocks::kNumFormats, name, ": format must be -1 (dense) or 0-",
                   kvserve::blocks::kNumFormats - 1);
-      // strip formats (0, 1) are cut into ranges on strip boundaries
-      TORCH_CHECK(formats[i] > 1 || m.N % 8 == 0, name, ": a strip-format part must start at a multiple of 8 rows");
+      // strip formats are cut into ranges on strip boundaries
+      TORCH_CHECK(!kvserve::blocks::is_strip_format(formats[i]) || m.N % 8 == 0, name,
+                  ": a strip-format part must start at a multiple of 8 rows");
     }
     m.parts.push_back({t.data_ptr(), rows[i], formats[i]});
     m.N += rows[i];

@@ -1,6 +1,6 @@
 // Linear layers computed from GGUF-quantized weights without a dense copy: y[M, N] = x[M, K] @ W^T
-// in fp32. Q4_1 and Q8_0 run on strips (below); Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on GGUF's own
-// rows ("Row formats"; the loader gives Q5_0 matrices Q8_0 strips instead, GGUFMatrix.as_q8_0). Calls of many rows can run gguf_linear_panels (decoded tiles + GEMM), and
+// in fp32. Q4_1, Q5_0 and Q8_0 run on strips (below); Q4_0, Q5_1, Q4_K, Q5_K and Q6_K on GGUF's own
+// rows ("Row formats"). Calls of many rows can run gguf_linear_panels (decoded tiles + GEMM), and
 // gguf_rows is an embedding lookup from blocks. See engine/loader/gguf/blocks.py for when kvserve uses them.
 //
 // Decode streams every weight once per step, so its speed is set by weight bytes: Q4_1 is
@@ -19,6 +19,7 @@
 //        g, byte i holds column i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8
 //        (high nibble).
 //   Q8_0 strip-block (272 bytes): d[8] fp16, then int8 codes, byte 8 k + c = column c at k.
+//   Q5_0 strip-block (176 bytes): d[8] fp16, Q4_1's groups of nibbles, 32 bytes of fifth bits.
 // Columns past N in the last strip are zero.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -98,6 +99,45 @@ struct Q8_0 {
   }
 };
 
+// Q5_0 (w = d (q - 16), q five bits): the nibbles as Q4_1's (at byte 16, no m), then the fifth
+// bits at byte 144: the nibble bytes go in 4 chunks o of 32 (groups 2o, 2o + 1), and bit 2o of
+// byte 144 + j is the fifth bit of chunk o's byte j's low nibble, bit 2o + 1 of its high nibble,
+// so that one shift of those 32 bytes serves a whole chunk (block_codes.h relay_nibbles).
+// 176 bytes a strip-block: the GGUF blocks' own 8 x 22.
+struct Q5_0 {
+  static constexpr int64_t kGgufBytes = 22;  // half d, 4 bytes of fifth bits qh, 16 bytes of nibbles
+  static constexpr int64_t kStripBytes = kvserve::blocks::kQ5_0StripBytes;
+  // GGUF block: weight j's nibble as Q4_1's, its fifth bit bit j of qh.
+  static int gguf_code(const uint8_t* blk, int j) {
+    const int nibble = j < 16 ? blk[6 + j] & 15 : blk[6 + j - 16] >> 4;
+    return nibble | static_cast<int>((kvserve::u32_at(blk + 2) >> j) & 1) << 4;
+  }
+  static void pack(const uint8_t* const cols[kStrip], uint8_t* dst) {
+    std::memset(dst, 0, kStripBytes);
+    for (int c = 0; c < kStrip; ++c) {
+      if (!cols[c]) continue;
+      std::memcpy(dst + 2 * c, cols[c], 2);
+      for (int k = 0; k < kBlock; ++k) {
+        const int g = k / 4, r = k % 4, i = (r % 2) * 8 + c, code = gguf_code(cols[c], k);
+        dst[16 + 16 * g + i] |= (code & 15) << (r < 2 ? 0 : 4);
+        dst[144 + 16 * (g % 2) + i] |= (code >> 4) << (2 * (g / 2) + (r < 2 ? 0 : 1));
+      }
+    }
+  }
+  static void expand(const uint8_t* sb, float w[kBlock][kStrip]) {
+    float d[kStrip];
+    for (int c = 0; c < kStrip; ++c) d[c] = half_at(sb + 2 * c);
+    for (int k = 0; k < kBlock; ++k) {
+      const int g = k / 4, hi = k % 4 < 2 ? 0 : 1, j = 16 * (g % 2) + (k % 2) * 8;
+      for (int c = 0; c < kStrip; ++c) {
+        const int nibble = (sb[16 + 16 * g + (k % 2) * 8 + c] >> (4 * hi)) & 15;
+        const int fifth = (sb[144 + j + c] >> (2 * (g / 2) + hi)) & 1;
+        w[k][c] = d[c] * static_cast<float>((nibble | fifth << 4) - 16);
+      }
+    }
+  }
+};
+
 // Portable path: each strip-block expanded to fp32 on the stack, then plain loops.
 template <typename Format>
 void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t s0, int64_t s1,
@@ -139,6 +179,28 @@ struct Avx2<Q4_1> {
     for (int g = 0; g < 8; ++g) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 32 + 16 * g));
       const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+      fn(4 * g + 0, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m));
+      fn(4 * g + 1, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m));
+      fn(4 * g + 2, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m));
+      fn(4 * g + 3, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m));
+    }
+  }
+};
+
+// Q5_0: Q4_1's groups with the fifth bits OR-ed in and m = -16 d (d q - 16 d = d (q - 16) exactly).
+template <>
+struct Avx2<Q5_0> {
+  template <typename Fn>
+  static inline void for_each_k(const uint8_t* sb, Fn&& fn) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+    const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+    const __m128i mask = _mm_set1_epi8(15), one = _mm_set1_epi8(1), two = _mm_set1_epi8(2);
+    for (int g = 0; g < 8; ++g) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 + 16 * g));
+      const __m128i f = _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 144 + 16 * (g % 2))),
+                                      _mm_cvtsi32_si128(2 * (g / 2)));
+      const __m128i lo = _mm_or_si128(_mm_and_si128(q, mask), _mm_slli_epi16(_mm_and_si128(f, one), 4));
+      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_slli_epi16(_mm_and_si128(f, two), 3));
       fn(4 * g + 0, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m));
       fn(4 * g + 1, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m));
       fn(4 * g + 2, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m));
@@ -242,21 +304,9 @@ struct Q4_0 {
   }
 };
 
-// Q5_0 / Q5_1: 32 fifth bits in a little-endian uint32 before the nibbles; d * (q - 16) and d * q + m.
+// Q5_1: 32 fifth bits in a little-endian uint32 before the nibbles; d * q + m. (Q5_0 runs on
+// strips, above.)
 using kvserve::u32_at;  // block_codes.h
-
-struct Q5_0 {
-  static constexpr int64_t kWeights = 32, kBytes = 22;
-  static void decode(const uint8_t* b, float* y) {
-    const float d = half_at(b);
-    const uint32_t qh = u32_at(b + 2);
-    for (int j = 0; j < 16; ++j) {
-      // int, not uint32_t: q - 16 is negative for half the codes
-      y[j] = d * static_cast<float>(static_cast<int>((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
-      y[j + 16] = d * static_cast<float>(static_cast<int>((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
-    }
-  }
-};
 
 struct Q5_1 {
   static constexpr int64_t kWeights = 32, kBytes = 24;
@@ -415,15 +465,6 @@ struct Avx2Rows<Q4_0> {
 };
 
 using kvserve::q5_codes;  // block_codes.h
-
-template <>
-struct Avx2Rows<Q5_0> {
-  template <typename Sink>
-  static void run(const uint8_t* b, Sink& y) {
-    const float d = half_at(b);
-    store32(y, 0, q5_codes(b + 2, b + 6), _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d));  // d * (q - 16), exact
-  }
-};
 
 template <>
 struct Avx2Rows<Q5_1> {
@@ -645,7 +686,8 @@ void linear_strips(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   linear_strips_portable<Format>(x, M, K, w, s0, s1, out, N, ldo);
 }
 
-// Format codes (engine/loader/gguf/blocks.py BlockFormat): strips of 8 columns for 0-1, GGUF rows for 2-9.
+// Format codes (engine/loader/gguf/blocks.py BlockFormat): strips of 8 columns for 0, 1 and 6
+// (kvserve::blocks::is_strip_format), GGUF rows for the others.
 template <typename Fn>
 auto with_format(int64_t format, Fn&& fn) {
   switch (format) {
@@ -696,7 +738,7 @@ void check_packed(const at::Tensor& packed, int64_t N, int64_t K, int64_t format
 }
 
 // GGUF rows [N, K / 32 * gguf_block_bytes] uint8 -> packed strips [ceil(N / 8), K / 32 * strip_block_bytes].
-// Only the strip formats (0, 1) are regrouped; the row formats run on the GGUF rows as they are.
+// Only the strip formats (Q4_1, Q8_0, Q5_0) are regrouped; the row formats run on the GGUF rows as they are.
 at::Tensor gguf_pack(const at::Tensor& gguf, int64_t K, int64_t format) {
   return with_format(format, [&](auto f) -> at::Tensor {
     using Format = decltype(f);

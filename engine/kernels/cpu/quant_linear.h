@@ -16,7 +16,7 @@ namespace kvserve {
 
 // Output features [n0, n1) of y[M, N] = x[M, K] @ W^T, W one packed matrix of `format` (the
 // codes of engine/loader/gguf/blocks.py BlockFormat, as gguf_linear takes it): feature n of row r goes to
-// out[r * ldo + n - n0], computed on the calling thread. For the strip formats (Q4_1, Q8_0) n0 must be a multiple of 8 and n1
+// out[r * ldo + n - n0], computed on the calling thread. For the strip formats (Q4_1, Q8_0, Q5_0) n0 must be a multiple of 8 and n1
 // a multiple of 8 or N.
 void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
                        int64_t n0, int64_t n1, float* out, int64_t ldo);
@@ -96,7 +96,7 @@ constexpr int64_t kAmxMinRows = 16;
 int64_t kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t n0, int64_t n1, float* out,
                         int64_t ldo);
 
-// Q4_1 or Q8_0 (`format`): strips [s0, s1), all full and an even count, as pairs (s0, s0 + 1),
+// Q4_1, Q5_0 or Q8_0 (`format`): strips [s0, s1), all full and an even count, as pairs (s0, s0 + 1),
 // ... (quant_linear_q8.cpp's strips_q8 chooses them), for rows [0, 16 t) of x on AMX tiles, t the
 // whole 16-row tiles of x; strip s's columns at out + s * 8 (row stride ldo). Returns 16 t: the
 // rows done (0 where the CPU has no AMX or x fewer than kAmxMinRows rows); the caller runs the

@@ -1,7 +1,7 @@
 // The many-row int8 matmuls on AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (16)
 // rows: batched decode and prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute
 // bound (~80-150 GMAC/s per thread). Two kernels: the K-quants (Q4_K, Q5_K, Q6_K against Q8Act's
-// per-256 activations), described here, and the Q4_1 / Q8_0 strip pairs (see strip_pairs_amx
+// per-256 activations), described here, and the Q4_1 / Q5_0 / Q8_0 strip pairs (see strip_pairs_amx
 // below: per-32 scales, so one tile product per 32-block; one thread, 512 rows of 1536 x 576 Q4_1
 // ~120 -> ~185 GMAC/s; Q8_0 ~1.1x; 16 rows of a decode step measured no faster in situ).
 //
@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -350,15 +351,16 @@ struct RowTileScales {
 };
 
 // Rows [r0, r0 + 16) against the strip pair whose re-laid weights are bw (8 B-tile rows per
-// block) and whose strip-blocks are at a and a + strip_bytes (Q8_0 with kQ8, else Q4_1); out:
+// block) and whose strip-blocks are at a and a + strip_bytes (kFmt: Q4_1, Q5_0 or Q8_0); out:
 // their 16 columns. The products of a chunk of kChunk blocks are issued (and stored) before the
 // float work of the chunk before it, which they do not wait for: a block's tile product, stored,
 // then loaded into vectors, had serialized tile and vector work (~165 GMAC/s, one thread, 16 rows
 // of Q4_1).
-template <bool kQ8>
+template <int64_t kFmt>
 void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& sc, const Line* bw,
                      const uint8_t* a, int64_t strip_bytes, float* out, int64_t ldo) {
-  constexpr int64_t kBytes = kQ8 ? kQ8_0StripBytes : kQ4_1StripBytes, kChunk = 8;
+  constexpr bool kQ8 = kFmt == kQ8_0;
+  constexpr int64_t kBytes = kQ8 ? kQ8_0StripBytes : kFmt == kQ5_0 ? kQ5_0StripBytes : kQ4_1StripBytes, kChunk = 8;
   const int64_t nb = x.K / 32;
   const int8_t* xa = x.q8.data() + r0 * x.K;
   alignas(64) int32_t c[2][kChunk][kTile * kTile];  // two chunks' products [block][row][column]
@@ -385,11 +387,12 @@ void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& s
     for (int64_t i = 0; i < std::min(kChunk, nb - c0); ++i) {
       const uint8_t *sa = a + (c0 + i) * kBytes, *sb = sa + strip_bytes;
       const __m512 d = kvserve::halves16(sa, sb);
-      const __m512 m = kQ8 ? d : kvserve::halves16(sa + 16, sb + 16);
+      // Q5_0: w = d (q - 16) = d q + m with m = -16 d, as pair_nibbles takes it
+      const __m512 m = kQ8 ? d : kFmt == kQ5_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-16.f)) : kvserve::halves16(sa + 16, sb + 16);
       const float *dx = sc.d.data() + (c0 + i) * kTile, *sx = sc.s.data() + (c0 + i) * kTile;
       const int32_t* cb = c[k][i];
 #pragma GCC unroll 16
-      for (int r = 0; r < kTile; ++r) {  // pair_q4_1 / pair_q8_0's float operations
+      for (int r = 0; r < kTile; ++r) {  // pair_nibbles / pair_q8_0's float operations
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + r * kTile)),
                                  _mm512_mul_ps(d, _mm512_set1_ps(dx[r])), acc[r]);
         if (!kQ8) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r]), acc[r]);
@@ -402,15 +405,17 @@ void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& s
 
 // A strip pair's weights (strip-blocks at a and a + strip_bytes) re-laid for the B tiles, once
 // for every row tile: 8 k-quads of 16 columns per block into bw.
-template <bool kQ8>
+template <int64_t kFmt>
 void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<Line>& bw) {
-  constexpr int64_t kBytes = kQ8 ? kQ8_0StripBytes : kQ4_1StripBytes;
+  constexpr int64_t kBytes = kFmt == kQ8_0 ? kQ8_0StripBytes : kFmt == kQ5_0 ? kQ5_0StripBytes : kQ4_1StripBytes;
   bw.resize(nb * 8);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *sa = a + b * kBytes, *sb = sa + strip_bytes;
     kvserve::prefetch_ahead(sa, kBytes), kvserve::prefetch_ahead(sb, kBytes);
     __m512i* w = reinterpret_cast<__m512i*>(bw.data() + b * 8);
-    if (kQ8) kvserve::relay_q8_0_pair(sa, sb, w); else kvserve::relay_q4_1_pair(sa, sb, w);
+    if (kFmt == kQ8_0) kvserve::relay_q8_0_pair(sa, sb, w);
+    else if (kFmt == kQ5_0) kvserve::relay_q5_0_pair(sa, sb, w);
+    else kvserve::relay_q4_1_pair(sa, sb, w);
   }
 }
 
@@ -419,22 +424,25 @@ void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<L
 int64_t kvserve::strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t strip_bytes, int64_t s0,
                                  int64_t s1, float* out, int64_t ldo) {
   const int64_t rows = x.M / kTile * kTile;
-  if (!kHasAmx || x.M < kAmxMinRows || (format != kQ4_1 && format != kQ8_0)) return 0;
+  if (!kHasAmx || x.M < kAmxMinRows || !kvserve::blocks::is_strip_format(format)) return 0;
   thread_local std::vector<Line> bw;
   thread_local std::vector<RowTileScales> scales;
   scales.resize(rows / kTile);
   for (int64_t t = 0; t < rows / kTile; ++t) scales[t].fill(x, t * kTile);
   configure_strip_tiles();
-  const bool q8 = format == kQ8_0;
-  for (int64_t s = s0; s + 1 < s1; s += 2) {
-    const uint8_t* a = w + s * strip_bytes;
-    if (q8) relay_pair<true>(a, strip_bytes, x.K / 32, bw); else relay_pair<false>(a, strip_bytes, x.K / 32, bw);
-    for (int64_t t = 0; t < rows / kTile; ++t) {
-      float* o = out + t * kTile * ldo + s * kStripColumns;
-      if (q8) strip_pair_tile<true>(x, t * kTile, scales[t], bw.data(), a, strip_bytes, o, ldo);
-      else strip_pair_tile<false>(x, t * kTile, scales[t], bw.data(), a, strip_bytes, o, ldo);
+  const auto pairs = [&](auto fmt) {
+    constexpr int64_t kFmt = decltype(fmt)::value;
+    for (int64_t s = s0; s + 1 < s1; s += 2) {
+      const uint8_t* a = w + s * strip_bytes;
+      relay_pair<kFmt>(a, strip_bytes, x.K / 32, bw);
+      for (int64_t t = 0; t < rows / kTile; ++t)
+        strip_pair_tile<kFmt>(x, t * kTile, scales[t], bw.data(), a, strip_bytes,
+                              out + t * kTile * ldo + s * kStripColumns, ldo);
     }
-  }
+  };
+  if (format == kQ8_0) pairs(std::integral_constant<int64_t, kQ8_0>{});
+  else if (format == kQ5_0) pairs(std::integral_constant<int64_t, kQ5_0>{});
+  else pairs(std::integral_constant<int64_t, kQ4_1>{});
   _tile_release();
   return rows;
 }

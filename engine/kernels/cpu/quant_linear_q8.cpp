@@ -1,11 +1,9 @@
 // Block matmuls on int8 activations (ModelConfig.activation_quant "int8"): y[M, N] = x[M, K] @ W^T
 // with x quantized per 32-element block (kvserve::Q8Act, llama.cpp's Q8_0/Q8_1 activations) for
-// Q4_1 / Q8_0 weights and per 256 (llama.cpp's Q8_K) for Q4_K / Q6_K, and W the strip-packed
-// Q4_1 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp reads, as they are
-// (the same bytes the fp32 kernel reads; no second copy). Q4_0 / Q5_0 / Q5_1 / Q5_K run row
-// kernels on their GGUF rows (below), but the loader gives Q5_0 matrices Q8_0 strips of the same
-// values (engine/loader/gguf/blocks.py GGUFMatrix.as_q8_0): 1.55x their bytes, ~3x faster per
-// call at 1 row and ~4x at 16 on SmolLM2's shapes. CPUs without AVX2 have no int8 kernel here
+// Q4_1 / Q5_0 / Q8_0 weights and per 256 (llama.cpp's Q8_K) for Q4_K / Q6_K, and W the
+// strip-packed Q4_1 / Q5_0 / Q8_0 blocks or the GGUF rows of Q4_K / Q6_K that quant_linear.cpp
+// reads, as they are (the same bytes the fp32 kernel reads; no second copy). Q4_0 / Q5_1 / Q5_K
+// run row kernels on their GGUF rows (below). CPUs without AVX2 have no int8 kernel here
 // (q8_supported): callers multiply fp32 activations.
 //
 // Why: the fp32 kernel expands every 4-bit code to fp32 and FMAs it, ~5 vector ops per 8
@@ -29,11 +27,16 @@
 //     saturation) and one madd by 1 gives the 8 int32 column sums. A row reads its own 32 int8
 //     codes per block (an earlier layout broadcast 256 bytes of pre-expanded code pairs per row and
 //     block, which at 8+ rows spilled from L1 and made the kernel L2 bound: 16 rows ran ~20% slower).
+//   Q5_0 (176 bytes): d[8] fp16, Q4_1's 8 groups of nibbles, then 32 bytes of fifth bits (see
+//     quant_linear.cpp's Q5_0), OR-ed in as the codes are re-laid; w = d (q - 16) is Q4_1's
+//     d q + m with m = -16 d, and with 5-bit codes 4 quads are summed in int16, not 8. (Until
+//     issue 39 the loader converted Q5_0 matrices to Q8_0 strips, 1.55x their bytes: SmolLM2
+//     Q4_K_M's are 52% of the file.)
 //   Q8_0 (272 bytes): d[8] fp16, then byte 16 + 8k + c = column c at k. A 32-byte load at quad j
 //     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
 //     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
 //     column sums.
-// Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1) or 8 (Q8_0) rows.
+// Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
 // On AMX CPUs the whole 16-row tiles of the strip pairs take tile products instead
 // (quant_linear_amx.cpp strip_pairs_amx), with the same results.
 #include <ATen/ATen.h>
@@ -56,8 +59,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 using namespace kvserve::blocks;  // the BlockFormat codes, strip and K-quant super-block sizes (block_codes.h)
 constexpr int64_t kStrip = kStripColumns;
-constexpr int64_t kQ4_1Bytes = kQ4_1StripBytes, kQ8_0Bytes = kQ8_0StripBytes;  // strip-block bytes
-constexpr int64_t kQ4_0Bytes = 18, kQ5_0Bytes = 22, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
+constexpr int64_t kQ4_1Bytes = kQ4_1StripBytes, kQ8_0Bytes = kQ8_0StripBytes, kQ5_0Bytes = kQ5_0StripBytes;  // strip-blocks
+constexpr int64_t kQ4_0Bytes = 18, kQ5_1Bytes = 24;  // GGUF blocks of 32 weights
 
 // The weights along K and the bytes of one block of `format` as the int8 kernels read it.
 constexpr int64_t block_weights(int64_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K ? 256 : 32; }
@@ -103,14 +106,24 @@ inline void store_cols(__m256 v, float* out, int64_t cols) {
   }
 }
 
-// A Q4_1 strip-block's codes as k-quads: dword c % 4 of lane c / 4 of w[j] = column c's codes at
-// k = 4j .. 4j + 3 (unsigned, 0..15).
-inline void relay_q4_1(const uint8_t* sb, __m256i* w) {
-  const __m256i mask = _mm256_set1_epi8(15);
+// A Q4_1 or Q5_0 (kQ5) strip-block's codes as k-quads: dword c % 4 of lane c / 4 of w[j] = column
+// c's codes at k = 4j .. 4j + 3 (unsigned, 0..15, Q5_0 0..31: its fifth bits as block_codes.h's
+// relay_nibbles_pair takes them).
+template <bool kQ5>
+inline void relay_nibbles(const uint8_t* sb, __m256i* w) {
+  const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2);
+  const uint8_t* codes = sb + (kQ5 ? 16 : 32);
+  const __m256i f = kQ5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 144)) : _mm256_setzero_si256();
   for (int o = 0; o < 4; ++o) {  // lane 0: group 2o (k-quad 2o), lane 1: group 2o + 1
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * o));
-    const __m256i k01 = interleave_halves(_mm256_and_si256(q, mask));  // column c: (k, k + 1)
-    const __m256i k23 = interleave_halves(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * o));
+    __m256i c0 = _mm256_and_si256(q, mask), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+    if (kQ5) {  // bits 2o, 2o + 1 of each byte to bit 4 of the low and the high nibble's code
+      const __m256i t = _mm256_srl_epi16(f, _mm_cvtsi32_si128(2 * o));
+      c0 = _mm256_or_si256(c0, _mm256_slli_epi16(_mm256_and_si256(t, one), 4));
+      c1 = _mm256_or_si256(c1, _mm256_slli_epi16(_mm256_and_si256(t, two), 3));
+    }
+    const __m256i k01 = interleave_halves(c0);  // column c: (k, k + 1)
+    const __m256i k23 = interleave_halves(c1);
     const __m256i c03 = _mm256_unpacklo_epi16(k01, k23), c47 = _mm256_unpackhi_epi16(k01, k23);
     w[2 * o] = _mm256_permute2x128_si256(c03, c47, 0x20);
     w[2 * o + 1] = _mm256_permute2x128_si256(c03, c47, 0x31);
@@ -124,26 +137,32 @@ inline __m256i quad_at(const int8_t* xq, int j) {
   return _mm256_set1_epi32(v);
 }
 
-// Rows [r0, r0 + R) against one Q4_1 strip. Each strip-block is re-laid once into k-quads and
-// every row then needs only broadcasts of its own codes, 4 at a time (32 bytes a block, from L1).
-template <int R>
-void strip_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
+// Rows [r0, r0 + R) against one Q4_1 or Q5_0 (kQ5) strip. Each strip-block is re-laid once into
+// k-quads and every row then needs only broadcasts of its own codes, 4 at a time (32 bytes a
+// block, from L1). Q5_0's w = d (q - 16) is Q4_1's d q + m with m = -16 d (exact in fp32). Its
+// 5-bit codes sum 4 quads in int16 (<= 4 * 2 * 31 * 127 = 31496), Q4_1's all 8 (<= 30480).
+template <bool kQ5, int R>
+void strip_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
+  constexpr int64_t kBytes = kQ5 ? kQ5_0Bytes : kQ4_1Bytes;
   const int64_t nb = x.K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* sb = strip + b * kQ4_1Bytes;
-    prefetch_ahead(sb, kQ4_1Bytes);
+    const uint8_t* sb = strip + b * kBytes;
+    prefetch_ahead(sb, kBytes);
     __m256i w[8];
-    relay_q4_1(sb, w);
-    const __m256 d = halves8(sb), m = halves8(sb + 16);
+    relay_nibbles<kQ5>(sb, w);
+    const __m256 d = halves8(sb), m = kQ5 ? _mm256_mul_ps(d, _mm256_set1_ps(-16.f)) : halves8(sb + 16);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
       const int8_t* xq = x.q8.data() + rb * kBlock;
-      __m256i s = _mm256_maddubs_epi16(w[0], quad_at(xq, 0));
-      for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], quad_at(xq, j)));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+      const auto quads = [&](int j0, int j1) {
+        __m256i s = _mm256_maddubs_epi16(w[j0], quad_at(xq, j0));
+        for (int j = j0 + 1; j < j1; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], quad_at(xq, j)));
+        return _mm256_madd_epi16(s, ones);
+      };
+      const __m256 dot = _mm256_cvtepi32_ps(kQ5 ? _mm256_add_epi32(quads(0, 4), quads(4, 8)) : quads(0, 8));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[rb]), acc[r]);
     }
@@ -215,6 +234,7 @@ inline bool cpu_has_vnni() { return kHasVnni; }
 // ~100). Rows go in groups of 8: each k-quad's vpdpbusd then feeds 8 independent accumulators.
 
 using kvserve::relay_q4_1_pair;  // block_codes.h
+using kvserve::relay_q5_0_pair;
 using kvserve::relay_q8_0_pair;
 using kvserve::halves16;
 
@@ -224,21 +244,27 @@ inline __m512i quad_at16(const int8_t* xq, int j) {
   return _mm512_set1_epi32(v);
 }
 
-// Rows [r0, r0 + R) against strips a and a + strip_bytes (Q4_1): unsigned codes by the row's
-// signed codes, vpdpbusd as it is.
-template <int R>
-void pair_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
-               int64_t ldo) {
+// Rows [r0, r0 + R) against strips a and a + strip_bytes (Q4_1, or Q5_0: kQ5, m = -16 d):
+// unsigned codes by the row's signed codes, vpdpbusd as it is.
+// kRelaid: the blocks' re-laid weights are at relaid (relay_all), else re-laid here.
+template <bool kQ5, bool kRelaid, int R>
+void pair_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
+                  int64_t ldo, const __m512i* relaid) {
   static_assert(R <= 8, "one group of accumulators");
+  constexpr int64_t kBytes = kQ5 ? kQ5_0Bytes : kQ4_1Bytes;
   const int64_t nb = x.K / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t *sa = strip + b * kQ4_1Bytes, *sb = sa + strip_bytes;
-    prefetch_ahead(sa, kQ4_1Bytes), prefetch_ahead(sb, kQ4_1Bytes);
+    const uint8_t *sa = strip + b * kBytes, *sb = sa + strip_bytes;
     __m512i w[8];
-    relay_q4_1_pair(sa, sb, w);
-    const __m512 d = halves16(sa, sb), m = halves16(sa + 16, sb + 16);
+    if constexpr (kRelaid) {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_load_si512(relaid + 8 * b + j);
+    } else {
+      prefetch_ahead(sa, kBytes), prefetch_ahead(sb, kBytes);
+      if (kQ5) relay_q5_0_pair(sa, sb, w); else relay_q4_1_pair(sa, sb, w);
+    }
+    const __m512 d = halves16(sa, sb), m = kQ5 ? _mm512_mul_ps(d, _mm512_set1_ps(-16.f)) : halves16(sa + 16, sb + 16);
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j)
@@ -255,9 +281,9 @@ void pair_q4_1(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
 // Rows [r0, r0 + R) against two Q8_0 strips. Both sides are signed, so the row's codes go in
 // the unsigned operand offset by 128 (Q8Act::u8) and the strip-block's column sums times 128
 // come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32.
-template <int R>
+template <bool kRelaid, int R>
 void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
-               int64_t ldo) {
+               int64_t ldo, const __m512i* relaid) {
   static_assert(R <= 8, "one group of accumulators");
   const int64_t nb = x.K / kBlock;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -265,9 +291,13 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *sa = strip + b * kQ8_0Bytes, *sb = sa + strip_bytes;
-    prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
     __m512i w[8], sum128 = _mm512_setzero_si512();
-    relay_q8_0_pair(sa, sb, w);
+    if constexpr (kRelaid) {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_load_si512(relaid + 8 * b + j);
+    } else {
+      prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
+      relay_q8_0_pair(sa, sb, w);
+    }
     for (int j = 0; j < 8; ++j) sum128 = _mm512_dpbusd_epi32(sum128, bias, w[j]);
     const __m512 d = halves16(sa, sb);
     __m512i s[R];
@@ -284,6 +314,20 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// A strip pair's every block re-laid (relay(a, b, w): 8 zmm a block) into `out`, for passes over
+// more rows than one pass takes: each then loads them (from L1: 9 KB for K = 576) instead of
+// re-laying its own copy, which for the nibble formats' 8-row passes was ~1/4 of the work.
+template <typename Relay>
+void relay_all(const uint8_t* strip, int64_t strip_bytes, int64_t block_bytes, int64_t nb, Relay&& relay,
+               std::vector<__m512i>& out) {
+  out.resize(nb * 8);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sa = strip + b * block_bytes;
+    prefetch_ahead(sa, block_bytes), prefetch_ahead(sa + strip_bytes, block_bytes);
+    relay(sa, sa + strip_bytes, out.data() + 8 * b);
+  }
 }
 
 #pragma GCC pop_options
@@ -584,9 +628,7 @@ inline __m128i hsum4_epi32(__m512i a, __m512i b) {
 }
 
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
-  return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-}
+using kvserve::load_pair;  // block_codes.h
 inline void transpose_k512(const __m512i* v, __m512i* out) {
   for (int g = 0; g < 2; ++g) {
     const __m512i* w = v + 4 * g;
@@ -734,13 +776,13 @@ void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
   }
 }
 
-// ---- Legacy row formats (Q4_0, Q5_0, Q5_1: GGUF rows of 32-weight blocks) against the per-32
+// ---- Legacy row formats (Q4_0, Q5_1: GGUF rows of 32-weight blocks) against the per-32
 // activations (Q8Act kBlocks). The codes of 4 blocks are unpacked once for all rows of the pass;
 // per row and block an exact integer dot product in int32 lanes (maddubs, madd by 1; |pair| <=
 // 2 * 31 * 127) is scaled lane-wise by d dx, the 4 blocks' products summed in a fixed tree and
 // added to the row's accumulator (one dependent add per 4 blocks, not one fmadd per block, which
-// bound one row at ~5 GB/s), one horizontal sum per output. Q4_0 and Q5_0 store q with w = d (q - 8)
-// or d (q - 16): the signed codes multiply by llama.cpp's sign trick, |w| times x with w's sign
+// bound one row at ~5 GB/s), one horizontal sum per output. Q4_0 stores q with w = d (q - 8):
+// the signed codes multiply by llama.cpp's sign trick, |w| times x with w's sign
 // (maddubs needs one unsigned operand). Q5_1's w = d q + m adds m s_x per block (s_x = dx * the
 // activation codes' sum, Q8Act::s), summed per group the same way into a scalar. A row's
 // operations do not depend on the other rows of the pass, so its result does not either.
@@ -760,14 +802,13 @@ void legacy_rows(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, 
     const uint8_t* row = w + n * nb * kBytes;
     for (int64_t b0 = 0; b0 < nb; b0 += kGroup) {
       const int g = static_cast<int>(std::min<int64_t>(kGroup, nb - b0));
-      __m256i q[kGroup], uq[kGroup];  // Q4_0 / Q5_0: the signed codes q - 8 / q - 16, and |.|; Q5_1: q
+      __m256i q[kGroup], uq[kGroup];  // Q4_0: the signed codes q - 8, and |.|; Q5_1: q
       float d[kGroup], m[kGroup];
       for (int i = 0; i < g; ++i) {
         const uint8_t* blk = row + (b0 + i) * kBytes;
         prefetch_ahead(blk, kBytes);
         d[i] = _cvtsh_ss(u16_at(blk));
         if (kFmt == kQ4_0) q[i] = _mm256_sub_epi8(kvserve::q4_codes(blk + 2), _mm256_set1_epi8(8));
-        else if (kFmt == kQ5_0) q[i] = _mm256_sub_epi8(kvserve::q5_codes(blk + 2, blk + 6), _mm256_set1_epi8(16));
         else q[i] = kvserve::q5_codes(blk + 4, blk + 8), m[i] = _cvtsh_ss(u16_at(blk + 2));
         uq[i] = kSigned ? _mm256_sign_epi8(q[i], q[i]) : q[i];
       }
@@ -808,17 +849,26 @@ void legacy_rows_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int6
   }
 }
 
-template <int R>
-struct Q4_1Kernel {
-  static constexpr int64_t kFormat = kQ4_1;
+template <bool kQ5, int R>
+struct NibbleKernel {
+  static constexpr int64_t kFormat = kQ5 ? kQ5_0 : kQ4_1;
   static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
-    strip_q4_1<R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
+    strip_nibbles<kQ5, R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
   }
-  static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo) {
-    pair_q4_1<R>(x, r0, s, bytes, o, ldo);
+  static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo,
+                       const __m512i* relaid) {
+    if (relaid) pair_nibbles<kQ5, true, R>(x, r0, s, bytes, o, ldo, relaid);
+    else pair_nibbles<kQ5, false, R>(x, r0, s, bytes, o, ldo, nullptr);
+  }
+  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<__m512i>& out) {
+    relay_all(a, bytes, kQ5 ? kQ5_0Bytes : kQ4_1Bytes, nb, kQ5 ? relay_q5_0_pair : relay_q4_1_pair, out);
   }
 };
+template <int R>
+using Q4_1Kernel = NibbleKernel<false, R>;
+template <int R>
+using Q5_0Kernel = NibbleKernel<true, R>;
 template <int R>
 struct Q8_0Kernel {
   static constexpr int64_t kFormat = kQ8_0;
@@ -826,8 +876,13 @@ struct Q8_0Kernel {
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
-  static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo) {
-    pair_q8_0<R>(x, r0, s, bytes, o, ldo);
+  static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo,
+                       const __m512i* relaid) {
+    if (relaid) pair_q8_0<true, R>(x, r0, s, bytes, o, ldo, relaid);
+    else pair_q8_0<false, R>(x, r0, s, bytes, o, ldo, nullptr);
+  }
+  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<__m512i>& out) {
+    relay_all(a, bytes, kQ8_0Bytes, nb, relay_q8_0_pair, out);
   }
 };
 
@@ -892,13 +947,21 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
     if (s < pair_end) {
+      // more than two passes: the pair re-laid once for all of them (relay_all; for two, storing
+      // and loading the re-laid blocks measured slower than re-laying them: Q4_1 16 rows +6-8%)
+      thread_local std::vector<__m512i> relay_buffer;
+      const __m512i* relaid = nullptr;
+      if (x.M - tiled > 16) {
+        Kernel<1>::relay_pair(strip, strip_bytes, x.K / kBlock, relay_buffer);
+        relaid = relay_buffer.data();
+      }
       for (int64_t r = tiled; r < x.M;) {
         float* o = out + r * ldo + s * kStrip;
         const int64_t left = x.M - r;
-        if (left >= 8) Kernel<8>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 8;
-        else if (left >= 4) Kernel<4>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 4;
-        else if (left >= 2) Kernel<2>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 2;
-        else Kernel<1>::run_pair(x, r, strip, strip_bytes, o, ldo), r += 1;
+        if (left >= 8) Kernel<8>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 8;
+        else if (left >= 4) Kernel<4>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 4;
+        else if (left >= 2) Kernel<2>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 2;
+        else Kernel<1>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 1;
       }
       s += 2;
       continue;
@@ -928,7 +991,7 @@ void check_q8_args(const at::Tensor& x, const at::Tensor& packed, int64_t N, int
   TORCH_CHECK(kvserve::q8_supported(format), "no int8-activation kernel for format ", format, " on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t K = x.size(1);
-  const bool strips = format == kQ4_1 || format == kQ8_0;
+  const bool strips = is_strip_format(format);
   const int64_t per = block_weights(format), width = K / per * block_bytes(format);
   TORCH_CHECK(N >= 1 && K >= per && K % per == 0 && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous() && packed.size(0) == (strips ? (N + kStrip - 1) / kStrip : N) &&
@@ -951,7 +1014,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& packed, int64_t
   const kvserve::Q8Act q = quantize_for(x, format);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (format == kQ4_1 || format == kQ8_0) {  // strips of kStrip features
+  if (is_strip_format(format)) {  // strips of kStrip features
     at::parallel_for(0, packed.size(0), 1, [&](int64_t s0, int64_t s1) {
       kvserve::gguf_linear_q8_range(q, wp, N, format, s0 * kStrip, std::min(N, s1 * kStrip), op + s0 * kStrip, N);
     });
@@ -1101,7 +1164,7 @@ unsigned kvserve::q8_layouts(int64_t format) {
   switch (format) {
     case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
     case kQ4_K: case kQ5_K: case kQ6_K: return Q8Act::kSuper | (cpu_has_amx() ? Q8Act::kTiles : 0u);
-    default: return Q8Act::kBlocks;  // Q4_1: the codes, scales and block sums
+    default: return Q8Act::kBlocks;  // Q4_1, Q5_0 and the row formats: the codes, scales and block sums
   }
 }
 
@@ -1118,12 +1181,13 @@ void kvserve::gguf_linear_q8_range(const Q8Act& x, const uint8_t* w, int64_t N, 
   if (format == kQ5_K) return rows_q8_all<Q5_KRows>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ6_K) return rows_q8_all<Q6_KRows>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ4_0) return legacy_rows_all<kQ4_0>(x, w, n0, n1, out - n0, ldo);
-  if (format == kQ5_0) return legacy_rows_all<kQ5_0>(x, w, n0, n1, out - n0, ldo);
   if (format == kQ5_1) return legacy_rows_all<kQ5_1>(x, w, n0, n1, out - n0, ldo);
   const int64_t s0 = n0 / kStrip, s1 = (n1 + kStrip - 1) / kStrip, n_end = std::min(n1, N);
   // strips_q8 writes strip s at out + s * 8: shift out so feature n0 lands at out[0]
   if (format == kQ4_1)
     strips_q8<Q4_1Kernel>(x, w, x.K / kBlock * kQ4_1Bytes, s0, s1, n_end, out - n0, ldo);
+  else if (format == kQ5_0)
+    strips_q8<Q5_0Kernel>(x, w, x.K / kBlock * kQ5_0Bytes, s0, s1, n_end, out - n0, ldo);
   else
     strips_q8<Q8_0Kernel>(x, w, x.K / kBlock * kQ8_0Bytes, s0, s1, n_end, out - n0, ldo);
 #endif

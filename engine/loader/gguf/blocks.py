@@ -23,9 +23,8 @@ import torch
 class BlockFormat(IntEnum):
     """GGUF block formats the kernel reads; the values are the kernel's format codes.
 
-    Q4_1 and Q8_0 are regrouped at load into strips of 8 output columns (``PackedMatrix``),
-    and Q5_0 is converted to Q8_0 strips of the same values (``packed``); the others run on
-    GGUF's rows of blocks exactly as the file stores them. F16 and BF16 (the
+    Q4_1, Q5_0 and Q8_0 are regrouped at load into strips of 8 output columns (``PackedMatrix``,
+    the same bytes); the others run on GGUF's rows of blocks exactly as the file stores them. F16 and BF16 (the
     matrices of F16 / BF16 files) are not quantized: the kernel reads their rows 32 halves (64
     bytes) at a time, as blocks of 32 without a scale, and widens them to fp32 exactly."""
 
@@ -51,13 +50,7 @@ class BlockFormat(IntEnum):
     @property
     def strips(self) -> bool:
         """Whether the kernel reads this format regrouped into strips (see gguf_pack)."""
-        return self in (BlockFormat.Q4_1, BlockFormat.Q8_0)
-
-    @property
-    def packed(self) -> BlockFormat:
-        """The format of this format's matrices once packed (``GGUFMatrix.pack``): Q8_0 for
-        Q5_0 (the same values as Q8_0 strips, see ``GGUFMatrix.as_q8_0``), else itself."""
-        return BlockFormat.Q8_0 if self is BlockFormat.Q5_0 else self
+        return self in (BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q5_0)
 
     @property
     def ggml_type(self) -> "gguf.GGMLQuantizationType":  # noqa: F821
@@ -112,39 +105,12 @@ class GGUFMatrix:
         return GGUFMatrix(data, first.format, first.in_features)
 
     def pack(self) -> PackedMatrix:
-        """The kernel's layout: strips of 8 output columns for Q4_1/Q8_0 (same bytes, see
-        quant_linear.cpp); Q5_0 as Q8_0 strips (``as_q8_0``: the same values, 34 bytes per 32
-        weights instead of 22, for the strip kernels); the GGUF rows themselves (no copy) for the
-        other formats."""
-        if self.format.packed != self.format:
-            return self.as_q8_0().pack()
+        """The kernel's layout: strips of 8 output columns for Q4_1, Q5_0 and Q8_0 (the same
+        bytes regrouped, see quant_linear.cpp); the GGUF rows themselves (no copy) for the other
+        formats."""
         data = (torch.ops.kvserve.gguf_pack(self.data, self.in_features, int(self.format))
                 if self.format.strips else self.data)
         return PackedMatrix(data, self.format, self.data.shape[0], self.in_features)
-
-    def as_q8_0(self) -> GGUFMatrix:
-        """A Q5_0 matrix as Q8_0 blocks of the same values: Q5_0's w = d (q - 16), q five bits
-        (nibbles of qs | bit j of qh << 4), is Q8_0's w = d c with the same fp16 d and the code
-        c = q - 16 in [-16, 15], so every weight dequantizes to the same float.
-
-        Why: Q5_0 rows run a per-row kernel on the bytes as stored; as Q8_0 strips they run the
-        strip (VNNI strip-pair) kernels, which at SmolLM2's shapes are ~3x (1 row) to ~4x (16
-        rows) faster per call, at 1.55x the resident bytes of these matrices."""
-        if self.format != BlockFormat.Q5_0:
-            raise ValueError(f"as_q8_0 converts Q5_0 blocks, not {self.format.name}")
-        rows = self.data.shape[0]
-        out = torch.empty((rows, self.in_features // 32 * 34), dtype=torch.uint8)
-        bit = torch.arange(32, dtype=torch.int32)
-        for r in range(0, rows, 1024):  # row slices: the int32 bit planes stay ~4 bytes a weight of 1024 rows
-            blocks = self.data[r:r + 1024].view(-1, self.in_features // 32, 22)
-            qh = blocks[..., 2:6].to(torch.int32)
-            qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
-            fifth = ((qh[..., None] >> bit) & 1).to(torch.uint8)  # bit j: weight j
-            qs = blocks[..., 6:22]
-            low = torch.cat([qs & 15, qs >> 4], dim=-1)  # weights 0-15, then 16-31
-            codes = ((low | fifth << 4).to(torch.int16) - 16).to(torch.int8)
-            out[r:r + 1024] = torch.cat([blocks[..., :2], codes.view(torch.uint8)], dim=-1).view(blocks.shape[0], -1)
-        return GGUFMatrix(out, BlockFormat.Q8_0, self.in_features)
 
 
 @dataclass

@@ -36,8 +36,8 @@ def blocks_and_reference(fmt: BlockFormat, rows: int, cols: int, seed: int = 0) 
 
 
 def own_layout(blocks: GGUFMatrix) -> torch.Tensor:
-    """The bytes the kernel of ``blocks.format`` itself reads: strips for Q4_1 / Q8_0, else the
-    GGUF rows (Q5_0's row kernels too, though ``pack`` gives Q5_0 matrices Q8_0 strips)."""
+    """The bytes the kernel of ``blocks.format`` itself reads: strips for Q4_1 / Q5_0 / Q8_0, else
+    the GGUF rows."""
     return blocks.pack().data if blocks.format.strips else blocks.data
 
 
@@ -134,8 +134,6 @@ for fmt in BlockFormat:
     packed = blocks.pack()
     assert torch.equal(packed.dequantize(), dense), fmt
     layouts = [(packed.data, int(packed.format))]
-    if packed.format != fmt:  # Q5_0: its own row kernel as well as the Q8_0 strips it is packed into
-        layouts.append((blocks.data, int(fmt)))
     for rows in (1, 9):
         x = torch.randn(rows, 512)
         want = F.linear(x, dense)
@@ -215,7 +213,7 @@ def test_gguf_file_logits_equal_transformers(case, cache_dir, tmp_path):
     model = engine.runner.model
     assert model.linear_backend == "gguf" and model.holds_blocks_only()
     assert all(set(layer.blocks) == {"qkv", "o_proj", "gate_up", "down"} for layer in model.layers)
-    assert model.lm_head_blocks is not None and model.lm_head_blocks.format is fmt.packed
+    assert model.lm_head_blocks is not None and model.lm_head_blocks.format is fmt
     assert model.arch.attention_bias == (shape.arch == "qwen2")
     rec = LogitRecorder(engine)
     engine.generate([list(range(3, 23)), [7, 3, 60]], GREEDY)

@@ -55,9 +55,9 @@ def activation_block(fmt: BlockFormat) -> int:
     return 256 if fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K) else 32
 
 
-# the formats with an int8 kernel: Q4_1 strips (passes of 16 rows, then 8, 4, 2, 1), Q8_0 strips
-# (8, 4, 2, 1), Q4_K / Q5_K / Q6_K rows (16 per pass; two features at a time on AVX512-VNNI), Q4_0 /
-# Q5_0 / Q5_1 rows (16 per pass)
+# the formats with an int8 kernel: Q4_1 and Q5_0 strips (passes of 16 rows, then 8, 4, 2, 1), Q8_0
+# strips (8, 4, 2, 1), Q4_K / Q5_K / Q6_K rows (16 per pass; two features at a time on AVX512-VNNI),
+# Q4_0 / Q5_1 rows (16 per pass)
 INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_0,
                 BlockFormat.Q5_0, BlockFormat.Q5_1, BlockFormat.Q5_K]
 
@@ -69,8 +69,7 @@ def random_matrix(fmt: BlockFormat, rows: int, cols: int, seed: int) -> tuple[to
 
     raw = random_blocks(fmt, rows, cols, np.random.default_rng(seed))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(rows, cols)).float()
-    # fmt's own kernel: strips for the strip formats, else the GGUF rows (Q5_0's row kernel too,
-    # though GGUFMatrix.pack now gives Q5_0 matrices Q8_0 strips: test_q5_0_runs_as_q8_0_strips)
+    # fmt's own kernel: strips for the strip formats, else the GGUF rows
     data = torch.from_numpy(raw.copy())
     return (GGUFMatrix(data, fmt, cols).pack().data if fmt.strips else data), dense
 
@@ -97,8 +96,8 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
 
 def test_amx_tiles_equal_the_avx512_kernels_bit_for_bit(tmp_path):
     """On AMX CPUs the int8 matmuls of kAmxMinRows (16) rows and more take tile products
-    (quant_linear_amx.cpp): the K-quants with the sub-block scales folded into the codes, Q4_1 and
-    Q8_0 one product per 32-block of a strip pair. They sum the same integers and run the same
+    (quant_linear_amx.cpp): the K-quants with the sub-block scales folded into the codes, Q4_1,
+    Q5_0 and Q8_0 one product per 32-block of a strip pair. They sum the same integers and run the same
     float operations as the AVX-512 kernels, so every output is the same float. The reference runs
     in a subprocess with KVSERVE_NO_AMX (read once per process). 45 features: whole groups of 16
     (strip pairs) and a remainder on the other kernel; 16-70 rows: one, two and partial tiles, and
@@ -108,7 +107,7 @@ def test_amx_tiles_equal_the_avx512_kernels_bit_for_bit(tmp_path):
         pytest.skip("this CPU (or OS) has no AMX-INT8: the tile kernels do not run here")
     row_counts = (15, 16, 17, 33, 70)
     cases = {}
-    for fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.Q8_0):
+    for fmt in (BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0):
         K, block = (768, 256) if activation_block(fmt) == 256 else (800, 32)
         packed, dense = random_matrix(fmt, 45, K, seed=int(fmt) + 7)
         x = torch.randn(70, K, generator=torch.Generator().manual_seed(int(fmt))) * 2
@@ -169,37 +168,29 @@ def check_against_oracle(fmt: BlockFormat, rows: int, out_features: int) -> None
     assert (got.double() - exact).abs().max() > 1e-5 * exact.abs().max()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33])  # Q8_0 passes of 8, 4, 2, 1
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33])  # passes of 16, 8, 4, 2, 1
 @pytest.mark.parametrize("out_features", [37, 64])  # 37: a partial last strip, a lone full one beside pairs
-def test_q5_0_runs_as_q8_0_strips(rows, out_features):
-    """GGUFMatrix.pack gives Q5_0 matrices Q8_0 strips of the same values (c = q - 16 with the
-    same fp16 d, GGUFMatrix.as_q8_0): the packed matrix dequantizes to gguf's own Q5_0 values bit
-    for bit, BlockLinear runs the Q8_0 strip kernel on it, and the result equals the quantized
-    oracle on gguf's Q5_0 dequantization, as the Q5_0 row kernel's does."""
+def test_q5_0_strips_hold_the_files_bytes_and_run_the_int8_kernel(rows, out_features):
+    """GGUFMatrix.pack regroups Q5_0 matrices into strips of the same 22 bytes a block (176 a
+    strip-block: d, Q4_1's nibbles, the fifth bits; until issue 39 they became Q8_0 strips of 34),
+    which dequantize to gguf's own Q5_0 values bit for bit; BlockLinear runs the Q5_0 strip kernel
+    on them and the result equals the quantized oracle on gguf's Q5_0 dequantization."""
     from bench.make_gguf import random_blocks
 
     raw = random_blocks(BlockFormat.Q5_0, out_features, 512, np.random.default_rng(rows))
     q5_0 = GGUFMatrix(torch.from_numpy(raw.copy()), BlockFormat.Q5_0, 512)
     dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0).reshape(out_features, 512))
     packed = q5_0.pack()
-    assert packed.format == BlockFormat.Q8_0 and packed.nbytes == (out_features + 7) // 8 * 16 * 272
+    assert packed.format == BlockFormat.Q5_0 and packed.nbytes == (out_features + 7) // 8 * 16 * 176
     assert torch.equal(packed.dequantize(), dense.float())
     assert torch.equal(q5_0.data, torch.from_numpy(raw))  # the file's blocks are left as they are
     linear = BlockLinear(packed, None, None, int8_activations=True)
-    assert linear.kernels == [torch.ops.kvserve.gguf_linear_q8] and linear.parts[0][2] == int(BlockFormat.Q8_0)
+    assert linear.kernels == [torch.ops.kvserve.gguf_linear_q8] and linear.parts[0][2] == int(BlockFormat.Q5_0)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     got = linear(x)
     q, d = quantize_reference(x)
     oracle = F.linear((q.reshape(rows, -1, 32) * d[..., None]).reshape(rows, 512).double(), dense.double())
     torch.testing.assert_close(got.double(), oracle, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
-    rows_kernel = torch.ops.kvserve.gguf_linear_q8(x, q5_0.data, out_features, int(BlockFormat.Q5_0))
-    torch.testing.assert_close(got, rows_kernel, rtol=1e-5, atol=1e-5 * oracle.abs().max().item())
-
-
-def test_as_q8_0_takes_q5_0_only():
-    q8_0 = GGUFMatrix(torch.zeros(8, 34, dtype=torch.uint8), BlockFormat.Q8_0, 32)
-    with pytest.raises(ValueError, match="converts Q5_0 blocks, not Q8_0"):
-        q8_0.as_q8_0()
 
 
 def test_vnni_kernels_equal_the_avx2_ones_bit_for_bit(tmp_path):
@@ -239,24 +230,24 @@ print("ok")
 @pytest.mark.parametrize("has_dense", [True, False], ids=["dense-copy", "blocks-only"])
 def test_prefill_sized_calls_take_the_int8_kernel_where_it_wins(fmt, has_dense):
     """With int8 activations, a call over 16 rows (a prefill chunk) runs the int8 block kernel
-    where it beats the alternative: without a dense copy for Q4_1, Q8_0, Q4_K and Q6_K (the fp32
-    panels are slower; Q4_0 / Q5_0 / Q5_1's row kernel is not), and beside one on AVX512-VNNI CPUs
-    for Q4_1, Q8_0 (strip pairs), Q4_K and Q6_K (512-bit rows, or AMX tiles), which beat dense fp32
+    where it beats the alternative: without a dense copy for Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K
+    (the fp32 panels are slower; Q4_0 / Q5_1's row kernel is not), and beside one on AVX512-VNNI
+    CPUs for Q4_1, Q5_0, Q8_0 (strip pairs), Q4_K and Q6_K (512-bit rows, or AMX tiles), which beat dense fp32
     GEMM at prefill row counts there; the dense fp32 copy or the panels everywhere else."""
     from bench.make_gguf import random_blocks
 
     raw = random_blocks(fmt, 40, 256, np.random.default_rng(7))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, fmt.ggml_type).reshape(40, 256)).float()
     packed = GGUFMatrix(torch.from_numpy(raw.copy()), fmt, 256).pack()
-    fmt = packed.format  # Q5_0 is packed as Q8_0 strips
     calls = []
     fallback = (lambda x: calls.append(len(x)) or F.linear(x, dense)) if has_dense else None
     linear = BlockLinear(packed, None, fallback, int8_activations=True)
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(7))
     got = linear(x)
-    vnni = torch.ops.kvserve.gguf_q8_isa() == "vnni" and fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K,
-                                                                  BlockFormat.Q6_K)
-    over_panels = fmt in (BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K)
+    vnni = torch.ops.kvserve.gguf_q8_isa() == "vnni" and fmt in (BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0,
+                                                                  BlockFormat.Q4_K, BlockFormat.Q6_K)
+    over_panels = fmt in (BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q5_K,
+                          BlockFormat.Q6_K)
     if vnni or (not has_dense and over_panels):
         assert linear.max_rows == sys.maxsize and calls == []
         assert torch.equal(got, torch.ops.kvserve.gguf_linear_q8(x, packed.data, 40, int(fmt)))
