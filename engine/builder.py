@@ -31,7 +31,10 @@ from engine.kv.budget import profile_kv_budget
 from engine.kv.pool import kv_bytes_per_token, kv_fixed_bytes, num_blocks_for_budget
 from engine.kv.transfer import KVOffloader, model_fingerprint
 from engine.loader import LoadedModel, gguf_source, load_model
+from engine.loader.gguf.blocks import BlockFormat
+from engine.loader.gguf.reader import read_gguf_index
 from engine.model.arch import ModelArch
+from engine.model.block_linear import BlockLinear
 from engine.model.llama import LlamaForCausalLM, configure_linear_layers
 from engine.model.native_decode import configure_decode_path
 from engine.model.runner import ModelRunner
@@ -415,8 +418,19 @@ def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
             raise ValueError("weights_resident 'blocks' needs a .gguf model, a CPU in float32, linear_backend "
                              "auto or gguf and the native kernels; use 'auto'")
         return True
-    return bool(runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"
-                and gguf.stat().st_size > cfg.blocks_auto_file_gib * 2**30)
+    if not (runnable and torch.ops.kvserve.gguf_kernel_isa() == "avx2"):
+        return False
+    if gguf.stat().st_size > cfg.blocks_auto_file_gib * 2**30:
+        return True
+    # a small file keeps a dense copy for a faster prefill, unless int8 activations run every
+    # call of its matrices on the blocks anyway (AVX512-VNNI CPUs): the copy would never be read
+    return cfg.activation_quant != "none" and BlockLinear.dense_copy_unread(_matrix_formats(gguf))
+
+
+def _matrix_formats(path) -> set[BlockFormat]:
+    """The formats of a GGUF file's matrices (2-D tensors); a matrix in a format the kernels do not
+    read counts as None."""
+    return {BlockFormat.from_ggml(t.ggml_type) for t in read_gguf_index(path).tensors if len(t.shape) == 2}
 
 
 def _select_linear(model: LlamaForCausalLM, loaded: LoadedModel, backend: str, device: torch.device,

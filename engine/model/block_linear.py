@@ -14,7 +14,7 @@ same weights and differ only in summation order, like any two fp32 matmul kernel
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -62,6 +62,15 @@ class BlockLinear:
     INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
                                           BlockFormat.Q5_K, BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
+
+    @classmethod
+    def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:
+        """Whether, with int8 activations on this CPU, matrices of ``formats`` run every call on
+        their blocks with or without a dense copy (AVX512-VNNI and every format in
+        ``INT8_VNNI_FORMATS``; None, a format without a kernel, is not): a dense fp32 copy would
+        then never be read."""
+        return (torch.ops.kvserve.gguf_q8_isa() == "vnni"
+                and all(f is not None and BlockFormat(f) in cls.INT8_VNNI_FORMATS for f in formats))
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
                  dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
