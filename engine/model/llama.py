@@ -347,7 +347,8 @@ def configure_linear_layers(model: LlamaForCausalLM, loaded: LoadedModel, backen
     chosen = model.select_linear_backend(backend)
     held = model.weight_bytes()
     log.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
-             " (blocks only: prefill decodes tiles of the blocks)" if model.holds_blocks_only() else "")
+             " (blocks only: no fp32 copy; the activation line says what prefill runs)"
+             if model.holds_blocks_only() else "")
     log.info("Linear layers: %s (decode streams %.0f MB of weights per step)", chosen,
              model.decode_weight_bytes() / 1e6)
     log.info("Activation quantization: %s", model.describe_activation_quant())

@@ -224,9 +224,10 @@ def test_int4_native_decode_equals_python(heads):
     hf = tiny_hf_model(tiny_llama_config(num_key_value_heads=heads))
     threads = torch.get_num_threads()
     for n in (1, 2):
-        torch.set_num_threads(n)
         try:
             engine = tiny_engine(hf, block_size=4, kv_cache_dtype="int4")
+            torch.set_num_threads(n)  # after the build, which sets ModelConfig.num_threads (1)
+            assert torch.get_num_threads() == n
             assert engine.runner.model.decode_path == "native"
             check = Int4PoolCheck()
             assert run_and_compare(engine, [6], int4=check) == [1] * 8
