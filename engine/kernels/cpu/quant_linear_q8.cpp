@@ -249,7 +249,7 @@ inline __m512i quad_at16(const int8_t* xq, int j) {
 // kRelaid: the blocks' re-laid weights are at relaid (relay_all), else re-laid here.
 template <bool kQ5, bool kRelaid, int R>
 void pair_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
-                  int64_t ldo, const __m512i* relaid) {
+                  int64_t ldo, const uint8_t* relaid) {
   static_assert(R <= 8, "one group of accumulators");
   constexpr int64_t kBytes = kQ5 ? kQ5_0Bytes : kQ4_1Bytes;
   const int64_t nb = x.K / kBlock;
@@ -259,7 +259,7 @@ void pair_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int
     const uint8_t *sa = strip + b * kBytes, *sb = sa + strip_bytes;
     __m512i w[8];
     if constexpr (kRelaid) {
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_load_si512(relaid + 8 * b + j);
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(relaid + 64 * (8 * b + j));
     } else {
       prefetch_ahead(sa, kBytes), prefetch_ahead(sb, kBytes);
       if (kQ5) relay_q5_0_pair(sa, sb, w); else relay_q4_1_pair(sa, sb, w);
@@ -283,7 +283,7 @@ void pair_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int
 // come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32.
 template <bool kRelaid, int R>
 void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
-               int64_t ldo, const __m512i* relaid) {
+               int64_t ldo, const uint8_t* relaid) {
   static_assert(R <= 8, "one group of accumulators");
   const int64_t nb = x.K / kBlock;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -293,7 +293,7 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
     const uint8_t *sa = strip + b * kQ8_0Bytes, *sb = sa + strip_bytes;
     __m512i w[8], sum128 = _mm512_setzero_si512();
     if constexpr (kRelaid) {
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_load_si512(relaid + 8 * b + j);
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(relaid + 64 * (8 * b + j));
     } else {
       prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
       relay_q8_0_pair(sa, sb, w);
@@ -316,17 +316,20 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// A strip pair's every block re-laid (relay(a, b, w): 8 zmm a block) into `out`, for passes over
-// more rows than one pass takes: each then loads them (from L1: 9 KB for K = 576) instead of
-// re-laying its own copy, which for the nibble formats' 8-row passes was ~1/4 of the work.
+// A strip pair's every block re-laid (relay(a, b, w): 8 zmm a block) into `out` (64 bytes a zmm,
+// stored and loaded unaligned: the buffer is plain bytes, whatever the build's vector alignment),
+// for passes over more rows than one pass takes: each then loads them (from L1: 9 KB for K = 576)
+// instead of re-laying its own copy, which for the nibble formats' 8-row passes was ~1/4 of the work.
 template <typename Relay>
 void relay_all(const uint8_t* strip, int64_t strip_bytes, int64_t block_bytes, int64_t nb, Relay&& relay,
-               std::vector<__m512i>& out) {
-  out.resize(nb * 8);
+               std::vector<uint8_t>& out) {
+  out.resize(nb * 8 * 64);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sa = strip + b * block_bytes;
     prefetch_ahead(sa, block_bytes), prefetch_ahead(sa + strip_bytes, block_bytes);
-    relay(sa, sa + strip_bytes, out.data() + 8 * b);
+    __m512i w[8];
+    relay(sa, sa + strip_bytes, w);
+    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(out.data() + 64 * (8 * b + j), w[j]);
   }
 }
 
@@ -857,11 +860,11 @@ struct NibbleKernel {
     strip_nibbles<kQ5, R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
   }
   static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo,
-                       const __m512i* relaid) {
+                       const uint8_t* relaid) {
     if (relaid) pair_nibbles<kQ5, true, R>(x, r0, s, bytes, o, ldo, relaid);
     else pair_nibbles<kQ5, false, R>(x, r0, s, bytes, o, ldo, nullptr);
   }
-  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<__m512i>& out) {
+  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<uint8_t>& out) {
     relay_all(a, bytes, kQ5 ? kQ5_0Bytes : kQ4_1Bytes, nb, kQ5 ? relay_q5_0_pair : relay_q4_1_pair, out);
   }
 };
@@ -877,11 +880,11 @@ struct Q8_0Kernel {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
   static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo,
-                       const __m512i* relaid) {
+                       const uint8_t* relaid) {
     if (relaid) pair_q8_0<true, R>(x, r0, s, bytes, o, ldo, relaid);
     else pair_q8_0<false, R>(x, r0, s, bytes, o, ldo, nullptr);
   }
-  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<__m512i>& out) {
+  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<uint8_t>& out) {
     relay_all(a, bytes, kQ8_0Bytes, nb, relay_q8_0_pair, out);
   }
 };
@@ -949,8 +952,8 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
     if (s < pair_end) {
       // more than two passes: the pair re-laid once for all of them (relay_all; for two, storing
       // and loading the re-laid blocks measured slower than re-laying them: Q4_1 16 rows +6-8%)
-      thread_local std::vector<__m512i> relay_buffer;
-      const __m512i* relaid = nullptr;
+      thread_local std::vector<uint8_t> relay_buffer;
+      const uint8_t* relaid = nullptr;
       if (x.M - tiled > 16) {
         Kernel<1>::relay_pair(strip, strip_bytes, x.K / kBlock, relay_buffer);
         relaid = relay_buffer.data();
