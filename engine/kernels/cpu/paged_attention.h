@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Half.h>
@@ -60,20 +61,24 @@ inline void for_each_row(const Pool<T>& pool, const Layout& lay, Fn&& fn) {
   }
 }
 
-// Softmax in place over each of the nh rows of L scores (exp_nonpositive after subtracting the
-// row's maximum).
+// One row of L scores in place: s_t <- exp(s_t - m), m the row's maximum; returns (m, the sum).
+inline std::pair<float, float> exp_row(float* s, int64_t L) {
+  float m = s[0];
+  for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);
+    sum += s[t];
+  }
+  return {m, sum};
+}
+
+// Softmax in place over each of the nh rows of L scores (exp_row, then divided by its sum).
 inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
   for (int64_t h = 0; h < nh; ++h) {
     float* s = scores + h * L;
-    float m = s[0];
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      s[t] = exp_nonpositive(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
+    const float inv = 1.f / exp_row(s, L).second;
 #pragma omp simd
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
@@ -84,15 +89,7 @@ inline void softmax_rows(float* scores, int64_t nh, int64_t L) {
 // sum_t exp(s_t - m), and the scores become exp(s_t - m), not divided by that sum.
 inline void exp_rows(float* scores, int64_t nh, int64_t L, float* stats) {
   for (int64_t h = 0; h < nh; ++h) {
-    float* s = scores + h * L;
-    float m = s[0];
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      s[t] = exp_nonpositive(s[t] - m);
-      sum += s[t];
-    }
+    const auto [m, sum] = exp_row(scores + h * L, L);
     stats[2 * h] = m, stats[2 * h + 1] = sum;
   }
 }
