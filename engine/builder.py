@@ -427,7 +427,7 @@ def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
     return cfg.activation_quant != "none" and BlockLinear.dense_copy_unread(_matrix_formats(gguf))
 
 
-def _matrix_formats(path) -> set[BlockFormat]:
+def _matrix_formats(path) -> set[BlockFormat | None]:
     """The formats of a GGUF file's matrices (2-D tensors); a matrix in a format the kernels do not
     read counts as None."""
     return {BlockFormat.from_ggml(t.ggml_type) for t in read_gguf_index(path).tensors if len(t.shape) == 2}

@@ -70,7 +70,7 @@ class BlockLinear:
         ``INT8_VNNI_FORMATS``; None, a format without a kernel, is not): a dense fp32 copy would
         then never be read."""
         return (torch.ops.kvserve.gguf_q8_isa() == "vnni"
-                and all(f is not None and BlockFormat(f) in cls.INT8_VNNI_FORMATS for f in formats))
+                and all(f in cls.INT8_VNNI_FORMATS for f in formats))
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
                  dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
