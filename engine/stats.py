@@ -21,8 +21,9 @@ from scheduler.scheduler import Scheduler
 
 
 def _minus(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    """Per-tier deltas over the names ``now`` holds (a name new since ``before`` counts from 0)."""
-    return {name: value - before.get(name, 0) for name, value in now.items()}
+    """Per-tier deltas over the names ``now`` holds (a name new since ``before`` counts from 0),
+    zeros left out: most steps move no tier, and the frontend reads every entry a step carries."""
+    return {name: delta for name, value in now.items() if (delta := value - before.get(name, 0))}
 
 
 def _minus_pos(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:

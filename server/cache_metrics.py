@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from cache.tiers import LATENCY_BUCKETS
 from engine.core.protocol import EngineInfo, StepStats
+from server.histogram import StepHistogram
 
 NAMESPACE = "kvserve"
 TIERS = ("device", "host", "disk")
@@ -44,10 +45,13 @@ class KVTierCollector:
         self.bytes_read = {t: 0 for t in LOWER_TIERS}
         self.bytes_written = {t: 0 for t in LOWER_TIERS}
         self.state = StepStats(kv_num_blocks=info.num_blocks, kv_block_size=info.block_size)
-        self.latency = {(kind, tier): ([0] * (len(LATENCY_BUCKETS) + 1), [0.0])
-                        for kind in ("write", "read") for tier in LOWER_TIERS}
+        self.latency = {(kind, tier): StepHistogram(LATENCY_BUCKETS) for kind in ("write", "read") for tier in LOWER_TIERS}
 
     def update(self, stats: StepStats) -> None:
+        if not (stats.tier_queries or stats.tier_hits or stats.tier_bytes_read or stats.tier_bytes_written
+                or stats.offload_write_seconds or stats.offload_read_seconds):
+            self.state = stats  # most steps: no tier moved (zero deltas are not sent), only the gauges
+            return
         with self._lock:
             for tier, n in stats.tier_queries.items():
                 self.queries[tier] = self.queries.get(tier, 0) + n
@@ -59,13 +63,11 @@ class KVTierCollector:
                 self.bytes_written[tier] = self.bytes_written.get(tier, 0) + n
             for kind, per_tier in (("write", stats.offload_write_seconds), ("read", stats.offload_read_seconds)):
                 for tier, observed in per_tier.items():
-                    counts, total = self.latency.setdefault(
-                        (kind, tier), ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]))
+                    histogram = self.latency.get((kind, tier))
+                    if histogram is None:
+                        histogram = self.latency[kind, tier] = StepHistogram(LATENCY_BUCKETS)
                     for seconds in observed:
-                        index = next((i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound),
-                                     len(LATENCY_BUCKETS))
-                        counts[index] += 1
-                        total[0] += seconds
+                        histogram.observe(seconds)
             self.state = stats
 
     def collect(self):
@@ -73,7 +75,14 @@ class KVTierCollector:
         with self._lock:
             queries, hits = dict(self.queries), dict(self.hits)
             read, written, state = dict(self.bytes_read), dict(self.bytes_written), self.state
-            latency = {key: (list(counts), total[0]) for key, (counts, total) in self.latency.items()}
+            latency = {}
+            for kind in ("write", "read"):
+                latency[kind] = HistogramMetricFamily(f"{NAMESPACE}_kv_offload_{kind}_seconds",
+                                                      f"Seconds per block {kind} of each lower KV tier.",
+                                                      labels=["model_name", "tier"])
+                for (k, tier), histogram in self.latency.items():
+                    if k == kind:
+                        histogram.add_to(latency[kind], [name, tier])
 
         def family(kind: type, metric: str, doc: str, values: dict[str, float]):
             f = kind(f"{NAMESPACE}_{metric}", doc, labels=["model_name", "tier"])
@@ -100,15 +109,4 @@ class KVTierCollector:
                                    labels=["model_name"])
         pinned.add_metric([name], state.kv_pinned_blocks)
         yield pinned
-        for kind in ("write", "read"):
-            h = HistogramMetricFamily(f"{NAMESPACE}_kv_offload_{kind}_seconds",
-                                      f"Seconds per block {kind} of each lower KV tier.", labels=["model_name", "tier"])
-            for (k, tier), (counts, total) in latency.items():
-                if k != kind:
-                    continue
-                cumulative, buckets = 0, []
-                for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts):
-                    cumulative += count
-                    buckets.append((bound, cumulative))
-                h.add_metric([name, tier], buckets, total)
-            yield h
+        yield from latency.values()

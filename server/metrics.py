@@ -57,11 +57,12 @@ from dataclasses import dataclass
 
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.core.protocol import EngineInfo, StepStats
 from server.cache_metrics import KVTierCollector
+from server.histogram import StepHistogram
 from kvtypes.outputs import RequestOutput
 
 logger = logging.getLogger("kvserve.stats")
@@ -128,7 +129,10 @@ class Metrics:
         step_buckets = buckets_pow2(info.max_num_batched_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed.").labels(
             model_name)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
+        # Observed every step and streamed token: plain numbers, exported by _StepCollector
+        self.generation_tokens = 0
+        self.itl = StepHistogram(ITL_BUCKETS)
+        self.iteration_tokens = StepHistogram(step_buckets)
         self.request_success = counter("request_success", "Requests finished normally, by finish reason.",
                                        ("finished_reason",))
         self.request_errors = counter("request_errors",
@@ -140,8 +144,6 @@ class Metrics:
             self.request_errors.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first output token.",
                               TTFT_BUCKETS).labels(model_name)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             ITL_BUCKETS).labels(model_name)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Time from arrival to the last output token (finished requests).",
                              E2E_BUCKETS).labels(model_name)
@@ -153,8 +155,6 @@ class Metrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens of finished requests.",
                                                    length_buckets).labels(model_name)
-        self.iteration_tokens = histogram("iteration_tokens", "Tokens run by one engine step.",
-                                          step_buckets).labels(model_name)
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache at first admission."
                                             ).labels(model_name)
@@ -174,6 +174,7 @@ class Metrics:
         self.kv_evicted_tokens = counter("kv_evicted_tokens", "Tokens whose KV was evicted inside sequences, "
                                          "by policy.", ("policy",)).labels(model_name, policy)
         self.registry.register(_EngineStateCollector(self))
+        self.registry.register(_StepCollector(self))
         # KV tier and pin families (server/cache_metrics.py), fed the same snapshots
         self.tiers = KVTierCollector(model_name, info)
         self.registry.register(self.tiers)
@@ -183,7 +184,6 @@ class Metrics:
         self._timings: dict[str, _Timing] = {}
         # Plain totals for the log line (written in the receiving thread, read by log_stats).
         self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
         self._num_queries = 0
         self._num_hits = 0
         self._last_log = (time.monotonic(), 0, 0, 0, 0)
@@ -221,8 +221,7 @@ class Metrics:
                 timing = self._timings[out.request_id] = _Timing()
             if out.new_token_ids:
                 n = len(out.new_token_ids)
-                self.generation_tokens.inc(n)
-                self._num_generation_tokens += n
+                self.generation_tokens += n
                 if timing.last_token_time is None:  # first token: the prefill is done
                     if out.arrival_time is not None:
                         self.ttft.observe(now - out.arrival_time)
@@ -266,7 +265,7 @@ class Metrics:
         """One line of throughput and cache state since the previous call (only when there was work)."""
         state = self.state
         now = time.monotonic()
-        prompt, gen, queries, hits = (self._num_prompt_tokens, self._num_generation_tokens, self._num_queries,
+        prompt, gen, queries, hits = (self._num_prompt_tokens, self.generation_tokens, self._num_queries,
                                       self._num_hits)
         t0, prompt0, gen0, queries0, hits0 = self._last_log
         self._last_log = (now, prompt, gen, queries, hits)
@@ -313,3 +312,22 @@ class _EngineStateCollector:
                                        "cache_dtype": info.dtype if info.kv_cache_dtype == "auto" else info.kv_cache_dtype,
                                        "enable_prefix_caching": str(info.enable_prefix_caching).lower()})
         yield cache_info
+
+
+class _StepCollector:
+    """The families observed every step (``Metrics.generation_tokens``, ``itl``,
+    ``iteration_tokens``), from their plain numbers (server/histogram.py)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m, labels = self.metrics, [self.metrics.model_name]
+        generated = CounterMetricFamily(f"{NAMESPACE}_generation_tokens", "Generated tokens.", labels=["model_name"])
+        generated.add_metric(labels, m.generation_tokens)
+        yield generated
+        for histogram, metric, doc in ((m.itl, "inter_token_latency_seconds", "Time between consecutive output tokens."),
+                                       (m.iteration_tokens, "iteration_tokens", "Tokens run by one engine step.")):
+            family = HistogramMetricFamily(f"{NAMESPACE}_{metric}", doc, labels=["model_name"])
+            histogram.add_to(family, labels)
+            yield family

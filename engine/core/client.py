@@ -26,12 +26,12 @@ restarting, sets ``fatal`` and calls ``on_fatal`` (the server then exits non-zer
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from engine.core.protocol import (GENERIC_ENGINE_ERROR, AbortRequests, AddRequest, EngineCoreOutputs, EngineInfo,
@@ -83,10 +83,32 @@ class EngineClient(Protocol):
     def unpin(self, block_hash: str) -> None: ...
 
 
-@dataclass
 class _Stream:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    """One request's outputs, on the event loop of its ``generate``: ``put`` (called on that loop)
+    wakes the one reader that ``get`` awaits. An ``asyncio.Queue`` does the same with more of the
+    frontend's CPU a token."""
+
+    __slots__ = ("loop", "_items", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque[RequestOutput] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self._items.append(out)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 class _ClientBase:
@@ -145,7 +167,7 @@ class _ClientBase:
         """Stream a request's outputs; closing or cancelling the iterator aborts the request."""
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop())
         add = AddRequest(request_id, list(prompt_token_ids), params, cache_salt, priority, time.monotonic(), tenant)
         with self._lock:
             if not self.is_healthy:
@@ -159,7 +181,7 @@ class _ClientBase:
         finished = False
         try:
             while not finished:
-                out: RequestOutput = await stream.queue.get()
+                out = await stream.get()
                 finished = out.finished
                 yield out
         finally:
@@ -183,13 +205,14 @@ class _ClientBase:
         with self._lock:
             outputs, stopped = self._processor.process(message.outputs)
             epoch = self._epoch
+            targets = self._targets(outputs)
         if stopped:
             self._send(AbortRequests(stopped, stopped=True), epoch)
         if message.stats is not None:
             self._stats = message.stats
             if message.stats.num_batched_tokens:
                 self.num_steps += 1
-        self._deliver(outputs)
+        _hand_over(targets)
         self._observe(message.stats, outputs)
 
     def _fail_all(self, finish_reason: str, message: str | None, reset_stats: bool = False) -> None:
@@ -197,28 +220,17 @@ class _ClientBase:
         with self._lock:
             self._epoch += 1
             outputs = self._processor.finish_all(finish_reason, message) if self._processor is not None else []
+            targets = self._targets(outputs)
         stats = None
         if reset_stats:
             stats = self._stats = StepStats(kv_num_blocks=self.info.num_blocks, kv_block_size=self.info.block_size)
-        self._deliver(outputs)
+        _hand_over(targets)
         self._observe(stats, outputs)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        here = _running_loop()
-        for loop, items in by_loop.items():
-            if loop is here:  # read on that loop (bind_loop): hand over directly
-                _put_all(items)
-                continue
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: nobody is listening any more
-                pass
+    def _targets(self, outputs: list[RequestOutput]) -> list[tuple[_Stream, RequestOutput]]:
+        """The open stream of each output (caller holds the lock); outputs nobody reads are dropped."""
+        streams = self._streams
+        return [(stream, out) for out in outputs if (stream := streams.get(out.request_id)) is not None]
 
     def _observe(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         if self.observer is not None and (stats is not None or outputs):
@@ -231,9 +243,26 @@ class _ClientBase:
         raise NotImplementedError
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+def _hand_over(targets: list[tuple[_Stream, RequestOutput]]) -> None:
+    """Put each output into its stream: directly when read on that stream's loop (bind_loop),
+    else through that loop's ``call_soon_threadsafe``."""
+    here = _running_loop() if targets else None
+    elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+    for stream, out in targets:
+        if stream.loop is here:
+            stream.put(out)
+        else:
+            elsewhere.setdefault(stream.loop, []).append((stream, out))
+    for loop, items in elsewhere.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put(out)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

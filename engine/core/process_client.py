@@ -27,8 +27,8 @@ from engine.config import EngineCoreConfig
 from engine.core.client import EngineObserver, _ClientBase
 from engine.core.output_processor import OutputProcessor
 from engine.log_format import check_log_format
-from engine.core.protocol import (GENERIC_ENGINE_ERROR, AbortRequests, AddRequest, CoreReady, Shutdown, Unpin,
-                                  pipe_poller)
+from engine.core.protocol import (GENERIC_ENGINE_ERROR, AbortRequests, AddRequest, CoreReady, MessageReader,
+                                  Shutdown, Unpin)
 
 logger = logging.getLogger(__name__)
 # Extra time a stopping core with a disk tier gets to write its pool out before it is killed.
@@ -56,6 +56,7 @@ class MPEngineClient(_ClientBase):
         self._proc: Any = None
         self._cmd_conn: Any = None
         self._out_conn: Any = None
+        self._out_reader: MessageReader | None = None  # the outputs of the current core, read by one side at a time
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._supervisor: threading.Thread | None = None
         self._sender: threading.Thread | None = None
@@ -139,13 +140,14 @@ class MPEngineClient(_ClientBase):
         if not isinstance(ready, CoreReady):
             raise RuntimeError(f"unexpected first message from the engine core: {type(ready).__name__}")
         self._proc, self._cmd_conn, self._out_conn = proc, cmd_send, out_recv
+        self._out_reader = MessageReader(out_recv)
         self.core_pid = ready.pid
         logger.info("engine core process started (pid %d)", ready.pid)
         return ready
 
     def _supervise(self) -> None:
         while True:
-            self._read_until_eof(self._out_conn)
+            self._read_until_eof(self._out_reader)
             if self._stopping:
                 return
             self._on_core_death()
@@ -161,7 +163,7 @@ class MPEngineClient(_ClientBase):
             if self.fatal or self._stopping:
                 return
 
-    def _read_until_eof(self, conn: Any) -> None:
+    def _read_until_eof(self, reader: MessageReader) -> None:
         """Process the outputs of one core until its pipe ends: in this thread until a loop is
         bound, then on that loop (see bind_loop), and back here if that loop closes."""
         while True:
@@ -169,14 +171,15 @@ class MPEngineClient(_ClientBase):
             if loop is None or loop.is_closed():
                 try:
                     while self._loop is None or self._loop.is_closed():
-                        if conn.poll(HANDOVER_POLL_S):
-                            self._on_outputs(conn.recv())
+                        if reader.poll(HANDOVER_POLL_S):
+                            for message in reader.read():
+                                self._on_outputs(message)
                 except (EOFError, OSError):
                     return
                 continue
             ended = threading.Event()
             try:
-                loop.call_soon_threadsafe(self._attach_reader, loop, conn, ended)
+                loop.call_soon_threadsafe(self._attach_reader, loop, reader, ended)
             except RuntimeError:  # closed meanwhile: read here again
                 continue
             while not ended.wait(HANDOVER_POLL_S):
@@ -186,25 +189,24 @@ class MPEngineClient(_ClientBase):
             if ended.is_set():
                 return
 
-    def _attach_reader(self, loop: asyncio.AbstractEventLoop, conn: Any, ended: threading.Event) -> None:
-        def on_readable() -> None:
+    def _attach_reader(self, loop: asyncio.AbstractEventLoop, reader: MessageReader, ended: threading.Event) -> None:
+        def on_readable() -> None:  # called when the pipe is readable: one read, then back to the loop
             try:
-                while readable(0):  # True at EOF as well: recv raises then
-                    self._on_outputs(conn.recv())
+                for message in reader.read():
+                    self._on_outputs(message)
             except (EOFError, OSError):
                 loop.remove_reader(fd)
                 self.outputs_read_on_loop = False
                 ended.set()
 
-        try:
-            fd = conn.fileno()
-        except OSError:  # closed already (shutdown)
+        if reader.conn.closed:  # shutdown closed it already
             ended.set()
             return
-        readable = pipe_poller(conn)
+        fd = reader.fd
         loop.add_reader(fd, on_readable)
         self.outputs_read_on_loop = True
-        on_readable()  # what arrived during the hand-over
+        if reader.poll(0):  # what arrived during the hand-over
+            on_readable()
 
     def _on_core_death(self) -> None:
         self._healthy = False

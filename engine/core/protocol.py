@@ -1,7 +1,8 @@
 """The messages between the engine core and its client, and what the client knows of the core.
 
 Plain picklable dataclasses, no torch: the frontend process imports this without the model;
-and ``pipe_poller``, how both ends ask their pipe whether a message is waiting.
+``pipe_poller``, how both ends ask their pipe whether a message is waiting, and
+``MessageReader``, how the frontend reads the core's messages off its pipe.
 Direction and order: the client sends ``AddRequest`` / ``AbortRequests`` / ``Unpin`` /
 ``Shutdown``; the core answers once with ``CoreReady`` and then, per step, with one
 ``EngineCoreOutputs`` (every request's new token ids and finish state, plus ONE ``StepStats``
@@ -13,7 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+# bandit B403: the frontend reads the pickles of its own engine core's pipe (MessageReader)
+import pickle  # nosec B403
 import select
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -33,6 +38,61 @@ def pipe_poller(conn: Any) -> Callable[[float], bool]:
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
     return lambda timeout: bool(poller.poll(timeout * 1000.0))
+
+
+class MessageReader:
+    """The messages on the read end ``conn`` of a pipe that ``multiprocessing``'s ``Connection.send``
+    writes (frames of a 4-byte big-endian length, or -1 and an 8-byte length, then the pickle).
+
+    ``read`` takes what the pipe holds in one ``os.read`` and returns the whole messages in it,
+    in order; the bytes of a message not yet complete wait here for the next ``read``. So whoever
+    holds the reader (the supervisor thread, or the event loop when its fd turns readable) may
+    change between any two reads, and a step costs one system call. (``Connection.recv`` reads a
+    frame's length and its body in two, and the reader polled again after each message: four a
+    step on the frontend's event loop.) Call ``read`` only when ``poll`` or the event loop said the
+    pipe is readable: the fd blocks. Raises EOFError at the pipe's end."""
+
+    READ_SIZE = 1 << 20
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn  # owns the fd: closing it ends the reader
+        self.fd = conn.fileno()
+        self.poll = pipe_poller(conn)
+        self._parts: list[bytes] = []  # an incomplete frame's bytes so far
+        self._held = 0  # their length
+        self._needed = 0  # the length of the whole frame, once its header is there (else 0)
+
+    def read(self) -> list[Any]:
+        data = os.read(self.fd, self.READ_SIZE)
+        if not data:
+            raise EOFError("the pipe ended")
+        if self._parts:
+            self._parts.append(data)
+            self._held += len(data)
+            if self._held < self._needed:
+                return []
+            data = b"".join(self._parts)
+            self._parts = []
+        messages = []
+        view, end, pos = memoryview(data), len(data), 0
+        while True:
+            needed = 0
+            if end - pos >= 4:
+                size, head = struct.unpack_from("!i", data, pos)[0], 4
+                if size == -1 and end - pos >= 12:
+                    size, head = struct.unpack_from("!Q", data, pos + 4)[0], 12
+                if size != -1:
+                    needed = head + size
+                    if pos + needed <= end:
+                        # bandit B301: the bytes come from the core process this client spawned, as
+                        # multiprocessing's own recv would unpickle them
+                        messages.append(pickle.loads(view[pos + head:pos + needed]))  # nosec B301
+                        pos += needed
+                        continue
+            if pos < end:
+                rest = data[pos:]
+                self._parts, self._held, self._needed = [rest], len(rest), needed
+            return messages
 
 
 def positional_pickle(cls: type) -> type:

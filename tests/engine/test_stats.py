@@ -14,4 +14,5 @@ def test_counters_since_are_deltas_by_name():
     assert delta.tier_hits == {"device": 2, "host": 1}  # a tier new since ``before`` counts from 0
     assert delta.tier_bytes_read == {"host": 50} and delta.tier_bytes_written == {"host": 64, "disk": 32}
     assert now.since(EngineCounters()) == now
+    assert now.since(now).tier_queries == {} and now.since(before).tier_bytes_read == {"host": 50}  # no zeros sent
     assert EngineCounters(tier_hits={"device": 1, "disk": 0}) == EngineCounters(tier_hits={"disk": 0, "device": 1})
