@@ -83,8 +83,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra argument of kvserve serve")
-    parser.add_argument("--log", type=Path, default=Path("frontend_cost.log"))
+    parser.add_argument("--log", type=Path, default=REPO_ROOT / "bench" / "results" / "frontend_cost.log",
+                        help="the servers' output (appended)")
     args = parser.parse_args()
+    args.log.parent.mkdir(parents=True, exist_ok=True)
     checkouts = [c.resolve() for c in (args.checkout or [REPO_ROOT])]
     serve_args = ["--num-threads", str(args.num_threads), "--max-model-len", "1024", *args.serve_arg]
     servers = {}
