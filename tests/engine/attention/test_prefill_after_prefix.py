@@ -25,3 +25,12 @@ def test_equals_the_masked_sdpa(heads, kv_heads, prefix, n):
     alone = F.scaled_dot_product_attention(q, keys[:, :, prefix:], values[:, :, prefix:], is_causal=True,
                                            enable_gqa=True)
     assert (alone - want).abs().max() > 1e-3
+
+
+def test_no_prefix_is_the_causal_sdpa():
+    """Prefix 0 (the runner passes block_ids only after a prefix, but the helper must not crash:
+    CPU flash attention over zero keys raised SIGFPE) is plain causal attention."""
+    gen = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(1, h, 5, 16, generator=gen) for h in (6, 2, 2))
+    want = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(attend_after_prefix(q, keys, values, 0), want)
