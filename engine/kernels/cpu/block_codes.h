@@ -24,6 +24,10 @@ constexpr int64_t kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
 constexpr int64_t kStripColumns = 8, kQ4_1StripBytes = 160, kQ8_0StripBytes = 272, kQ5_0StripBytes = 176;
 // Whether `format`'s packed matrices are strips (gguf_pack regroups them), not GGUF rows.
 constexpr bool is_strip_format(int64_t format) { return format == kQ4_1 || format == kQ8_0 || format == kQ5_0; }
+// The bytes of one strip-block of a strip format (0 for the others).
+constexpr int64_t strip_block_bytes(int64_t format) {
+  return format == kQ4_1 ? kQ4_1StripBytes : format == kQ8_0 ? kQ8_0StripBytes : format == kQ5_0 ? kQ5_0StripBytes : 0;
+}
 }  // namespace blocks
 
 // A little-endian uint32 at p (Q5_0 / Q5_1 keep their 32 fifth bits so).

@@ -54,7 +54,7 @@ inline float half_at(const uint8_t* p) {
 
 struct Q4_1 {
   static constexpr int64_t kGgufBytes = 20;   // half d, half m, 16 bytes of nibbles
-  static constexpr int64_t kStripBytes = 160;
+  static constexpr int64_t kStripBytes = kvserve::blocks::kQ4_1StripBytes;
   // GGUF block: weight j is the low nibble of byte j, weight j + 16 its high nibble.
   static int gguf_code(const uint8_t* blk, int j) { return j < 16 ? blk[4 + j] & 15 : blk[4 + j - 16] >> 4; }
   static void pack(const uint8_t* const cols[kStrip], uint8_t* dst) {
@@ -82,7 +82,7 @@ struct Q4_1 {
 
 struct Q8_0 {
   static constexpr int64_t kGgufBytes = 34;  // half d, 32 int8 codes
-  static constexpr int64_t kStripBytes = 272;
+  static constexpr int64_t kStripBytes = kvserve::blocks::kQ8_0StripBytes;
   static void pack(const uint8_t* const cols[kStrip], uint8_t* dst) {
     std::memset(dst, 0, kStripBytes);
     for (int c = 0; c < kStrip; ++c) {

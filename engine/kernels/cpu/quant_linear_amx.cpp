@@ -360,7 +360,7 @@ template <int64_t kFmt>
 void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& sc, const Line* bw,
                      const uint8_t* a, int64_t strip_bytes, float* out, int64_t ldo) {
   constexpr bool kQ8 = kFmt == kQ8_0;
-  constexpr int64_t kBytes = kQ8 ? kQ8_0StripBytes : kFmt == kQ5_0 ? kQ5_0StripBytes : kQ4_1StripBytes, kChunk = 8;
+  constexpr int64_t kBytes = kvserve::blocks::strip_block_bytes(kFmt), kChunk = 8;
   const int64_t nb = x.K / 32;
   const int8_t* xa = x.q8.data() + r0 * x.K;
   alignas(64) int32_t c[2][kChunk][kTile * kTile];  // two chunks' products [block][row][column]
@@ -407,7 +407,7 @@ void strip_pair_tile(const kvserve::Q8Act& x, int64_t r0, const RowTileScales& s
 // for every row tile: 8 k-quads of 16 columns per block into bw.
 template <int64_t kFmt>
 void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<Line>& bw) {
-  constexpr int64_t kBytes = kFmt == kQ8_0 ? kQ8_0StripBytes : kFmt == kQ5_0 ? kQ5_0StripBytes : kQ4_1StripBytes;
+  constexpr int64_t kBytes = kvserve::blocks::strip_block_bytes(kFmt);
   bw.resize(nb * 8);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *sa = a + b * kBytes, *sb = sa + strip_bytes;

@@ -143,7 +143,7 @@ inline __m256i quad_at(const int8_t* xq, int j) {
 // 5-bit codes sum 4 quads in int16 (<= 4 * 2 * 31 * 127 = 31496), Q4_1's all 8 (<= 30480).
 template <bool kQ5, int R>
 void strip_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
-  constexpr int64_t kBytes = kQ5 ? kQ5_0Bytes : kQ4_1Bytes;
+  constexpr int64_t kBytes = strip_block_bytes(kQ5 ? kQ5_0 : kQ4_1);
   const int64_t nb = x.K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -251,7 +251,7 @@ template <bool kQ5, bool kRelaid, int R>
 void pair_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
                   int64_t ldo, const uint8_t* relaid) {
   static_assert(R <= 8, "one group of accumulators");
-  constexpr int64_t kBytes = kQ5 ? kQ5_0Bytes : kQ4_1Bytes;
+  constexpr int64_t kBytes = strip_block_bytes(kQ5 ? kQ5_0 : kQ4_1);
   const int64_t nb = x.K / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -865,7 +865,7 @@ struct NibbleKernel {
     else pair_nibbles<kQ5, false, R>(x, r0, s, bytes, o, ldo, nullptr);
   }
   static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<uint8_t>& out) {
-    relay_all(a, bytes, kQ5 ? kQ5_0Bytes : kQ4_1Bytes, nb, kQ5 ? relay_q5_0_pair : relay_q4_1_pair, out);
+    relay_all(a, bytes, strip_block_bytes(kFormat), nb, kQ5 ? relay_q5_0_pair : relay_q4_1_pair, out);
   }
 };
 template <int R>
