@@ -55,8 +55,7 @@ class MPEngineClient(_ClientBase):
         self._failures: collections.deque[float] = collections.deque()
         self._proc: Any = None
         self._cmd_conn: Any = None
-        self._out_conn: Any = None
-        self._out_reader: MessageReader | None = None  # the outputs of the current core, read by one side at a time
+        self._out_reader: MessageReader | None = None  # the current core's output pipe, read by one side at a time
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._supervisor: threading.Thread | None = None
         self._sender: threading.Thread | None = None
@@ -139,8 +138,7 @@ class MPEngineClient(_ClientBase):
             raise RuntimeError(f"the engine core failed to start (exit code {proc.exitcode}); see the log") from exc
         if not isinstance(ready, CoreReady):
             raise RuntimeError(f"unexpected first message from the engine core: {type(ready).__name__}")
-        self._proc, self._cmd_conn, self._out_conn = proc, cmd_send, out_recv
-        self._out_reader = MessageReader(out_recv)
+        self._proc, self._cmd_conn, self._out_reader = proc, cmd_send, MessageReader(out_recv)
         self.core_pid = ready.pid
         logger.info("engine core process started (pid %d)", ready.pid)
         return ready
@@ -214,7 +212,7 @@ class MPEngineClient(_ClientBase):
         proc.join(1.0)
         logger.error("the engine core process (pid %s) died with exit code %s; failing %d in-flight requests",
                      self.core_pid, proc.exitcode, len(self._streams))
-        self._out_conn.close()
+        self._out_reader.conn.close()
         self._cmd_conn.close()
         self._fail_all("error", GENERIC_ENGINE_ERROR, reset_stats=True)
         self._record_failure()
