@@ -37,7 +37,7 @@
 //     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
 //     column sums.
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
-// On AMX CPUs the whole 16-row tiles of the strip pairs take tile products instead
+// The K-quants' many-row kernels are below (pair_rows, lanes_q8). On AMX CPUs the whole 16-row tiles of the strip pairs take tile products instead
 // (quant_linear_amx.cpp strip_pairs_amx), with the same results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -736,6 +736,182 @@ void pair_rows(const kvserve::Q8Act& x, int64_t r0, int nr, const uint8_t* w0, c
     out[r * ldo] = _mm_cvtss_f32(v), out[r * ldo + 1] = _mm_cvtss_f32(_mm_movehl_ps(v, v));
   }
 }
+
+// ---- Many rows, 16 features per instruction (AVX512-VNNI builds; Q4_K and Q6_K, from
+// kLaneMinRows rows): each zmm lane is one output feature, so a row's products need no horizontal
+// sums. Per group of 16 features every super-block is unpacked once per call into a LaneBlock:
+// code quad Q (k = 4Q .. 4Q + 3) of the 16 features as one zmm (dword f = feature f's 4 codes,
+// transposed from the GGUF rows by 16 x 16 dword transposes), the sub-block scales as int32 lanes,
+// and d (and dmin) as fp32 lanes. A row's 4 activation codes at quad Q are broadcast to every
+// lane, so one vpdpbusd is 4 k of 16 features (pair_rows': of 2, then a 16-lane reduction per
+// row and super-block, which bounded it at ~280 GOP/s on two Zen 4 cores). Per lane the integers
+// are pair_rows' (A = sum_j sc_j I_j and B = sum_j m_j S_j, Q6_K's A = sum_i sc_i (I_i - 32 S_i)),
+// exact in int32, and they reach fp32 by the same operations in the same order (acc = fma(A,
+// d dx, acc), corr = fma(B, dmin dx, corr), result acc - corr), so every output equals the other
+// kernels' bit for bit and a row's result does not depend on the rows beside it.
+
+// a[f] (f < 16) -> a[i] whose dword f is the old a[f]'s dword i.
+inline void transpose16(__m512i* a) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2)
+    t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+  for (int i = 0; i < 16; i += 4) {  // a[4p + e]'s 128-bit lane l: rows 4p .. 4p + 3 at dword 4l + e
+    a[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), a[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    a[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), a[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // lane l of a[e], a[4 + e], a[8 + e], a[12 + e] -> dword 4l + e
+    const __m512i x0 = _mm512_shuffle_i32x4(a[e], a[4 + e], 0x44), x1 = _mm512_shuffle_i32x4(a[e], a[4 + e], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(a[8 + e], a[12 + e], 0x44), x3 = _mm512_shuffle_i32x4(a[8 + e], a[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(x0, x2, 0x88), t[4 + e] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(x1, x3, 0x88), t[12 + e] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) a[i] = t[i];
+}
+
+// One super-block of 16 features, unpacked for the lanes kernel.
+struct LaneBlock {
+  __m512i q[64];    // code quad Q: dword f = feature f's codes at k = 4Q .. 4Q + 3 (unsigned)
+  __m512i sc[16];   // Q4_K: sub-block j's scale (j < 8); Q6_K: sub-block i's (signed)
+  __m512i side[8];  // int16 pairs against the activations' 16-code sums: Q4_K (m_j, m_j), Q6_K (sc_2p, sc_2p+1)
+  __m512 d, dmin;   // Q6_K: dmin unused
+};
+
+// 16 fp16 values, one in the low (hi: the high) half of each dword of v, as fp32 lanes.
+inline __m512 halves_ps(__m512i v, bool hi) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hi ? _mm512_srli_epi32(v, 16) : v));
+}
+
+// The dwords (kHalf: the 16-bit words) at b[f] + offset (f < 16) as lanes.
+template <bool kHalf>
+inline __m512i dword_lanes(const uint8_t* const* b, int64_t offset) {
+  alignas(64) uint32_t v[16];
+  for (int f = 0; f < 16; ++f) v[f] = kHalf ? u16_at(b[f] + offset) : u32_at(b[f] + offset);
+  return _mm512_load_si512(v);
+}
+
+inline void lanes_q4_k(const uint8_t* const* b, LaneBlock& L) {
+  __m512i t[16];
+  for (int f = 0; f < 16; ++f) t[f] = _mm512_cvtepu8_epi32(q4_k_scales(b[f]));  // dword i: sc_i (i < 8), m_(i-8)
+  transpose16(t);
+  for (int j = 0; j < 8; ++j) L.sc[j] = t[j], L.side[j] = _mm512_or_si512(t[8 + j], _mm512_slli_epi32(t[8 + j], 16));
+  const __m512i dd = dword_lanes<false>(b, 0);  // [d, dmin] fp16
+  L.d = halves_ps(dd, false), L.dmin = halves_ps(dd, true);
+  const __m512i m15 = _mm512_set1_epi8(15);
+  for (int c = 0; c < 2; ++c) {  // qs dwords 16c .. 16c + 15: dword D = 8 cc + q of 32-byte chunk cc
+    for (int f = 0; f < 16; ++f) t[f] = _mm512_loadu_si512(b[f] + 16 + 64 * c);
+    transpose16(t);
+    for (int i = 0; i < 16; ++i) {  // low nibbles: sub-block 2 cc, quad q; high: 2 cc + 1
+      const int cc = (16 * c + i) / 8, q = i % 8;
+      L.q[16 * cc + q] = _mm512_and_si512(t[i], m15);
+      L.q[16 * cc + 8 + q] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m15);
+    }
+  }
+}
+
+inline void lanes_q6_k(const uint8_t* const* b, LaneBlock& L) {
+  __m512i t[16], ql[32], qh[16];
+  for (int f = 0; f < 16; ++f) t[f] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[f] + 192)));
+  transpose16(t);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  for (int i = 0; i < 16; ++i) L.sc[i] = t[i];
+  for (int p = 0; p < 8; ++p) L.side[p] = _mm512_or_si512(_mm512_and_si512(t[2 * p], low16), _mm512_slli_epi32(t[2 * p + 1], 16));
+  L.d = halves_ps(dword_lanes<true>(b, 208), false), L.dmin = _mm512_setzero_ps();
+  for (int c = 0; c < 2; ++c) {
+    for (int f = 0; f < 16; ++f) ql[16 * c + f] = _mm512_loadu_si512(b[f] + 64 * c);
+    transpose16(ql + 16 * c);
+  }
+  for (int f = 0; f < 16; ++f) qh[f] = _mm512_loadu_si512(b[f] + 128);
+  transpose16(qh);
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  for (int h = 0; h < 2; ++h)  // q6_k_codes' order: quad Q = 32h + 8c + q from ql dword 16h + 8(c & 1) + q, qh dword 8h + q
+    for (int c = 0; c < 4; ++c)
+      for (int q = 0; q < 8; ++q) {
+        const __m512i lo4 = _mm512_and_si512(_mm512_srli_epi16(ql[16 * h + 8 * (c & 1) + q], 4 * (c >> 1)), m4);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh[8 * h + q], 2 * c), m2);
+        L.q[32 * h + 8 * c + q] = _mm512_or_si512(lo4, _mm512_slli_epi16(high, 4));
+      }
+}
+
+inline __m512i dword_at(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// Rows [r0, r0 + R) against a group's LaneBlocks: out[r * ldo + f] for f < 16.
+template <bool kQ6, int R>
+void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 256;
+  __m512 acc[R], corr[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), corr[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const LaneBlock& L = panel[sb];
+    const int8_t* xs[R];
+    const int16_t* s16[R];
+    for (int r = 0; r < R; ++r)
+      xs[r] = x.k8.data() + (r0 + r) * x.K + 256 * sb, s16[r] = x.ksum16.data() + ((r0 + r) * nb + sb) * 16;
+    __m512i A[R];
+    for (int r = 0; r < R; ++r) A[r] = _mm512_setzero_si512();
+    constexpr int kSub = kQ6 ? 2 : 1, kQuads = 8 / kSub;  // sub-blocks per 32-block (Q6_K: of 16 weights)
+    for (int blk = 0; blk < 8; ++blk) {
+      const int64_t at = 32 * k8_order(blk);  // Q8Act::k8's 32-blocks are in k8_order
+#pragma GCC unroll 2
+      for (int h = 0; h < kSub; ++h) {
+        __m512i I[R];
+        for (int r = 0; r < R; ++r) I[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int q = kQuads * h; q < kQuads * (h + 1); ++q) {
+          const __m512i w = L.q[8 * blk + q];
+          for (int r = 0; r < R; ++r) I[r] = _mm512_dpbusd_epi32(I[r], w, dword_at(xs[r] + at + 4 * q));
+        }
+        for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(I[r], L.sc[kSub * blk + h]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512i side = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) side = _mm512_dpwssd_epi32(side, L.side[p], dword_at(s16[r] + 2 * p));
+      const __m512 dx = _mm512_set1_ps(x.kd[(r0 + r) * nb + sb]);
+      if (kQ6) {
+        A[r] = _mm512_sub_epi32(A[r], _mm512_slli_epi32(side, 5));
+      } else {
+        corr[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(side), _mm512_mul_ps(L.dmin, dx), corr[r]);
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r]), _mm512_mul_ps(L.d, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_sub_ps(acc[r], corr[r]));
+}
+
+// From 4 rows (2 threads, 16384 x 2048 Q4_K / 2048 x 8192 Q6_K: at 4 rows even with pair_rows, at 16
+// 1.4x / 1.4x, at 512 1.8x / 2.0x); below, unpacking a group costs more than pair_rows' reductions.
+constexpr int kLaneMinRows = 4;
+constexpr int kLaneRows = 4;  // rows per pass over a group's LaneBlocks (6 spilled registers and ran slower)
+
+// Whole groups of 16 features from n0 for every row, on the lanes kernel: returns where they end.
+template <bool kQ6>
+int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  constexpr int64_t kBytes = kQ6 ? kQ6_KBytes : kQ4_KBytes;
+  const int64_t nb = x.K / 256;
+  thread_local std::vector<LaneBlock> panel;
+  panel.resize(nb);
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    const uint8_t* b[16];
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      for (int f = 0; f < 16; ++f) b[f] = w + ((n + f) * nb + sb) * kBytes;
+      if (kQ6) lanes_q6_k(b, panel[sb]); else lanes_q4_k(b, panel[sb]);
+    }
+    for (int64_t r = 0; r < x.M;) {
+      float* o = out + r * ldo + n;
+      const int64_t left = x.M - r;
+      if (left >= kLaneRows) lane_rows<kQ6, kLaneRows>(x, r, panel.data(), o, ldo), r += kLaneRows;
+      else if (left >= 4) lane_rows<kQ6, 4>(x, r, panel.data(), o, ldo), r += 4;
+      else if (left >= 2) lane_rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
+      else lane_rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
+    }
+  }
+  return n;
+}
 #endif
 
 // Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
@@ -768,6 +944,10 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
 template <typename Format>
 void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   n0 = kvserve::kquant_rows_amx(x, w, Format::kCode, n0, n1, out, ldo);  // whole groups of 16 on AMX tiles, where it runs
+#ifdef KVSERVE_ZMM_ROWS
+  if (Format::kCode != kQ5_K && x.M >= kLaneMinRows && cpu_has_vnni())  // whole groups of 16 in zmm lanes
+    n0 = lanes_q8<Format::kCode == kQ6_K>(x, w, n0, n1, out, ldo);
+#endif
   if (n0 >= n1) return;
   for (int64_t r = 0; r < x.M; r += kKRows) {
     float* o = out + r * ldo;
