@@ -781,24 +781,37 @@ inline __m512 halves_ps(__m512i v, bool hi) {
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hi ? _mm512_srli_epi32(v, 16) : v));
 }
 
-// The dwords (kHalf: the 16-bit words) at b[f] + offset (f < 16) as lanes.
-template <bool kHalf>
-inline __m512i dword_lanes(const uint8_t* const* b, int64_t offset) {
-  alignas(64) uint32_t v[16];
-  for (int f = 0; f < 16; ++f) v[f] = kHalf ? u16_at(b[f] + offset) : u32_at(b[f] + offset);
-  return _mm512_load_si512(v);
+// The dwords at b + f * stride + offset (f < 16) as lanes.
+inline __m512i dword_lanes(const uint8_t* b, int64_t stride, int64_t offset) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int>(stride)));
+  return _mm512_i32gather_epi32(at, b + offset, 1);
 }
 
-inline void lanes_q4_k(const uint8_t* const* b, LaneBlock& L) {
-  __m512i t[16];
-  for (int f = 0; f < 16; ++f) t[f] = _mm512_cvtepu8_epi32(q4_k_scales(b[f]));  // dword i: sc_i (i < 8), m_(i-8)
-  transpose16(t);
-  for (int j = 0; j < 8; ++j) L.sc[j] = t[j], L.side[j] = _mm512_or_si512(t[8 + j], _mm512_slli_epi32(t[8 + j], 16));
-  const __m512i dd = dword_lanes<false>(b, 0);  // [d, dmin] fp16
+// Q4_K / Q5_K's 6-bit scales and mins in lanes, as q4_k_scales takes them from the 12 bytes
+// s0 s1 s2 (dwords, one lane per feature): j < 4 sc_j = s0.j & 63, m_j = s1.j & 63; j = 4 + i
+// sc_j = (s2.i & 15) | (s0.i >> 6) << 4, m_j = (s2.i >> 4) | (s1.i >> 6) << 4 (s.i: byte i).
+// Features b + f * stride (f < 16).
+inline void lanes_q4_k(const uint8_t* b, int64_t stride, LaneBlock& L) {
+  const __m512i s0 = dword_lanes(b, stride, 4), s1 = dword_lanes(b, stride, 8), s2 = dword_lanes(b, stride, 12);
+  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
+  for (int i = 0; i < 4; ++i) {
+    const unsigned sh = 8 * i;
+    const __m512i m_lo = _mm512_and_si512(_mm512_srli_epi32(s1, sh), m6);
+    const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, sh + 4), m4),
+                                         _mm512_and_si512(_mm512_srli_epi32(s1, sh + 2), top));
+    L.sc[i] = _mm512_and_si512(_mm512_srli_epi32(s0, sh), m6);
+    L.sc[4 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, sh), m4),
+                                  _mm512_and_si512(_mm512_srli_epi32(s0, sh + 2), top));
+    L.side[i] = _mm512_or_si512(m_lo, _mm512_slli_epi32(m_lo, 16));
+    L.side[4 + i] = _mm512_or_si512(m_hi, _mm512_slli_epi32(m_hi, 16));
+  }
+  const __m512i dd = dword_lanes(b, stride, 0);  // [d, dmin] fp16
   L.d = halves_ps(dd, false), L.dmin = halves_ps(dd, true);
   const __m512i m15 = _mm512_set1_epi8(15);
+  __m512i t[16];
   for (int c = 0; c < 2; ++c) {  // qs dwords 16c .. 16c + 15: dword D = 8 cc + q of 32-byte chunk cc
-    for (int f = 0; f < 16; ++f) t[f] = _mm512_loadu_si512(b[f] + 16 + 64 * c);
+    for (int f = 0; f < 16; ++f) t[f] = _mm512_loadu_si512(b + f * stride + 16 + 64 * c);
     transpose16(t);
     for (int i = 0; i < 16; ++i) {  // low nibbles: sub-block 2 cc, quad q; high: 2 cc + 1
       const int cc = (16 * c + i) / 8, q = i % 8;
@@ -808,19 +821,19 @@ inline void lanes_q4_k(const uint8_t* const* b, LaneBlock& L) {
   }
 }
 
-inline void lanes_q6_k(const uint8_t* const* b, LaneBlock& L) {
+inline void lanes_q6_k(const uint8_t* b, int64_t stride, LaneBlock& L) {
   __m512i t[16], ql[32], qh[16];
-  for (int f = 0; f < 16; ++f) t[f] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[f] + 192)));
+  for (int f = 0; f < 16; ++f) t[f] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + f * stride + 192)));
   transpose16(t);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   for (int i = 0; i < 16; ++i) L.sc[i] = t[i];
   for (int p = 0; p < 8; ++p) L.side[p] = _mm512_or_si512(_mm512_and_si512(t[2 * p], low16), _mm512_slli_epi32(t[2 * p + 1], 16));
-  L.d = halves_ps(dword_lanes<true>(b, 208), false), L.dmin = _mm512_setzero_ps();
+  L.d = halves_ps(dword_lanes(b, stride, 206), true), L.dmin = _mm512_setzero_ps();  // d: bytes 208-209 (the block's last)
   for (int c = 0; c < 2; ++c) {
-    for (int f = 0; f < 16; ++f) ql[16 * c + f] = _mm512_loadu_si512(b[f] + 64 * c);
+    for (int f = 0; f < 16; ++f) ql[16 * c + f] = _mm512_loadu_si512(b + f * stride + 64 * c);
     transpose16(ql + 16 * c);
   }
-  for (int f = 0; f < 16; ++f) qh[f] = _mm512_loadu_si512(b[f] + 128);
+  for (int f = 0; f < 16; ++f) qh[f] = _mm512_loadu_si512(b + f * stride + 128);
   transpose16(qh);
   const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
   for (int h = 0; h < 2; ++h)  // q6_k_codes' order: quad Q = 32h + 8c + q from ql dword 16h + 8(c & 1) + q, qh dword 8h + q
@@ -867,14 +880,16 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
         for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(I[r], L.sc[kSub * blk + h]));
       }
     }
+    __m512i side[R];  // rows side by side: each is a chain of 8 dependent vpdpwssd
+    for (int r = 0; r < R; ++r) side[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p)
+      for (int r = 0; r < R; ++r) side[r] = _mm512_dpwssd_epi32(side[r], L.side[p], dword_at(s16[r] + 2 * p));
     for (int r = 0; r < R; ++r) {
-      __m512i side = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) side = _mm512_dpwssd_epi32(side, L.side[p], dword_at(s16[r] + 2 * p));
       const __m512 dx = _mm512_set1_ps(x.kd[(r0 + r) * nb + sb]);
       if (kQ6) {
-        A[r] = _mm512_sub_epi32(A[r], _mm512_slli_epi32(side, 5));
+        A[r] = _mm512_sub_epi32(A[r], _mm512_slli_epi32(side[r], 5));
       } else {
-        corr[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(side), _mm512_mul_ps(L.dmin, dx), corr[r]);
+        corr[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(side[r]), _mm512_mul_ps(L.dmin, dx), corr[r]);
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[r]), _mm512_mul_ps(L.d, dx), acc[r]);
     }
@@ -896,10 +911,9 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
   panel.resize(nb);
   int64_t n = n0;
   for (; n + 16 <= n1; n += 16) {
-    const uint8_t* b[16];
     for (int64_t sb = 0; sb < nb; ++sb) {
-      for (int f = 0; f < 16; ++f) b[f] = w + ((n + f) * nb + sb) * kBytes;
-      if (kQ6) lanes_q6_k(b, panel[sb]); else lanes_q4_k(b, panel[sb]);
+      const uint8_t* b = w + (n * nb + sb) * kBytes;  // feature n + f's at b + f * nb * kBytes
+      if (kQ6) lanes_q6_k(b, nb * kBytes, panel[sb]); else lanes_q4_k(b, nb * kBytes, panel[sb]);
     }
     for (int64_t r = 0; r < x.M;) {
       float* o = out + r * ldo + n;
