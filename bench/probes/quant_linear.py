@@ -3,7 +3,8 @@
 For each matrix shape of SmolLM2-135M (fused qkv, o_proj, fused gate/up, down: Q4_1; the
 tied LM head: Q8_0) and each row count, one call's time through
 
-* ``block``: ``torch.ops.kvserve.gguf_linear`` on the packed GGUF blocks,
+* ``block``: ``torch.ops.kvserve.gguf_linear`` on the packed GGUF blocks (``--int8``:
+  ``gguf_linear_q8``, int8 activations, the default path where the format has that kernel),
 * ``onednn``: kvserve's dense path (``PackedLinear``: oneDNN on packed fp32 weights from 4
   rows, MKL below),
 * ``mkl``: ``F.linear`` on the fp32 weights (what transformers runs),
@@ -15,7 +16,7 @@ from memory rather than from cache. The ratios say where ``BlockLinear.MAX_ROWS`
 the block kernel wins while a call is bound by weight bytes and loses once it is compute
 bound.
 
-    python -m bench.probes.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N] [--gguf FILE.gguf]
+    python -m bench.probes.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N] [--gguf FILE.gguf] [--int8]
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def gguf_matrices(path: str, max_layers: int = 8) -> dict[str, list[PackedMatrix
 
 
 def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int],
-                     min_s: float = 0.3) -> dict[str, Any]:
+                     min_s: float = 0.3, int8: bool = False) -> dict[str, Any]:
     from engine.model.linear import PackedLinear
     from engine.model.block_linear import BlockLinear
 
@@ -101,17 +102,20 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
         dense = [m.dequantize() for m in copies]
         packed = [PackedLinear(w, None, 16) for w in dense]
         first = copies[0]
+        q8 = int8 and torch.ops.kvserve.gguf_q8_supported(int(first.format))
+        block = torch.ops.kvserve.gguf_linear_q8 if q8 else torch.ops.kvserve.gguf_linear
         for m in rows:
             x = torch.randn(m, first.in_features)
-            block_s = time_call(lambda: [torch.ops.kvserve.gguf_linear(x, c.data, c.out_features, int(c.format))
-                                         for c in copies], min_s) / len(copies)
+            block_s = time_call(lambda: [block(x, c.data, c.out_features, int(c.format)) for c in copies],
+                                min_s) / len(copies)
             onednn_s = time_call(lambda: [p(x) for p in packed], min_s) / len(copies)
             mkl_s = time_call(lambda: [F.linear(x, w) for w in dense], min_s) / len(copies)
             tile = BlockLinear(first, None, None).tile_rows
             panels_s = time_call(lambda: [torch.ops.kvserve.gguf_linear_panels(x, c.data, c.out_features, int(c.format),
                                                                                tile) for c in copies], min_s) / len(copies)
             results.append({
-                "matrix": kind, "format": first.format.name, "shape": [first.out_features, first.in_features],
+                "matrix": kind, "format": first.format.name + (" int8" if q8 else ""),
+                "shape": [first.out_features, first.in_features],
                 "rows": m, "block_us": round(block_s * 1e6, 1), "onednn_us": round(onednn_s * 1e6, 1),
                 "mkl_us": round(mkl_s * 1e6, 1), "panels_us": round(panels_s * 1e6, 1), "block_gflops": round(2 * m * first.out_features
                                                                        * first.in_features / block_s / 1e9, 1),
@@ -134,13 +138,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-threads", type=int, help="torch threads (default: available cores)")
     parser.add_argument("--gguf", help="time the matrices of this GGUF instead of the default model's")
     parser.add_argument("--output", help="JSON path (default bench/results/quant_linear-<time>.json)")
+    parser.add_argument("--int8", action="store_true",
+                        help="the block column through the int8-activation kernel, where the format has one")
     args = parser.parse_args(argv)
     set_threads(args.num_threads)
     from engine.kernels import load_kernels
 
     if not load_kernels():
         raise SystemExit("the native kernels could not be built (see the warning above)")
-    result = run_quant_linear(gguf_matrices(args.gguf) if args.gguf else default_model_matrices(), args.rows)
+    result = run_quant_linear(gguf_matrices(args.gguf) if args.gguf else default_model_matrices(), args.rows,
+                              int8=args.int8)
     print_report(result)
     print(f"  results: {write_results('quant_linear', result, args.output)}")
     return result

@@ -835,13 +835,19 @@ inline void lanes_q6_k(const uint8_t* b, int64_t stride, LaneBlock& L) {
   }
   for (int f = 0; f < 16; ++f) qh[f] = _mm512_loadu_si512(b + f * stride + 128);
   transpose16(qh);
-  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-  for (int h = 0; h < 2; ++h)  // q6_k_codes' order: quad Q = 32h + 8c + q from ql dword 16h + 8(c & 1) + q, qh dword 8h + q
+  // q6_k_codes' order: quad Q = 32h + 8c + q is ql dword 16h + 8(c & 1) + q's low (c < 2) or high
+  // nibbles | qh dword 8h + q's bits 2c, 2c + 1 moved to bits 4, 5 (one shift by 4 - 2c, kept by
+  // the 0x30 mask); the nibble and the two bits are merged by one bit select (vpternlogd 0xE4:
+  // mask ? a : b)
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h)
     for (int c = 0; c < 4; ++c)
       for (int q = 0; q < 8; ++q) {
-        const __m512i lo4 = _mm512_and_si512(_mm512_srli_epi16(ql[16 * h + 8 * (c & 1) + q], 4 * (c >> 1)), m4);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh[8 * h + q], 2 * c), m2);
-        L.q[32 * h + 8 * c + q] = _mm512_or_si512(lo4, _mm512_slli_epi16(high, 4));
+        const __m512i l = ql[16 * h + 8 * (c & 1) + q], t = qh[8 * h + q];
+        const __m512i lo4 = c < 2 ? l : _mm512_srli_epi16(l, 4);
+        const __m512i high = c == 0 ? _mm512_slli_epi16(t, 4) : c == 1 ? _mm512_slli_epi16(t, 2)
+                             : c == 2 ? t : _mm512_srli_epi16(t, 2);
+        L.q[32 * h + 8 * c + q] = _mm512_ternarylogic_epi32(lo4, _mm512_and_si512(high, m30), m4, 0xE4);
       }
 }
 
@@ -897,9 +903,13 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_sub_ps(acc[r], corr[r]));
 }
 
-// From 4 rows (2 threads, 16384 x 2048 Q4_K / 2048 x 8192 Q6_K: at 4 rows even with pair_rows, at 16
-// 1.4x / 1.4x, at 512 1.8x / 2.0x); below, unpacking a group costs more than pair_rows' reductions.
-constexpr int kLaneMinRows = 4;
+// Where the lanes beat pair_rows (python -m bench.probes.quant_linear --gguf <the 1B Q4_K_M> --int8,
+// 2 threads, each matrix from DRAM): Q4_K from 4 rows (4 rows 1.2-1.3x, 16 rows 1.6-1.8x), Q6_K
+// from 8 (its unpack costs more: at 4 rows the 49152 x 2048 LM head ran 1.25x slower, at 8 rows
+// 2048 x 8192 1.25x faster; 16 rows 1.2-1.5x). Fewer rows: unpacking a group costs more than
+// pair_rows' reductions.
+template <bool kQ6>
+constexpr int kLaneMinRows = kQ6 ? 8 : 4;
 constexpr int kLaneRows = 4;  // rows per pass over a group's LaneBlocks (6 spilled registers and ran slower)
 
 // Whole groups of 16 features from n0 for every row, on the lanes kernel: returns where they end.
@@ -913,6 +923,13 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
   for (; n + 16 <= n1; n += 16) {
     for (int64_t sb = 0; sb < nb; ++sb) {
       const uint8_t* b = w + (n * nb + sb) * kBytes;  // feature n + f's at b + f * nb * kBytes
+      // the next group's same super-blocks into L2: below ~16 rows a call waits on DRAM, and the
+      // hardware prefetcher does not follow 16 interleaved streams (prefetch_ahead's 8 KB lands
+      // inside this group, ~20% slower at 16 rows of the 1B's LM head)
+      if (n + 32 <= n1)
+        for (int f = 16; f < 32; ++f)
+          for (int64_t o = 0; o < kBytes; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(b + f * nb * kBytes + o), _MM_HINT_T1);
       if (kQ6) lanes_q6_k(b, nb * kBytes, panel[sb]); else lanes_q4_k(b, nb * kBytes, panel[sb]);
     }
     for (int64_t r = 0; r < x.M;) {
@@ -959,7 +976,7 @@ template <typename Format>
 void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   n0 = kvserve::kquant_rows_amx(x, w, Format::kCode, n0, n1, out, ldo);  // whole groups of 16 on AMX tiles, where it runs
 #ifdef KVSERVE_ZMM_ROWS
-  if (Format::kCode != kQ5_K && x.M >= kLaneMinRows && cpu_has_vnni())  // whole groups of 16 in zmm lanes
+  if (Format::kCode != kQ5_K && x.M >= kLaneMinRows<Format::kCode == kQ6_K> && cpu_has_vnni())  // whole groups of 16 in zmm lanes
     n0 = lanes_q8<Format::kCode == kQ6_K>(x, w, n0, n1, out, ldo);
 #endif
   if (n0 >= n1) return;

@@ -93,6 +93,8 @@ def test_quant_linear_bench_smoke():
     for r in result["results"]:
         assert r["shape"] == [40, 64] and r["format"] == "Q4_1"
         assert r["block_us"] > 0 and r["onednn_us"] > 0 and r["mkl_us"] > 0 and r["onednn_over_block"] > 0
+    int8 = run_quant_linear({"tiny": [matrix]}, rows=[4], min_s=0.01, int8=True)["results"][0]
+    assert int8["format"] == ("Q4_1 int8" if torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q4_1)) else "Q4_1")
 
 
 def test_step_profile_times_every_piece_of_a_step(pair):
