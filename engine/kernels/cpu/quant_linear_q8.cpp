@@ -37,8 +37,9 @@
 //     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
 //     column sums.
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
-// The K-quants' many-row kernels are below (pair_rows, lanes_q8). On AMX CPUs the whole 16-row tiles of the strip pairs take tile products instead
-// (quant_linear_amx.cpp strip_pairs_amx), with the same results.
+// (The K-quants' many-row kernels are below: pair_rows, lanes_q8.) On AMX CPUs the whole 16-row
+// tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
+// the same results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -936,7 +937,6 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
       float* o = out + r * ldo + n;
       const int64_t left = x.M - r;
       if (left >= kLaneRows) lane_rows<kQ6, kLaneRows>(x, r, panel.data(), o, ldo), r += kLaneRows;
-      else if (left >= 4) lane_rows<kQ6, 4>(x, r, panel.data(), o, ldo), r += 4;
       else if (left >= 2) lane_rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
       else lane_rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
     }
