@@ -46,8 +46,9 @@ class BlockLinear:
     # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
     # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
     # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls) and for Q4_K and
-    # Q6_K (their 512-bit row kernels, on AMX CPUs tiles: on a Zen 4, 2 threads, 1.29-1.42x oneDNN
-    # fp32 at 64 and 256 rows on the 1B Q4_K_M's four matrices, 1.38 / 1.10x at 64 / 512 rows on
+    # Q6_K (their 512-bit lane kernels, on AMX CPUs tiles: on a Zen 4, 2 threads, 2.4-2.8x oneDNN
+    # fp32 at 64 and 512 rows on the 1B Q4_K_M's matrices, bench.probes.quant_linear --int8; before
+    # the lane kernels 1.29-1.42x at 64 and 256 rows, 1.38 / 1.10x at 64 / 512 rows on
     # SmolLM2 Q4_K_M's 576 x 1536 Q6_K down; a 1,000-token prefill of that file in process 1.10 -> 1.00 s), and when there is
     # no dense copy for the formats whose int8 kernel beats the fp32 panels (8192 x 2048 Q4_K at 64
     # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
