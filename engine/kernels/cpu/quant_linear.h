@@ -80,10 +80,10 @@ constexpr int64_t kWeightPrefetch = KVSERVE_Q8_PREFETCH;
 // The fp32-activation kernels (quant_linear.cpp, the default) expand each weight to fp32 and
 // were further still behind the stream: with the prefetch a one-row step of SmolLM2 Q4_1 went
 // from 16-18 to 6.7-6.9 ms, of the 1B Q4_K_M from 98-101 to 66 ms (same VM, bench.probes.step_profile).
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kWeightPrefetch + o), KVSERVE_Q8_PREFETCH_HINT);
+inline void prefetch_range(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), KVSERVE_Q8_PREFETCH_HINT);
 }
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) { prefetch_range(p + kWeightPrefetch, bytes); }
 #endif
 
 // The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the

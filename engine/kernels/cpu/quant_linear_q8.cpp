@@ -87,6 +87,7 @@ using kvserve::cpu_has_avx2;  // cpu_features.h: one CPU check for every source
 #pragma GCC target("avx2,fma,f16c")
 
 using kvserve::prefetch_ahead;  // quant_linear.h
+using kvserve::prefetch_range;
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -852,12 +853,6 @@ inline void lanes_q6_k(const uint8_t* b, int64_t stride, LaneBlock& L) {
       }
 }
 
-inline __m512i dword_at(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm512_set1_epi32(v);
-}
-
 // Rows [r0, r0 + R) against a group's LaneBlocks: out[r * ldo + f] for f < 16.
 template <bool kQ6, int R>
 void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, float* out, int64_t ldo) {
@@ -882,7 +877,7 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
 #pragma GCC unroll 8
         for (int q = kQuads * h; q < kQuads * (h + 1); ++q) {
           const __m512i w = L.q[8 * blk + q];
-          for (int r = 0; r < R; ++r) I[r] = _mm512_dpbusd_epi32(I[r], w, dword_at(xs[r] + at + 4 * q));
+          for (int r = 0; r < R; ++r) I[r] = _mm512_dpbusd_epi32(I[r], w, quad_at16(xs[r] + at, q));
         }
         for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(I[r], L.sc[kSub * blk + h]));
       }
@@ -890,7 +885,8 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
     __m512i side[R];  // rows side by side: each is a chain of 8 dependent vpdpwssd
     for (int r = 0; r < R; ++r) side[r] = _mm512_setzero_si512();
     for (int p = 0; p < 8; ++p)
-      for (int r = 0; r < R; ++r) side[r] = _mm512_dpwssd_epi32(side[r], L.side[p], dword_at(s16[r] + 2 * p));
+      for (int r = 0; r < R; ++r)  // the pair (s16[2p], s16[2p + 1]) is dword p
+        side[r] = _mm512_dpwssd_epi32(side[r], L.side[p], quad_at16(reinterpret_cast<const int8_t*>(s16[r]), p));
     for (int r = 0; r < R; ++r) {
       const __m512 dx = _mm512_set1_ps(x.kd[(r0 + r) * nb + sb]);
       if (kQ6) {
@@ -928,9 +924,7 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
       // hardware prefetcher does not follow 16 interleaved streams (prefetch_ahead's 8 KB lands
       // inside this group, ~20% slower at 16 rows of the 1B's LM head)
       if (n + 32 <= n1)
-        for (int f = 16; f < 32; ++f)
-          for (int64_t o = 0; o < kBytes; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(b + f * nb * kBytes + o), _MM_HINT_T1);
+        for (int f = 16; f < 32; ++f) prefetch_range(b + f * nb * kBytes, kBytes);
       if (kQ6) lanes_q6_k(b, nb * kBytes, panel[sb]); else lanes_q4_k(b, nb * kBytes, panel[sb]);
     }
     for (int64_t r = 0; r < x.M;) {
