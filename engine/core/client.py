@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from engine.core.protocol import (GENERIC_ENGINE_ERROR, AbortRequests, AddRequest, EngineCoreOutputs, EngineInfo,
                                   Shutdown, StepStats, Unpin)
@@ -80,22 +80,29 @@ class EngineClient(Protocol):
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                  cache_salt: str | None = None, priority: int = 0,
                  tenant: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def push(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[RequestOutput], None],
+             request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
+             tenant: str | None = None) -> Callable[[bool], None]: ...
     def unpin(self, block_hash: str) -> None: ...
 
 
 class _Stream:
     """One request's outputs, on the event loop of its ``generate``: ``put`` (called on that loop)
     wakes the one reader that ``get`` awaits. An ``asyncio.Queue`` does the same with more of the
-    frontend's CPU a token."""
+    frontend's CPU a token. With a ``sink`` (``push``), ``put`` calls it instead."""
 
-    __slots__ = ("loop", "_items", "_waiter")
+    __slots__ = ("loop", "_items", "_waiter", "sink")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sink: Callable[[RequestOutput], None] | None = None) -> None:
         self.loop = loop
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._waiter: asyncio.Future | None = None
+        self.sink = sink
 
     def put(self, out: RequestOutput) -> None:
+        if self.sink is not None:
+            self.sink(out)
+            return
         self._items.append(out)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -165,9 +172,33 @@ class _ClientBase:
                        cache_salt: str | None = None, priority: int = 0,
                        tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing or cancelling the iterator aborts the request."""
+        stream = _Stream(asyncio.get_running_loop())
+        close = self._open(prompt_token_ids, params, stream, request_id, cache_salt, priority, tenant)
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            close(finished)
+
+    def push(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[RequestOutput], None],
+             request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
+             tenant: str | None = None) -> Callable[[bool], None]:
+        """Run a request whose outputs go to ``sink(out)`` as they come, called on this event loop
+        where each step's outputs are handed over (no task or queue between the engine and the
+        caller; ``sink`` must not raise). Returns ``close(finished)``: call it exactly once, with
+        whether the last output was seen; without it the request is aborted."""
+        return self._open(prompt_token_ids, params, _Stream(asyncio.get_running_loop(), sink), request_id,
+                         cache_salt, priority, tenant)
+
+    def _open(self, prompt_token_ids: Sequence[int], params: SamplingParams, stream: _Stream,
+              request_id: str | None, cache_salt: str | None, priority: int,
+              tenant: str | None) -> Callable[[bool], None]:
+        """Register ``stream`` and send the request; returns its ``close(finished)``."""
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop())
         add = AddRequest(request_id, list(prompt_token_ids), params, cache_salt, priority, time.monotonic(), tenant)
         with self._lock:
             if not self.is_healthy:
@@ -178,13 +209,8 @@ class _ClientBase:
             self._processor.add_request(request_id, add.prompt_token_ids, params, add.arrival_time)
             epoch = self._epoch
         self._send(add, epoch)
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
-                yield out
-        finally:
+
+        def close(finished: bool) -> None:
             with self._lock:
                 self._streams.pop(request_id, None)
                 aborted = self._processor.finish(request_id, "abort")
@@ -192,6 +218,7 @@ class _ClientBase:
                 self._send(AbortRequests([request_id]), epoch)
             if aborted is not None:  # the caller left: metrics count it here (the core's answer is dropped)
                 self._observe(None, [aborted])
+        return close
 
     def abort(self, request_id: str) -> None:
         self._send(AbortRequests([request_id]), self._epoch)
@@ -201,7 +228,9 @@ class _ClientBase:
         self._send(Unpin(block_hash), self._epoch)
 
     # ---- the receiving thread ------------------------------------------------------------------
-    def _on_outputs(self, message: EngineCoreOutputs) -> None:
+    def _on_outputs(self, message: EngineCoreOutputs, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """One message from the core; ``loop``: the event loop this runs on, when the caller knows
+        it (the loop's own pipe reader: asking asyncio costs a system call a step)."""
         with self._lock:
             outputs, stopped = self._processor.process(message.outputs)
             epoch = self._epoch
@@ -212,7 +241,7 @@ class _ClientBase:
             self._stats = message.stats
             if message.stats.num_batched_tokens:
                 self.num_steps += 1
-        _hand_over(targets)
+        _hand_over(targets, loop)
         self._observe(message.stats, outputs)
 
     def _fail_all(self, finish_reason: str, message: str | None, reset_stats: bool = False) -> None:
@@ -243,10 +272,11 @@ class _ClientBase:
         raise NotImplementedError
 
 
-def _hand_over(targets: list[tuple[_Stream, RequestOutput]]) -> None:
-    """Put each output into its stream: directly when read on that stream's loop (bind_loop),
-    else through that loop's ``call_soon_threadsafe``."""
-    here = _running_loop() if targets else None
+def _hand_over(targets: list[tuple[_Stream, RequestOutput]], here: asyncio.AbstractEventLoop | None = None) -> None:
+    """Put each output into its stream: directly when read on that stream's loop (``here``, else
+    the running loop, if any; bind_loop), else through that loop's ``call_soon_threadsafe``."""
+    if here is None and targets:
+        here = _running_loop()
     elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
     for stream, out in targets:
         if stream.loop is here:

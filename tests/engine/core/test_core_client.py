@@ -214,3 +214,74 @@ def test_invalid_request_is_refused_before_queueing(async_engine):
 
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(main())
+
+
+def test_push_hands_each_output_to_its_sink_in_order_and_generate_agrees(async_engine):
+    """``push``: the same outputs as ``generate`` (greedy), each given to the sink on the caller's
+    event loop as it comes, the last one ``finished``; closing a finished run leaves nothing open."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pushed: list = []
+        loops: set = set()
+        done = loop.create_future()
+
+        def sink(out):
+            loops.add(asyncio.get_running_loop())  # the caller's loop: the hand-over calls it there
+            pushed.append(out)
+            if out.finished:
+                done.set_result(None)
+
+        close = async_engine.push(prompt(7), params, sink, request_id="pushed")
+        assert async_engine.num_in_flight == 1
+        await asyncio.wait_for(done, 60)
+        close(True)
+        assert async_engine.num_in_flight == 0
+        tokens, last = await collect(async_engine, prompt(7), params)
+        assert loops == {loop}
+        return pushed, tokens, last
+
+    pushed, tokens, last = asyncio.run(main())
+    assert [t for out in pushed for t in out.new_token_ids] == tokens and len(tokens) == 12
+    assert [out.finished for out in pushed] == [False] * (len(pushed) - 1) + [True]
+    assert pushed[-1].finish_reason == last.finish_reason == "length"
+
+
+def test_closing_an_unfinished_push_aborts_it_and_frees_its_blocks(async_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got: list = []
+        started = asyncio.Event()
+
+        def sink(out):
+            got.append(out)
+            if len(got) >= 3:
+                started.set()
+
+        close = async_engine.push(prompt(3), params, sink, request_id="left")
+        await asyncio.wait_for(started.wait(), 60)
+        close(False)
+        count, steps = len(got), async_engine.num_steps
+        deadline = loop.time() + 30
+        while async_engine.stats.num_running or async_engine.stats.kv_used_blocks:
+            assert loop.time() < deadline, async_engine.stats
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return count, got, async_engine.num_steps - steps
+
+    count, got, steps_after = asyncio.run(main())
+    assert len(got) == count and not got[-1].finished  # nothing reaches a closed sink
+    assert steps_after < 20  # aborted: not the ~190 steps left of its 200 tokens
+    assert async_engine.num_in_flight == 0
+
+
+def test_push_refuses_an_invalid_request_at_once(async_engine):
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            async_engine.push([], SamplingParams(max_tokens=4), lambda out: None)
+        assert async_engine.num_in_flight == 0
+
+    asyncio.run(main())
