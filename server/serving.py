@@ -4,6 +4,11 @@ One HTTP request becomes ``len(prompts) * n`` engine requests ("choices"), run c
 and merged. Closing the merged stream (client gone, error) cancels every choice, which
 aborts its engine request and frees its blocks.
 
+Streamed chat and text completions are pushed: each engine output is made into its frames
+(``server/stream_frames.py``) and written where it arrives (``server/push.py``), with no task
+or generator per token. The other consumers (non-streamed responses, the Responses and Messages
+APIs) read the same outputs through ``stream_outputs``.
+
 Bad input stays off the hot path: the prompt count and size are checked before tokenizing,
 and tokenization and chat templates run in a worker thread, never on the event loop. The
 429 budget counts engine requests (a request with ``n=8`` weighs 8).
@@ -14,14 +19,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
-import hmac
+import functools
 import time
 from functools import lru_cache
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.core.client import EngineClient, EngineDeadError
 from engine.core.protocol import PromptTooLongError
@@ -32,15 +36,16 @@ from server.access_log import current_record, engine_request_id
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, sse_error_frame
-from server.sse import ChunkWriter
+from server.push import FrameWriter, PushedSSE
+from server.stream_frames import DONE, ChatFrames, CompletionFrames
 from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.reasoning import ReasoningParser, ThinkMode, split, think_tags, think_token_ids
+from server.reasoning import ThinkMode, split, think_tags, think_token_ids
 from server.runs import (ChatRun, Choice, EngineRequestError, Job, cancel_on_disconnect, checked, prompt_lengths,
                          usage, with_seed)
 from server.tenants import Tenancy, current_tenant
-from server.tools import ToolPlan, ToolStreamer, finish_message, plan_tools, render_messages
+from server.tools import ToolPlan, finish_message, plan_tools, render_messages
 
 class OpenAIServing:
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
@@ -130,7 +135,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         run = await self.prepare_chat(body)
         if body.stream:
-            return self._sse(self._chat_stream(run.request_id, run.jobs, body, run.plan, run.think))
+            return self._pushed(run.jobs, body.cache_salt, ChatFrames(run.request_id, self.model_name, run.jobs, body,
+                                                                      self.logprobs, run.plan, run.think))
         return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan, run.think))
 
     async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
@@ -234,7 +240,8 @@ class OpenAIServing:
                 prompt = body.prompts()[job.choice.prompt_index]
                 job.choice.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         if body.stream:
-            return self._sse(self._completion_stream(request_id, jobs, body))
+            return self._pushed(jobs, body.cache_salt, CompletionFrames(request_id, self.model_name, jobs, body,
+                                                                        self.logprobs))
         return await cancel_on_disconnect(raw, self._completion_full(request_id, jobs, body))
 
     def _check_n(self, n: int) -> None:
@@ -271,9 +278,7 @@ class OpenAIServing:
 
         The jobs run under their tenant (``Job.tenant``, set at admission): its salt goes before
         ``cache_salt`` in the prefix-cache chain, and the end of the stream releases its limits."""
-        tenant = jobs[0].tenant if jobs else None
-        salt = tenant.cache_salt(cache_salt) if tenant is not None else cache_salt
-        owner = self.tenancy.engine_tenant(tenant) if tenant is not None else None
+        salt, owner = self._salt_and_owner(jobs, cache_salt)
         record = current_record()
         unfinished = "cancelled"  # the finish reason of a choice the engine did not end: the stream was left
         try:
@@ -286,11 +291,80 @@ class OpenAIServing:
             unfinished = "abort" if exc.status == 503 else "error"
             raise
         finally:
-            self.tenancy.ended(jobs)
-            if record is not None and jobs:
-                counts = usage([j.choice for j in jobs], prompt_lengths(jobs))
-                record.engine_ran(counts["prompt_tokens"], counts["prompt_tokens_details"]["cached_tokens"],
-                                  counts["completion_tokens"], [j.choice.finish_reason or unfinished for j in jobs])
+            self._run_ended(jobs, record, unfinished)
+
+    def _salt_and_owner(self, jobs: list[Job], cache_salt: str | None) -> tuple[str | None, str | None]:
+        """The prefix-cache salt (the jobs' tenant's before ``cache_salt``) and the engine tenant."""
+        tenant = jobs[0].tenant if jobs else None
+        if tenant is None:
+            return cache_salt, None
+        return tenant.cache_salt(cache_salt), self.tenancy.engine_tenant(tenant)
+
+    def _run_ended(self, jobs: list[Job], record: Any, unfinished: str) -> None:
+        """A run's end, however it ended: the tenant's limits released, the access line's counts."""
+        self.tenancy.ended(jobs)
+        if record is not None and jobs:
+            counts = usage([j.choice for j in jobs], prompt_lengths(jobs))
+            record.engine_ran(counts["prompt_tokens"], counts["prompt_tokens_details"]["cached_tokens"],
+                              counts["completion_tokens"], [j.choice.finish_reason or unfinished for j in jobs])
+
+    def _pushed(self, jobs: list[Job], cache_salt: str | None, frames: ChatFrames | CompletionFrames) -> PushedSSE:
+        """A streamed response of ``jobs`` whose outputs are written as ``frames`` where they
+        arrive (server/push.py): no task or generator per token."""
+        return PushedSSE(lambda writer: self._push_run(jobs, cache_salt, frames, writer))
+
+    def _push_run(self, jobs: list[Job], cache_salt: str | None, frames: ChatFrames | CompletionFrames,
+                  writer: FrameWriter) -> Callable[[], None]:
+        """Start every job with its outputs written by ``writer`` as they come; returns the run's
+        ``close`` (aborts the jobs still running, releases the tenant's limits, fills the access
+        line). The same outputs, frames and bookkeeping as ``stream_outputs`` would give."""
+        salt, owner = self._salt_and_owner(jobs, cache_salt)
+        record = current_record()
+        ends: list[tuple[Job, Callable[[bool], None]]] = []
+        last_seen: set[int] = set()  # choices whose final output arrived
+        state = {"unfinished": "cancelled", "running": len(jobs)}
+
+        def failed(exc: EngineRequestError) -> None:
+            state["unfinished"] = "abort" if exc.status == 503 else "error"
+            writer.write(sse_error_frame(str(exc), exc.type, exc.code))
+            writer.end(DONE)
+
+        def sink(job: Job, out: RequestOutput) -> None:
+            try:
+                if out.finished:
+                    last_seen.add(job.choice.index)
+                try:
+                    checked(job.choice, out)
+                except EngineRequestError as exc:
+                    return failed(exc)
+                if record is not None and out.num_output_tokens:
+                    record.first_token()
+                for frame in frames.output(job.choice, out):
+                    writer.write(frame)
+                if out.finished:
+                    state["running"] -= 1
+                    if not state["running"]:
+                        for frame in frames.closing():
+                            writer.write(frame)
+                        writer.end(DONE)
+            except Exception as exc:  # noqa: BLE001 - a formatting bug fails this response, not the step's others
+                writer.fail(exc)
+
+        for frame in frames.opening():
+            writer.write(frame)
+        for job in jobs:
+            try:
+                ends.append((job, self.engine.push(job.prompt_token_ids, job.params, functools.partial(sink, job),
+                                                   job.request_id, salt, job.priority, owner)))
+            except (EngineDeadError, ValueError) as exc:
+                failed(EngineRequestError(str(exc)))
+                break
+
+        def close() -> None:
+            for job, end in ends:
+                end(job.choice.index in last_seen)
+            self._run_ended(jobs, record, state["unfinished"])
+        return close
 
     async def _stream_jobs(self, jobs: list[Job], cache_salt: str | None,
                            tenant: str | None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
@@ -359,43 +433,6 @@ class OpenAIServing:
             "choices": rendered, "usage": usage(choices, prompt_lengths(jobs)),
         })
 
-    async def _chat_stream(self, request_id: str, jobs: list[Job], body: ChatCompletionRequest,
-                           plan: ToolPlan | None = None, think: ThinkMode | None = None) -> AsyncIterator[str]:
-        usage_on = body.include_usage_in_stream()
-        chunk = ChunkWriter(request_id, "chat.completion.chunk", self.model_name, usage_on)
-        streamers = {j.choice.index: ToolStreamer(plan or ToolPlan("none", [])) for j in jobs}
-        parsers: dict[int, ReasoningParser] = {j.choice.index: think.parser() for j in jobs} if think else {}
-
-        try:
-            for job in jobs:
-                yield chunk.delta(job.choice.index, {"role": "assistant", "content": ""})
-            async for choice, out in self.stream_outputs(jobs, body.cache_salt):
-                if not (out.text or out.finished or (body.logprobs and out.logprobs)):
-                    continue
-                streamer = streamers[choice.index]
-                text = out.text
-                if parsers:  # the reasoning goes out in its own chunk, before this output's content
-                    reasoning, text = parsers[choice.index].step(out)
-                    if reasoning:
-                        yield chunk.delta(choice.index, {"reasoning_content": reasoning, "reasoning": reasoning})
-                delta = streamer.delta(text)
-                finish_reason = None
-                if out.finished:
-                    tail, finish_reason = streamer.final(choice.finish_reason)
-                    if tail:
-                        if delta:  # one delta per chunk: send what streamed first
-                            yield chunk.delta(choice.index, delta)
-                        delta = tail
-                logprobs = self.logprobs.chat(out.logprobs or []) if body.logprobs else None
-                if not (delta or out.finished or logprobs):
-                    continue
-                yield chunk.delta(choice.index, delta, logprobs, finish_reason)
-            if usage_on:
-                yield chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))
-        except EngineRequestError as exc:
-            yield sse_error_frame(str(exc), exc.type, exc.code)
-        yield "data: [DONE]\n\n"
-
     # ---- completion responses -----------------------------------------------------------------
     async def _completion_full(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> Response:
         created = int(time.time())
@@ -409,41 +446,7 @@ class OpenAIServing:
             "usage": usage(choices, prompt_lengths(jobs)),
         })
 
-    async def _completion_stream(self, request_id: str, jobs: list[Job], body: CompletionRequest) -> AsyncIterator[str]:
-        usage_on = body.include_usage_in_stream()
-        chunk = ChunkWriter(request_id, "text_completion", self.model_name, usage_on)
-        offsets = {j.choice.index: 0 for j in jobs}
-
-        try:
-            async for choice, out in self.stream_outputs(jobs, body.cache_salt):
-                if not (out.text or out.finished or (body.logprobs is not None and out.logprobs)):
-                    continue
-                logprobs = None
-                text = out.text
-                echo = choice.echo is not None and not choice.echoed  # the prompt goes first, once
-                if echo:
-                    choice.echoed = True
-                    text = (choice.echo or "") + text
-                if body.logprobs is not None:
-                    logprobs = self.logprobs.completion(out.logprobs or [], offsets[choice.index])
-                    if echo and out.prompt_logprobs is not None:
-                        job = next(j for j in jobs if j.choice is choice)
-                        logprobs = concat_logprobs(self.logprobs.prompt(job.prompt_token_ids, out.prompt_logprobs),
-                                                    logprobs)
-                    offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
-                yield chunk.text(choice.index, text, logprobs, choice.finish_reason if out.finished else None)
-            if usage_on:
-                yield chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))
-        except EngineRequestError as exc:
-            yield sse_error_frame(str(exc), exc.type, exc.code)
-        yield "data: [DONE]\n\n"
-
     # ---- formatting helpers -------------------------------------------------------------------
-    @staticmethod
-    def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     def _echoed_logprobs(self, choice: Choice, jobs: list[Job]) -> dict[str, Any]:
         output = self.logprobs.completion(choice.logprobs)
         if choice.echo is None or choice.prompt_logprobs is None:

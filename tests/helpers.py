@@ -86,3 +86,20 @@ def serve_inprocess(engine: LLMEngine):
 
     service = build_service(EngineConfig(), ServerConfig(log_stats_interval_s=0), engine=engine)
     return start_inprocess(service.app, service.engine.model_name)
+
+
+def push_through(generate):
+    """An ``EngineClient.push`` over ``generate``, for a test that wraps ``generate`` (a gate, a
+    hold) to control when a request runs: the wrapped generator runs in a task that hands each
+    output to the sink, so the wrapper holds the pushed streams (streamed chat and completions)
+    too. Closing cancels the task, which closes the generator (and aborts an unfinished request)."""
+    import asyncio
+
+    def push(prompt_ids, params, sink, request_id=None, cache_salt=None, priority=0, tenant=None):
+        async def pump() -> None:
+            async for out in generate(prompt_ids, params, request_id, cache_salt, priority, tenant):
+                sink(out)
+
+        task = asyncio.ensure_future(pump())
+        return lambda finished: task.cancel()
+    return push

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+from tests.helpers import push_through, tiny_engine, tiny_hf_model, tiny_llama_config
 
 KEY = "sk-access-log-secret-1"
 SALT = "access-log-salt-secret"
@@ -88,6 +88,7 @@ def srv(tmp_path_factory):
         return run()
 
     service.engine.generate = held
+    service.engine.push = push_through(held)
     server = start_inprocess(service.app, service.engine.model_name)
     server.records, server.stream, server.sent, server.hold = records, stream, [], hold
     server.serving = service.app.state.serving

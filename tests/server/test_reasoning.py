@@ -134,17 +134,18 @@ def server(tokenizer):
                          tokenizer=thinker)
     service = build_service(EngineConfig(), ServerConfig(log_stats_interval_s=0), engine=engine)
     client = service.engine
-    generate = client.generate
     forced = {"regex": None}
 
-    def forcing(prompt_ids, params, *args, **kwargs):  # the grammar Responses / Messages cannot ask for
-        if forced["regex"] is not None and params.structured_output is None:
-            # the whole output, think block included, held by the grammar: no think-block state holds it back
-            params = dataclasses.replace(params, structured_output=StructuredOutputSpec("regex", forced["regex"]),
-                                         reasoning=None)
-        return generate(prompt_ids, params, *args, **kwargs)
+    def forcing(call):  # the grammar Responses / Messages cannot ask for, on generate and push alike
+        def forced_call(prompt_ids, params, *args, **kwargs):
+            if forced["regex"] is not None and params.structured_output is None:
+                # the whole output, think block included, held by the grammar: no think-block state holds it back
+                params = dataclasses.replace(params, structured_output=StructuredOutputSpec("regex", forced["regex"]),
+                                             reasoning=None)
+            return call(prompt_ids, params, *args, **kwargs)
+        return forced_call
 
-    client.generate = forcing
+    client.generate, client.push = forcing(client.generate), forcing(client.push)
     srv = start_inprocess(service.app, service.engine.model_name)
     srv.force = forced
     yield srv

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.tenants import parse_key_file
-from tests.helpers import tiny_engine, tiny_hf_model, tiny_llama_config
+from tests.helpers import push_through, tiny_engine, tiny_hf_model, tiny_llama_config
 
 KEYS = {"alpha": "sk-alpha-secret-1", "beta": "sk-beta-secret-1", "gamma": "sk-gamma-secret-1",
         "delta": "sk-delta-secret-1", "ops": "sk-ops-secret-1"}
@@ -110,6 +110,7 @@ def srv(tokenizer, tmp_path_factory):
         return run()
 
     client.generate = gated
+    client.push = push_through(gated)
     server = start_inprocess(service.app, client.model_name)
     server.path, server.calls, server.gates, server.log = path, calls, gates, recorder
     server.tenancy = service.app.state.serving.tenancy

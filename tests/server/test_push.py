@@ -1,0 +1,156 @@
+"""server/push.py: frames written where the engine's outputs arrive, in order, through uvicorn's
+flow control; the response ends its run exactly once, however it ends.
+
+The bytes of real streams (chat, completions, n > 1, usage, errors, disconnects) are held by the
+server tests over HTTP (test_sse_frames, test_openai_sdk, test_lifecycle); these pin the writer's
+contract with ASGI ``send`` callables that complete at once, wait, or fail.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from server.push import FrameWriter, PushedSSE
+
+
+class Sink:
+    """An ASGI ``send``: records bodies; while ``gate`` is clear a send waits for it, as uvicorn's
+    does while its flow control has paused writing."""
+
+    def __init__(self, fail_with: BaseException | None = None) -> None:
+        self.bodies: list[bytes] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail_with = fail_with
+
+    async def __call__(self, message: dict) -> None:
+        if not self.gate.is_set():
+            await self.gate.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.bodies.append(message.get("body", b"") if message["type"] == "http.response.body" else b"<start>")
+
+
+def test_a_send_that_does_not_wait_runs_inside_write():
+    async def main():
+        send = Sink()
+        writer = FrameWriter(send, asyncio.get_running_loop())
+        writer.write("a")
+        assert send.bodies == [b"a"]  # no task between the write and the socket
+        writer.write("b")
+        writer.end("c")
+        assert send.bodies == [b"a", b"b", b"c"] and writer.done.done() and writer.done.result() is None
+        writer.write("late")
+        assert send.bodies == [b"a", b"b", b"c"]
+
+    asyncio.run(main())
+
+
+def test_frames_written_while_a_send_waits_go_out_after_it_in_order():
+    async def main():
+        send = Sink()
+        writer = FrameWriter(send, asyncio.get_running_loop())
+        writer.write("1")
+        send.gate.clear()  # the client stops reading
+        writer.write("2")
+        writer.write("3")
+        writer.end("4")
+        await asyncio.sleep(0.01)
+        assert send.bodies == [b"1"] and not writer.done.done()
+        send.gate.set()
+        await asyncio.wait_for(writer.done, 5)
+        assert send.bodies == [b"1", b"2", b"3", b"4"]
+
+    asyncio.run(main())
+
+
+def test_a_send_that_fails_fails_the_writer_and_nothing_more_is_sent():
+    async def main():
+        send = Sink(fail_with=RuntimeError("socket gone"))
+        writer = FrameWriter(send, asyncio.get_running_loop())
+        writer.write("a")
+        with pytest.raises(RuntimeError, match="socket gone"):
+            writer.done.result()
+        send.fail_with = None
+        writer.write("b")
+        assert send.bodies == []
+
+    asyncio.run(main())
+
+
+def test_abandon_stops_a_waiting_send_and_drops_the_queue():
+    async def main():
+        send = Sink()
+        send.gate.clear()
+        writer = FrameWriter(send, asyncio.get_running_loop())
+        writer.write("1")
+        writer.write("2")
+        writer.abandon()
+        send.gate.set()
+        await asyncio.sleep(0.01)
+        assert send.bodies == [] and writer.done.cancelled()
+
+    asyncio.run(main())
+
+
+def _receive_until(disconnect: asyncio.Event):
+    async def receive() -> dict:
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+    return receive
+
+
+def test_the_response_closes_its_run_once_when_the_run_ends():
+    async def main():
+        send, closed = Sink(), []
+
+        def open_run(writer):
+            writer.write("data: 1\n\n")
+            asyncio.get_running_loop().call_soon(writer.end, "data: [DONE]\n\n")
+            return lambda: closed.append("closed")
+
+        await PushedSSE(open_run)({"type": "http"}, _receive_until(asyncio.Event()), send)
+        assert send.bodies == [b"<start>", b"data: 1\n\n", b"data: [DONE]\n\n"] and closed == ["closed"]
+
+    asyncio.run(main())
+
+
+def test_the_response_closes_its_run_once_when_the_client_leaves():
+    async def main():
+        send, closed, gone = Sink(), [], asyncio.Event()
+
+        def open_run(writer):
+            writer.write("data: 1\n\n")
+            asyncio.get_running_loop().call_soon(gone.set)  # the client leaves; the run never ends
+            return lambda: closed.append("closed")
+
+        await asyncio.wait_for(PushedSSE(open_run)({"type": "http"}, _receive_until(gone), send), 5)
+        assert send.bodies == [b"<start>", b"data: 1\n\n"] and closed == ["closed"]
+
+    asyncio.run(main())
+
+
+def test_a_run_that_fails_is_closed_and_its_error_raised_but_a_closed_socket_is_a_client_that_left():
+    async def main():
+        for error, raised in ((ValueError("a formatting bug"), True), (ConnectionResetError("reset"), False)):
+            send, closed = Sink(), []
+
+            def open_run(writer, error=error):
+                asyncio.get_running_loop().call_soon(writer.fail, error)
+                return lambda: closed.append("closed")
+
+            response = PushedSSE(open_run)({"type": "http"}, _receive_until(asyncio.Event()), send)
+            if raised:
+                with pytest.raises(ValueError, match="formatting bug"):
+                    await response
+            else:
+                await response
+            assert closed == ["closed"]
+
+    asyncio.run(main())
+
+
+def test_the_response_has_no_content_length():
+    headers = dict(PushedSSE(lambda writer: lambda: None).raw_headers)
+    assert b"content-length" not in headers and headers[b"content-type"].startswith(b"text/event-stream")
