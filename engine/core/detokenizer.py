@@ -8,6 +8,7 @@ the concatenated deltas equal the final text.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 # Tokens of the prompt's tail used as decoding context, so the first output token's
@@ -60,8 +61,61 @@ def _raw_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequenc
     """``tokenizer.decode(ids, skip_special_tokens=...)`` as one call: a transformers fast
     tokenizer that cleans up no spaces decodes with its ``tokenizers`` backend alone, which is
     what its ``decode`` returns then, without the argument handling around it (two decodes a
-    streamed token: 3.4 -> 1.3 us each, warm)."""
+    streamed token: 3.4 -> 1.3 us each, warm). Where that backend decodes by the byte-level
+    alphabet alone (GPT-2's, SmolLM2's, Llama 3's), the ids' bytes are joined in Python from a
+    table (``byte_table``) and decoded as the backend does, with no call into it; an added or
+    special token, or an id past the vocabulary, takes the backend's own rules."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    table = byte_table(backend)
+    if table is None:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode(ids: Sequence[int]) -> str:
+        try:
+            return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        except (TypeError, IndexError):  # None: an added token
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return decode
+
+
+_BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_table(backend: Any) -> list[bytes | None] | None:
+    """Each id's bytes (None for an added token), where ``backend`` (a ``tokenizers.Tokenizer``)
+    decodes by the ``ByteLevel`` decoder alone: its text is then the ids' bytes, mapped back from
+    the byte-level alphabet, as UTF-8 with invalid sequences replaced (U+FFFD). None for any
+    other decoder, or a token outside the alphabet. Built once per backend."""
+    if backend in _BYTE_TABLES:
+        return _BYTE_TABLES[backend]
+    table = None
+    if type(backend.decoder).__name__ == "ByteLevel":
+        to_byte = {c: b for b, c in _byte_alphabet().items()}
+        vocab = backend.get_vocab(with_added_tokens=True)
+        added = set(backend.get_added_tokens_decoder())
+        table = [None] * (max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            if i in added:
+                continue
+            if any(c not in to_byte for c in token):
+                table = None
+                break
+            table[i] = bytes(to_byte[c] for c in token)
+    _BYTE_TABLES[backend] = table
+    return table
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte b -> the printable character that stands for it (the
+    printable Latin-1 bytes stand for themselves, the others for 256 + their order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    alphabet = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return alphabet

@@ -63,3 +63,53 @@ def test_backend_decode_equals_transformers_decode_at_every_step(tokenizer, skip
         fast.add_token(token), wrapped.add_token(token)
         assert fast.take_delta(False) == wrapped.take_delta(False)
     assert fast.text == wrapped.text
+
+
+class _CountingBackend:
+    """The default tokenizer's backend, counting its decode calls."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.decoder, self.calls = backend, backend.decoder, 0
+
+    def decode(self, ids, skip_special_tokens):
+        self.calls += 1
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self, with_added_tokens):
+        return self.backend.get_vocab(with_added_tokens=with_added_tokens)
+
+    def get_added_tokens_decoder(self):
+        return self.backend.get_added_tokens_decoder()
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_byte_table_decodes_as_the_backend_without_calling_it(tokenizer, skip_special_tokens):
+    """A byte-level tokenizer's ids decode from the table: the same text as the backend's decode
+    (invalid and split UTF-8 sequences replaced alike), with no call into it; an added or special
+    token takes the backend."""
+    from types import SimpleNamespace
+
+    from engine.core.detokenizer import _raw_decoder
+
+    counting = _CountingBackend(tokenizer.backend_tokenizer)
+    decode = _raw_decoder(SimpleNamespace(backend_tokenizer=counting, clean_up_tokenization_spaces=False),
+                          skip_special_tokens)
+    added = set(counting.get_added_tokens_decoder())
+    rng = random.Random(2)
+    plain = [i for i in range(len(tokenizer)) if i not in added]
+    for _ in range(3000):  # random ids: most sequences cut a character or hold stray continuation bytes
+        ids = [rng.choice(plain) for _ in range(rng.randint(0, 8))]
+        assert decode(ids) == counting.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert counting.calls == 0
+    ids = tokenizer(TEXT)["input_ids"][:6] + [min(added)] + tokenizer(TEXT)["input_ids"][6:9]
+    assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) and counting.calls == 1
+
+
+def test_no_byte_table_for_a_decoder_that_is_not_byte_level():
+    from tokenizers import Tokenizer, decoders, models
+
+    from engine.core.detokenizer import byte_table
+
+    word_piece = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    word_piece.decoder = decoders.WordPiece()
+    assert byte_table(word_piece) is None
