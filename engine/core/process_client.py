@@ -191,7 +191,7 @@ class MPEngineClient(_ClientBase):
         def on_readable() -> None:  # called when the pipe is readable: one read, then back to the loop
             try:
                 for message in reader.read():
-                    self._on_outputs(message)
+                    self._on_outputs(message, loop)
             except (EOFError, OSError):
                 loop.remove_reader(fd)
                 self.outputs_read_on_loop = False
