@@ -13,7 +13,7 @@ Contract:
   than the server writes). A ``send`` that waits is finished by a task, and frames written
   meanwhile go out after it, in order. So the bytes on the wire are the ones a
   ``StreamingResponse`` of the same frames would send.
-- ``FrameWriter.end`` writes the last frame; ``done`` then resolves. ``fail`` resolves it with an
+- ``FrameWriter.end`` ends the body (after the frames written before it); ``done`` then resolves. ``fail`` resolves it with an
   error (a sink's bug, or a ``send`` that raised). Frames written after either are dropped.
 - ``PushedSSE(open_run)``: after the response's headers, ``open_run(writer)`` starts the run and
   returns ``close``; the response calls ``close()`` exactly once, when ``done`` resolved or the
@@ -42,9 +42,9 @@ class FrameWriter:
     def write(self, frame: str) -> None:
         self._put({"type": "http.response.body", "body": frame.encode(), "more_body": True})
 
-    def end(self, frame: str) -> None:
-        """The last frame: the response ends with it."""
-        self._put({"type": "http.response.body", "body": frame.encode(), "more_body": False})
+    def end(self) -> None:
+        """The response ends (an empty last body, as ``StreamingResponse`` ends)."""
+        self._put({"type": "http.response.body", "body": b"", "more_body": False})
 
     def fail(self, exc: BaseException) -> None:
         if not self.done.done():
@@ -112,11 +112,12 @@ class PushedSSE(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, open_run: Callable[[FrameWriter], Callable[[], None]]) -> None:
+    def __init__(self, open_run: Callable[[FrameWriter], Callable[[], None]],
+                 headers: dict[str, str] | None = None) -> None:
         # as StreamingResponse: no body attribute, so no content-length (the body goes chunked)
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._open_run = open_run
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Send) -> None:

@@ -4,10 +4,10 @@ One HTTP request becomes ``len(prompts) * n`` engine requests ("choices"), run c
 and merged. Closing the merged stream (client gone, error) cancels every choice, which
 aborts its engine request and frees its blocks.
 
-Streamed chat and text completions are pushed: each engine output is made into its frames
-(``server/stream_frames.py``) and written where it arrives (``server/push.py``), with no task
-or generator per token. The other consumers (non-streamed responses, the Responses and Messages
-APIs) read the same outputs through ``stream_outputs``.
+Every streamed response (here and in the Responses and Messages APIs) is pushed (``pushed``):
+each engine output is made into its frames (``server/stream_frames.py``) and written where it
+arrives (``server/push.py``), with no task or generator per token. Non-streamed responses read
+the same outputs through ``stream_outputs``.
 
 Bad input stays off the hot path: the prompt count and size are checked before tokenizing,
 and tokenization and chat templates run in a worker thread, never on the event loop. The
@@ -35,9 +35,9 @@ from engine.tokenizer import TemplateError, encode_chat, encode_prompt
 from server.access_log import current_record, engine_request_id
 from server.cache_routes import chat_cache_policy, completion_cache_policy, has_disk_tier, with_policy
 from server.config import ServerConfig
-from server.errors import APIError, bad_request, sse_error_frame
+from server.errors import APIError, bad_request
 from server.push import FrameWriter, PushedSSE
-from server.stream_frames import DONE, ChatFrames, CompletionFrames
+from server.stream_frames import ChatFrames, CompletionFrames, Frames
 from server.logprobs import LogprobFormatter, concat_logprobs
 from engine.sampling.structured_output import GrammarError, validate_spec
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -135,7 +135,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         run = await self.prepare_chat(body)
         if body.stream:
-            return self._pushed(run.jobs, body.cache_salt, ChatFrames(run.request_id, self.model_name, run.jobs, body,
+            return self.pushed(run.jobs, body.cache_salt, ChatFrames(run.request_id, self.model_name, run.jobs, body,
                                                                       self.logprobs, run.plan, run.think))
         return await cancel_on_disconnect(raw, self._chat_full(run.request_id, run.jobs, body, run.plan, run.think))
 
@@ -240,7 +240,7 @@ class OpenAIServing:
                 prompt = body.prompts()[job.choice.prompt_index]
                 job.choice.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         if body.stream:
-            return self._pushed(jobs, body.cache_salt, CompletionFrames(request_id, self.model_name, jobs, body,
+            return self.pushed(jobs, body.cache_salt, CompletionFrames(request_id, self.model_name, jobs, body,
                                                                         self.logprobs))
         return await cancel_on_disconnect(raw, self._completion_full(request_id, jobs, body))
 
@@ -308,26 +308,32 @@ class OpenAIServing:
             record.engine_ran(counts["prompt_tokens"], counts["prompt_tokens_details"]["cached_tokens"],
                               counts["completion_tokens"], [j.choice.finish_reason or unfinished for j in jobs])
 
-    def _pushed(self, jobs: list[Job], cache_salt: str | None, frames: ChatFrames | CompletionFrames) -> PushedSSE:
-        """A streamed response of ``jobs`` whose outputs are written as ``frames`` where they
-        arrive (server/push.py): no task or generator per token."""
-        return PushedSSE(lambda writer: self._push_run(jobs, cache_salt, frames, writer))
+    def pushed(self, jobs: list[Job], cache_salt: str | None, frames: Frames,
+               headers: dict[str, str] | None = None) -> PushedSSE:
+        """The streamed response of ``jobs``: their outputs made into ``frames`` and written where
+        they arrive (server/push.py), with no task or generator per token. Every SSE endpoint
+        streams through here; the bookkeeping is ``stream_outputs``'."""
+        return PushedSSE(lambda writer: self._push_run(jobs, cache_salt, frames, writer), headers)
 
-    def _push_run(self, jobs: list[Job], cache_salt: str | None, frames: ChatFrames | CompletionFrames,
+    def _push_run(self, jobs: list[Job], cache_salt: str | None, frames: Frames,
                   writer: FrameWriter) -> Callable[[], None]:
         """Start every job with its outputs written by ``writer`` as they come; returns the run's
         ``close`` (aborts the jobs still running, releases the tenant's limits, fills the access
-        line). The same outputs, frames and bookkeeping as ``stream_outputs`` would give."""
+        line)."""
         salt, owner = self._salt_and_owner(jobs, cache_salt)
         record = current_record()
         ends: list[tuple[Job, Callable[[bool], None]]] = []
         last_seen: set[int] = set()  # choices whose final output arrived
         state = {"unfinished": "cancelled", "running": len(jobs)}
 
+        def write_last(last: list[str]) -> None:
+            for frame in last:
+                writer.write(frame)
+            writer.end()
+
         def failed(exc: EngineRequestError) -> None:
             state["unfinished"] = "abort" if exc.status == 503 else "error"
-            writer.write(sse_error_frame(str(exc), exc.type, exc.code))
-            writer.end(DONE)
+            write_last(frames.error(exc))
 
         def sink(job: Job, out: RequestOutput) -> None:
             try:
@@ -344,9 +350,7 @@ class OpenAIServing:
                 if out.finished:
                     state["running"] -= 1
                     if not state["running"]:
-                        for frame in frames.closing():
-                            writer.write(frame)
-                        writer.end(DONE)
+                        write_last(frames.closing())
             except Exception as exc:  # noqa: BLE001 - a formatting bug fails this response, not the step's others
                 writer.fail(exc)
 

@@ -1,25 +1,43 @@
-"""The SSE frames of a streamed chat or text completion, made per engine output.
+"""The SSE frames of a streamed response, made per engine output: the ``Frames`` contract, and
+the chat and text completion formatters (the Responses and Messages APIs have theirs beside
+their endpoints).
 
-A formatter holds one response's per-choice state (tool-call streamers, reasoning parsers,
-logprob offsets, the echo) and turns each ``(choice, output)`` into the frames it adds, in
-OpenAI's shapes (``server/sse.py`` writes the bytes). It does no I/O: the run that feeds it
-(``OpenAIServing``'s push run) writes the frames. Per response: ``opening()``, then ``output``
-for every engine output in arrival order (``checked`` already applied it to its choice), then
-``closing()`` once every choice finished; ``DONE`` ends the stream, after an error frame too.
+A formatter holds one response's state (tool-call streamers, reasoning parsers, logprob
+offsets, the echo, event numbers) and turns each ``(choice, output)`` into the frames it adds,
+in its API's shapes. It does no I/O: the run that feeds it (``OpenAIServing.pushed``) writes the
+frames as they come and then ends the response.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
+from server.errors import sse_error_frame
 from server.logprobs import LogprobFormatter, concat_logprobs
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.reasoning import ReasoningParser, ThinkMode
-from server.runs import Choice, Job, prompt_lengths, usage
+from server.runs import Choice, EngineRequestError, Job, prompt_lengths, usage
 from server.sse import ChunkWriter
 from server.tools import ToolPlan, ToolStreamer
 from kvtypes.outputs import RequestOutput
 
 DONE = "data: [DONE]\n\n"
+
+
+class Frames(Protocol):
+    """One streamed response's frames. Per response: ``opening()``; then ``output`` for every
+    engine output in arrival order (``checked`` has applied it to its choice); then, once every
+    choice finished, ``closing()``, the stream's last frames; or, at the first engine error,
+    ``error(exc)`` instead, also the last."""
+
+    def opening(self) -> list[str]: ...
+    def output(self, choice: Choice, out: RequestOutput) -> list[str]: ...
+    def closing(self) -> list[str]: ...
+    def error(self, exc: EngineRequestError) -> list[str]: ...
+
+
+def openai_error(exc: EngineRequestError) -> list[str]:
+    """An engine error inside an OpenAI stream: its error frame, then ``[DONE]``."""
+    return [sse_error_frame(str(exc), exc.type, exc.code), DONE]
 
 
 class ChatFrames:
@@ -64,7 +82,9 @@ class ChatFrames:
         return frames
 
     def closing(self) -> list[str]:
-        return [self.chunk([], usage([j.choice for j in self.jobs], prompt_lengths(self.jobs)))] if self.usage_on else []
+        return _usage_and_done(self.chunk, self.jobs, self.usage_on)
+
+    error = staticmethod(openai_error)
 
 
 class CompletionFrames:
@@ -100,4 +120,12 @@ class CompletionFrames:
         return [self.chunk.text(choice.index, text, logprobs, choice.finish_reason if out.finished else None)]
 
     def closing(self) -> list[str]:
-        return [self.chunk([], usage([j.choice for j in self.jobs], prompt_lengths(self.jobs)))] if self.usage_on else []
+        return _usage_and_done(self.chunk, self.jobs, self.usage_on)
+
+    error = staticmethod(openai_error)
+
+
+def _usage_and_done(chunk: ChunkWriter, jobs: list[Job], usage_on: bool) -> list[str]:
+    """The end of an OpenAI stream: the usage chunk when asked, then ``[DONE]``."""
+    counts = [chunk([], usage([j.choice for j in jobs], prompt_lengths(jobs)))] if usage_on else []
+    return [*counts, DONE]

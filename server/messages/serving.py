@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from server.errors import APIError
 from server.messages.errors import sse_error_event
@@ -25,6 +25,7 @@ from server.middleware import header_value
 from server.messages.protocol import CountTokensRequest, MessagesRequest
 from server.messages.translate import translate
 from server.reasoning import split
+from kvtypes.outputs import RequestOutput
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect
 from server.serving import OpenAIServing
 from server.tools import ToolPlan, ToolStreamer, finish_message
@@ -158,8 +159,7 @@ class MessagesServing:
         run, headers = await self._prepare(body)
         message_id = "msg_" + run.request_id.split("-", 1)[1]
         if body.stream:
-            return StreamingResponse(self._stream(message_id, run, body), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+            return self.chat.pushed(run.jobs, None, MessageFrames(self, message_id, run, body), headers)
         response = await cancel_on_disconnect(raw, self._full(message_id, run, body))
         response.headers.update(headers)
         return response
@@ -184,32 +184,48 @@ class MessagesServing:
         blocks = content_blocks(message, thinking if shows_thinking(body) else None, omits_thinking(body))
         return JSONResponse(self._message(message_id, blocks, reason, sequence, choice))
 
-    async def _stream(self, message_id: str, run: ChatRun, body: MessagesRequest) -> AsyncIterator[str]:
-        choice = run.jobs[0].choice
-        streamer = ToolStreamer(run.plan or ToolPlan("none", []))
-        blocks = BlockWriter(omits_thinking(body))
-        parser = run.think.parser() if run.think is not None else None
-        show = shows_thinking(body)
-        started = False
-        try:
-            async for _, out in self.chat.stream_outputs(run.jobs, None):
-                if not started:  # after the prefill: the cache counts are known
-                    started = True
-                    yield _event("message_start", {"message": self._message(message_id, [], None, None, choice)})
-                    yield _event("ping", {})
-                thinking, text = parser.step(out) if parser is not None else ("", out.text)
-                if thinking and show:
-                    for event in blocks.feed({"thinking": thinking}):
-                        yield event
-                for event in blocks.feed(streamer.delta(text)):
-                    yield event
-                if out.finished:
-                    tail, finish_reason = streamer.final(choice.finish_reason)
-                    for event in blocks.feed(tail) + blocks.close():
-                        yield event
-                    reason, sequence = stop_reason(finish_reason, out.stop_reason, body.stop_sequences or [])
-                    yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                   "usage": usage(choice)})
-                    yield _event("message_stop", {})
-        except EngineRequestError as exc:
-            yield sse_error_event(exc.status, str(exc))
+
+
+class MessageFrames:
+    """A streamed message's events (``server.stream_frames.Frames``), as Anthropic sends them:
+    ``message_start`` (after the prefill, when the cache counts are known) and a ``ping``, the
+    content blocks' start / delta / stop events as thinking, text and tool calls come, then
+    ``message_delta`` (stop reason, usage) and ``message_stop``; an engine error is an ``error``
+    event, the last."""
+
+    def __init__(self, serving: MessagesServing, message_id: str, run: ChatRun, body: MessagesRequest) -> None:
+        self.serving, self.message_id, self.run, self.body = serving, message_id, run, body
+        self.streamer = ToolStreamer(run.plan or ToolPlan("none", []))
+        self.blocks = BlockWriter(omits_thinking(body))
+        self.parser = run.think.parser() if run.think is not None else None
+        self.show = shows_thinking(body)
+        self.started = False
+
+    def opening(self) -> list[str]:
+        return []
+
+    def output(self, choice: Choice, out: RequestOutput) -> list[str]:
+        frames = []
+        if not self.started:  # after the prefill: the cache counts are known
+            self.started = True
+            frames += [_event("message_start", {"message": self.serving._message(self.message_id, [], None, None,
+                                                                                 choice)}),
+                       _event("ping", {})]
+        thinking, text = self.parser.step(out) if self.parser is not None else ("", out.text)
+        if thinking and self.show:
+            frames += self.blocks.feed({"thinking": thinking})
+        frames += self.blocks.feed(self.streamer.delta(text))
+        if out.finished:
+            tail, finish_reason = self.streamer.final(choice.finish_reason)
+            frames += self.blocks.feed(tail) + self.blocks.close()
+            reason, sequence = stop_reason(finish_reason, out.stop_reason, self.body.stop_sequences or [])
+            frames += [_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                "usage": usage(choice)}),
+                       _event("message_stop", {})]
+        return frames
+
+    def closing(self) -> list[str]:
+        return []
+
+    def error(self, exc: EngineRequestError) -> list[str]:
+        return [sse_error_event(exc.status, str(exc))]

@@ -2,18 +2,19 @@
 object or as typed SSE events; ``GET`` and ``DELETE`` on the stored ones.
 
 The engine work is the chat path's: ``OpenAIServing.prepare_chat`` (validation, template,
-tokenizing, tool plan, jobs) and ``OpenAIServing.stream_outputs`` (the outputs as they come). A
-streamed response's last event carries the same Response the non-streamed call returns.
+tokenizing, tool plan, jobs), then ``OpenAIServing.stream_outputs`` (the outputs as they come)
+or, streamed, ``OpenAIServing.pushed`` with ``ResponseFrames``. A streamed response's last event
+carries the same Response the non-streamed call returns.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, Iterable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from server.tenants import current_tenant
 from server.errors import APIError
@@ -23,7 +24,8 @@ from server.responses.protocol import ResponsesRequest
 from server.responses.store import ResponseStore
 from server.responses.translate import Translation, translate
 from server.reasoning import ReasoningParser
-from server.runs import ChatRun, EngineRequestError, cancel_on_disconnect, prompt_lengths, usage
+from kvtypes.outputs import RequestOutput
+from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect, prompt_lengths, usage
 from server.serving import OpenAIServing
 from server.tools import ToolPlan, ToolStreamer, finish_message
 
@@ -72,8 +74,8 @@ class ResponsesServing:
             raise
         conversation = [*history, *body.items()]
         if body.stream:
-            return StreamingResponse(self._stream(body, translation, run, conversation), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+            return self.serving.pushed(run.jobs, translation.chat.cache_salt,
+                                       ResponseFrames(self, body, translation, run, conversation), headers)
         response = await cancel_on_disconnect(raw, self._full(body, translation, run, conversation))
         response.headers.update(headers)
         return response
@@ -116,48 +118,6 @@ class ResponsesServing:
         return JSONResponse(self._finished(body, translation, run, created, builder, conversation,
                                            reasoning_tokens=parser.reasoning_tokens if parser else 0))
 
-    async def _stream(self, body: ResponsesRequest, translation: Translation, run: ChatRun,
-                      conversation: list[Any]) -> AsyncIterator[str]:
-        created = int(time.time())
-        response_id = new_id("resp")
-        sequence = 0
-
-        def event(kind: str, payload: dict[str, Any]) -> str:
-            nonlocal sequence
-            data = {"type": kind, "sequence_number": sequence, **payload}
-            sequence += 1
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        start = response_object(response_id, created, self.serving.model_name, body, translation.tools,
-                                "in_progress", [], None)
-        yield event("response.created", {"response": start})
-        yield event("response.in_progress", {"response": start})
-        builder = OutputBuilder()
-        streamer = ToolStreamer(run.plan or ToolPlan("none", []))
-        choice = run.jobs[0].choice
-        parser: ReasoningParser | None = run.think.parser() if run.think is not None else None
-        try:
-            async for _, out in self.serving.stream_outputs(run.jobs, translation.chat.cache_salt):
-                reasoning, text = parser.step(out) if parser is not None else ("", out.text)
-                if reasoning:
-                    for kind, payload in builder.feed({"reasoning_content": reasoning}):
-                        yield event(kind, payload)
-                for kind, payload in builder.feed(streamer.delta(text)):
-                    yield event(kind, payload)
-                if out.finished:
-                    tail, _ = streamer.final(choice.finish_reason)
-                    for kind, payload in builder.feed(tail):
-                        yield event(kind, payload)
-        except EngineRequestError as exc:
-            yield event("error", {"code": exc.code, "message": str(exc), "param": None})
-            return
-        incomplete = choice.finish_reason == "length"
-        for kind, payload in builder.finish(incomplete):
-            yield event(kind, payload)
-        final = self._finished(body, translation, run, created, builder, conversation, response_id,
-                               parser.reasoning_tokens if parser is not None else 0)
-        yield event("response.incomplete" if incomplete else "response.completed", {"response": final})
-
     def _finished(self, body: ResponsesRequest, translation: Translation, run: ChatRun, created: int,
                   builder: OutputBuilder, conversation: list[Any], response_id: str | None = None,
                   reasoning_tokens: int = 0) -> dict[str, Any]:
@@ -170,3 +130,57 @@ class ResponsesServing:
         if body.store is not False:
             self.store.put(response, [*conversation, *as_input_items(builder.output)], self._owner(run.jobs[0].tenant))
         return response
+
+
+class ResponseFrames:
+    """A streamed Response's typed events (``server.stream_frames.Frames``): ``response.created``
+    and ``response.in_progress``, the output items' events as the text, reasoning and tool calls
+    come, then their ends and ``response.completed`` (``response.incomplete`` at the length
+    limit) with the same Response the non-streamed call returns; an engine error is an ``error``
+    event, the last. Every event carries its ``sequence_number``."""
+
+    def __init__(self, serving: ResponsesServing, body: ResponsesRequest, translation: Translation, run: ChatRun,
+                 conversation: list[Any]) -> None:
+        self.serving, self.body, self.translation, self.run, self.conversation = (serving, body, translation, run,
+                                                                                  conversation)
+        self.created = int(time.time())
+        self.response_id = new_id("resp")
+        self.sequence = 0
+        self.builder = OutputBuilder()
+        self.streamer = ToolStreamer(run.plan or ToolPlan("none", []))
+        self.parser: ReasoningParser | None = run.think.parser() if run.think is not None else None
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **payload}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _events(self, events: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+        return [self._event(kind, payload) for kind, payload in events]
+
+    def opening(self) -> list[str]:
+        start = response_object(self.response_id, self.created, self.serving.serving.model_name, self.body,
+                                self.translation.tools, "in_progress", [], None)
+        return [self._event("response.created", {"response": start}),
+                self._event("response.in_progress", {"response": start})]
+
+    def output(self, choice: Choice, out: RequestOutput) -> list[str]:
+        reasoning, text = self.parser.step(out) if self.parser is not None else ("", out.text)
+        frames = self._events(self.builder.feed({"reasoning_content": reasoning})) if reasoning else []
+        frames += self._events(self.builder.feed(self.streamer.delta(text)))
+        if out.finished:
+            tail, _ = self.streamer.final(choice.finish_reason)
+            frames += self._events(self.builder.feed(tail))
+        return frames
+
+    def closing(self) -> list[str]:
+        incomplete = self.run.jobs[0].choice.finish_reason == "length"
+        frames = self._events(self.builder.finish(incomplete))
+        final = self.serving._finished(self.body, self.translation, self.run, self.created, self.builder,
+                                       self.conversation, self.response_id,
+                                       self.parser.reasoning_tokens if self.parser is not None else 0)
+        return [*frames, self._event("response.incomplete" if incomplete else "response.completed",
+                                     {"response": final})]
+
+    def error(self, exc: EngineRequestError) -> list[str]:
+        return [self._event("error", {"code": exc.code, "message": str(exc), "param": None})]

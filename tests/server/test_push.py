@@ -39,10 +39,10 @@ def test_a_send_that_does_not_wait_runs_inside_write():
         writer.write("a")
         assert send.bodies == [b"a"]  # no task between the write and the socket
         writer.write("b")
-        writer.end("c")
-        assert send.bodies == [b"a", b"b", b"c"] and writer.done.done() and writer.done.result() is None
+        writer.end()
+        assert send.bodies == [b"a", b"b", b""] and writer.done.done() and writer.done.result() is None
         writer.write("late")
-        assert send.bodies == [b"a", b"b", b"c"]
+        assert send.bodies == [b"a", b"b", b""]
 
     asyncio.run(main())
 
@@ -55,12 +55,12 @@ def test_frames_written_while_a_send_waits_go_out_after_it_in_order():
         send.gate.clear()  # the client stops reading
         writer.write("2")
         writer.write("3")
-        writer.end("4")
+        writer.end()
         await asyncio.sleep(0.01)
         assert send.bodies == [b"1"] and not writer.done.done()
         send.gate.set()
         await asyncio.wait_for(writer.done, 5)
-        assert send.bodies == [b"1", b"2", b"3", b"4"]
+        assert send.bodies == [b"1", b"2", b"3", b""]
 
     asyncio.run(main())
 
@@ -107,11 +107,11 @@ def test_the_response_closes_its_run_once_when_the_run_ends():
 
         def open_run(writer):
             writer.write("data: 1\n\n")
-            asyncio.get_running_loop().call_soon(writer.end, "data: [DONE]\n\n")
+            asyncio.get_running_loop().call_soon(writer.end)
             return lambda: closed.append("closed")
 
         await PushedSSE(open_run)({"type": "http"}, _receive_until(asyncio.Event()), send)
-        assert send.bodies == [b"<start>", b"data: 1\n\n", b"data: [DONE]\n\n"] and closed == ["closed"]
+        assert send.bodies == [b"<start>", b"data: 1\n\n", b""] and closed == ["closed"]
 
     asyncio.run(main())
 
@@ -151,6 +151,7 @@ def test_a_run_that_fails_is_closed_and_its_error_raised_but_a_closed_socket_is_
     asyncio.run(main())
 
 
-def test_the_response_has_no_content_length():
-    headers = dict(PushedSSE(lambda writer: lambda: None).raw_headers)
+def test_the_response_has_no_content_length_and_keeps_extra_headers():
+    headers = dict(PushedSSE(lambda writer: lambda: None, {"x-kvserve-dropped-tools": "web_search"}).raw_headers)
     assert b"content-length" not in headers and headers[b"content-type"].startswith(b"text/event-stream")
+    assert headers[b"x-kvserve-dropped-tools"] == b"web_search" and headers[b"cache-control"] == b"no-cache"
