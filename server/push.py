@@ -13,7 +13,8 @@ Contract:
   than the server writes). A ``send`` that waits is finished by a task, and frames written
   meanwhile go out after it, in order. So the bytes on the wire are the ones a
   ``StreamingResponse`` of the same frames would send.
-- ``FrameWriter.end`` ends the body (after the frames written before it); ``done`` then resolves. ``fail`` resolves it with an
+- ``FrameWriter.end`` ends the body (after the frames written before it; ``ended`` at once) and
+  ``done`` resolves once it is sent. ``fail`` resolves it with an
   error (a sink's bug, or a ``send`` that raised). Frames written after either are dropped.
 - ``PushedSSE(open_run)``: after the response's headers, ``open_run(writer)`` starts the run and
   returns ``close``; the response calls ``close()`` exactly once, when ``done`` resolved or the
@@ -38,6 +39,7 @@ class FrameWriter:
         self.done: asyncio.Future = loop.create_future()
         self._backlog: collections.deque[dict] = collections.deque()
         self._waiting: asyncio.Task | None = None  # the task finishing a send that waits
+        self.ended = False  # end() or fail() was called: nothing more is written
 
     def write(self, frame: str) -> None:
         self._put({"type": "http.response.body", "body": frame.encode(), "more_body": True})
@@ -45,8 +47,10 @@ class FrameWriter:
     def end(self) -> None:
         """The response ends (an empty last body, as ``StreamingResponse`` ends)."""
         self._put({"type": "http.response.body", "body": b"", "more_body": False})
+        self.ended = True
 
     def fail(self, exc: BaseException) -> None:
+        self.ended = True
         if not self.done.done():
             self.done.set_exception(exc)
 
@@ -59,7 +63,7 @@ class FrameWriter:
             self.done.cancel()
 
     def _put(self, message: dict) -> None:
-        if self.done.done():
+        if self.ended or self.done.done():
             return
         if self._waiting is not None:
             self._backlog.append(message)

@@ -336,9 +336,11 @@ class OpenAIServing:
             write_last(frames.error(exc))
 
         def sink(job: Job, out: RequestOutput) -> None:
+            if out.finished:
+                last_seen.add(job.choice.index)
+            if writer.ended:  # an error ended the stream: the other choices' outputs are moot
+                return
             try:
-                if out.finished:
-                    last_seen.add(job.choice.index)
                 try:
                     checked(job.choice, out)
                 except EngineRequestError as exc:

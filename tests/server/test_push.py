@@ -56,8 +56,9 @@ def test_frames_written_while_a_send_waits_go_out_after_it_in_order():
         writer.write("2")
         writer.write("3")
         writer.end()
+        writer.write("after the end")
         await asyncio.sleep(0.01)
-        assert send.bodies == [b"1"] and not writer.done.done()
+        assert send.bodies == [b"1"] and not writer.done.done() and writer.ended
         send.gate.set()
         await asyncio.wait_for(writer.done, 5)
         assert send.bodies == [b"1", b"2", b"3", b""]
@@ -155,3 +156,68 @@ def test_the_response_has_no_content_length_and_keeps_extra_headers():
     headers = dict(PushedSSE(lambda writer: lambda: None, {"x-kvserve-dropped-tools": "web_search"}).raw_headers)
     assert b"content-length" not in headers and headers[b"content-type"].startswith(b"text/event-stream")
     assert headers[b"x-kvserve-dropped-tools"] == b"web_search" and headers[b"cache-control"] == b"no-cache"
+
+
+class _PushEngine:
+    """An ``EngineClient`` stand-in for the push run: it keeps each request's sink, for the test
+    to feed, and records how each was closed (finished or aborted)."""
+
+    model_name = "m"
+    tokenizer = None
+    info = None
+
+    def __init__(self) -> None:
+        self.sinks: dict[str, object] = {}
+        self.closed: dict[str, bool] = {}
+
+    def push(self, prompt_ids, params, sink, request_id=None, cache_salt=None, priority=0, tenant=None):
+        self.sinks[request_id] = sink
+        return lambda finished: self.closed.__setitem__(request_id, finished)
+
+
+def test_an_engine_error_in_one_choice_ends_the_stream_and_aborts_the_others():
+    """n = 2: choice 0 fails mid-stream; its error frame and [DONE] end the stream, and choice 1's
+    later outputs make no frames and no closing. Closing the run closes each request as finished
+    (its last output came), so nothing is aborted twice."""
+    from kvtypes.outputs import RequestOutput
+    from kvtypes.sampling_params import SamplingParams
+    from server.config import ServerConfig
+    from server.protocol import CompletionRequest
+    from server.serving import OpenAIServing
+    from server.stream_frames import CompletionFrames
+
+    class Frames(CompletionFrames):  # records what the run asked of it
+        made: list[str] = []
+
+        def output(self, choice, out):
+            self.made.append(out.text)
+            return super().output(choice, out)
+
+        def closing(self):
+            self.made.append("closing")
+            return super().closing()
+
+    async def main():
+        engine = _PushEngine()
+        serving = OpenAIServing(engine, ServerConfig())
+        jobs = serving._jobs("cmpl-x", [[5, 6, 7]], SamplingParams(max_tokens=8), 2)
+        body = CompletionRequest(model="m", prompt=[5, 6, 7], stream=True, n=2, max_tokens=8)
+        send = Sink()
+        writer = FrameWriter(send, asyncio.get_running_loop())
+        close = serving._push_run(jobs, None, Frames("cmpl-x", "m", jobs, body, serving.logprobs), writer)
+        first, second = (engine.sinks[j.request_id] for j in jobs)
+        first(RequestOutput(jobs[0].request_id, [11], "a", num_output_tokens=1))
+        second(RequestOutput(jobs[1].request_id, [12], "b", num_output_tokens=1))
+        first(RequestOutput(jobs[0].request_id, [], "", True, "error", error="the step failed"))
+        second(RequestOutput(jobs[1].request_id, [13], "c", num_output_tokens=2))
+        second(RequestOutput(jobs[1].request_id, [14], "d", True, "length", num_output_tokens=3))
+        close()
+        return send.bodies, writer, engine.closed, jobs
+
+    bodies, writer, closed, jobs = asyncio.run(main())
+    texts = [b.decode() for b in bodies]
+    assert [t.split('"text": ')[1].split(",")[0] for t in texts[:2]] == ['"a"', '"b"']
+    assert '"error"' in texts[2] and "the step failed" in texts[2] and texts[3:] == ["data: [DONE]\n\n", ""]
+    assert writer.ended and writer.done.result() is None
+    assert Frames.made == ["a", "b"]  # nothing made after the error: no closing (Responses would store)
+    assert closed == {jobs[0].request_id: True, jobs[1].request_id: True}
