@@ -11,10 +11,12 @@
 - ``InprocEngineClient`` runs the same core loop (``EngineCore.run``) in a thread of this
   process (tests, benches).
 
-Both share the frontend half (``_ClientBase``): ``generate`` registers a stream and the request
+Both share the frontend half (``_ClientBase``): ``generate`` (an async iterator) and ``push`` (a
+sink called with each output; what streamed responses use) register a stream and the request
 in the ``OutputProcessor`` (detokenization, stop strings: the one place), each step's outputs
-are processed in the receiving thread and handed to the streams' event loops with one
-``call_soon_threadsafe`` per loop, requests a stop string finished are aborted in the core, and
+are processed in the receiving thread and handed to the streams' event loops (directly when that
+is the loop reading, else with one ``call_soon_threadsafe`` per loop), requests a stop string
+finished are aborted in the core, and
 the observer (metrics) gets each step's ``StepStats`` snapshot and ``RequestOutput``s. Nothing
 here reads engine state across threads.
 

@@ -19,13 +19,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvtypes.outputs import RequestOutput
 from server.errors import APIError
 from server.messages.errors import sse_error_event
 from server.middleware import header_value
 from server.messages.protocol import CountTokensRequest, MessagesRequest
 from server.messages.translate import translate
 from server.reasoning import split
-from kvtypes.outputs import RequestOutput
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect
 from server.serving import OpenAIServing
 from server.tools import ToolPlan, ToolStreamer, finish_message
@@ -194,7 +194,7 @@ class MessageFrames:
     event, the last."""
 
     def __init__(self, serving: MessagesServing, message_id: str, run: ChatRun, body: MessagesRequest) -> None:
-        self.serving, self.message_id, self.run, self.body = serving, message_id, run, body
+        self.serving, self.message_id, self.body = serving, message_id, body
         self.streamer = ToolStreamer(run.plan or ToolPlan("none", []))
         self.blocks = BlockWriter(omits_thinking(body))
         self.parser = run.think.parser() if run.think is not None else None

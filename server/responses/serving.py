@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvtypes.outputs import RequestOutput
 from server.tenants import current_tenant
 from server.errors import APIError
 from server.middleware import header_value
@@ -24,7 +25,6 @@ from server.responses.protocol import ResponsesRequest
 from server.responses.store import ResponseStore
 from server.responses.translate import Translation, translate
 from server.reasoning import ReasoningParser
-from kvtypes.outputs import RequestOutput
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect, prompt_lengths, usage
 from server.serving import OpenAIServing
 from server.tools import ToolPlan, ToolStreamer, finish_message
