@@ -39,7 +39,7 @@ class FrameWriter:
         self.done: asyncio.Future = loop.create_future()
         self._backlog: collections.deque[dict] = collections.deque()
         self._waiting: asyncio.Task | None = None  # the task finishing a send that waits
-        self.ended = False  # end() or fail() was called: nothing more is written
+        self.ended = False  # end(), fail() or abandon() was called: nothing more is written
 
     def write(self, frame: str) -> None:
         self._put({"type": "http.response.body", "body": frame.encode(), "more_body": True})
@@ -56,6 +56,7 @@ class FrameWriter:
 
     def abandon(self) -> None:
         """The response is over (the client left): drop queued frames and stop a waiting send."""
+        self.ended = True
         self._backlog.clear()
         if self._waiting is not None:
             self._waiting.cancel()
@@ -63,7 +64,7 @@ class FrameWriter:
             self.done.cancel()
 
     def _put(self, message: dict) -> None:
-        if self.ended or self.done.done():
+        if self.ended:
             return
         if self._waiting is not None:
             self._backlog.append(message)

@@ -91,20 +91,16 @@ class EngineClient(Protocol):
 class _Stream:
     """One request's outputs, on the event loop of its ``generate``: ``put`` (called on that loop)
     wakes the one reader that ``get`` awaits. An ``asyncio.Queue`` does the same with more of the
-    frontend's CPU a token. With a ``sink`` (``push``), ``put`` calls it instead."""
+    frontend's CPU a token."""
 
-    __slots__ = ("loop", "_items", "_waiter", "sink")
+    __slots__ = ("loop", "_items", "_waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sink: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._waiter: asyncio.Future | None = None
-        self.sink = sink
 
     def put(self, out: RequestOutput) -> None:
-        if self.sink is not None:
-            self.sink(out)
-            return
         self._items.append(out)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -120,6 +116,16 @@ class _Stream:
         return self._items.popleft()
 
 
+class _Pushed:
+    """One ``push``ed request's outputs: ``put`` (called on ``loop``, as ``_Stream.put``) is the
+    caller's sink itself."""
+
+    __slots__ = ("loop", "put")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sink: Callable[[RequestOutput], None]) -> None:
+        self.loop, self.put = loop, sink
+
+
 class _ClientBase:
     """Streams, output processing and observer calls shared by both clients (see the module doc)."""
 
@@ -129,7 +135,7 @@ class _ClientBase:
     def __init__(self, observer: EngineObserver | None = None) -> None:
         self.observer = observer
         self.fatal = False
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream | _Pushed] = {}
         self._lock = threading.Lock()  # guards _streams, _processor and _epoch
         self._processor: OutputProcessor | None = None
         self._epoch = 0  # bumped when a core dies: commands for the old core are dropped
@@ -192,10 +198,10 @@ class _ClientBase:
         where each step's outputs are handed over (no task or queue between the engine and the
         caller; ``sink`` must not raise). Returns ``close(finished)``: call it exactly once, with
         whether the last output was seen; without it the request is aborted."""
-        return self._open(prompt_token_ids, params, _Stream(asyncio.get_running_loop(), sink), request_id,
-                         cache_salt, priority, tenant)
+        return self._open(prompt_token_ids, params, _Pushed(asyncio.get_running_loop(), sink), request_id,
+                          cache_salt, priority, tenant)
 
-    def _open(self, prompt_token_ids: Sequence[int], params: SamplingParams, stream: _Stream,
+    def _open(self, prompt_token_ids: Sequence[int], params: SamplingParams, stream: _Stream | _Pushed,
               request_id: str | None, cache_salt: str | None, priority: int,
               tenant: str | None) -> Callable[[bool], None]:
         """Register ``stream`` and send the request; returns its ``close(finished)``."""
@@ -258,7 +264,7 @@ class _ClientBase:
         _hand_over(targets)
         self._observe(stats, outputs)
 
-    def _targets(self, outputs: list[RequestOutput]) -> list[tuple[_Stream, RequestOutput]]:
+    def _targets(self, outputs: list[RequestOutput]) -> list[tuple[_Stream | _Pushed, RequestOutput]]:
         """The open stream of each output (caller holds the lock); outputs nobody reads are dropped."""
         streams = self._streams
         return [(stream, out) for out in outputs if (stream := streams.get(out.request_id)) is not None]
@@ -274,12 +280,13 @@ class _ClientBase:
         raise NotImplementedError
 
 
-def _hand_over(targets: list[tuple[_Stream, RequestOutput]], here: asyncio.AbstractEventLoop | None = None) -> None:
+def _hand_over(targets: list[tuple[_Stream | _Pushed, RequestOutput]],
+               here: asyncio.AbstractEventLoop | None = None) -> None:
     """Put each output into its stream: directly when read on that stream's loop (``here``, else
     the running loop, if any; bind_loop), else through that loop's ``call_soon_threadsafe``."""
     if here is None and targets:
         here = _running_loop()
-    elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+    elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[_Stream | _Pushed, RequestOutput]]] = {}
     for stream, out in targets:
         if stream.loop is here:
             stream.put(out)
@@ -292,7 +299,7 @@ def _hand_over(targets: list[tuple[_Stream, RequestOutput]], here: asyncio.Abstr
             pass
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[_Stream | _Pushed, RequestOutput]]) -> None:
     for stream, out in items:
         stream.put(out)
 
