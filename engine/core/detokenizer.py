@@ -17,9 +17,19 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
+    """One request's text: ``add_token`` per output token, ``take_delta`` for what may be sent.
+
+    Each token decodes the window of ids since the last release twice (with and without the
+    pending tokens) and releases the difference once it ends in a whole character. Where the
+    tokenizer is byte-level (``token_pieces``) and nothing is pending, a token whose bytes are
+    whole UTF-8 characters is its own text, with no decode: its first byte is no continuation
+    byte, so it ends whatever sequence the window's bytes left open (replaced alike either way)
+    and the two decodes would differ by exactly its text."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  skip_special_tokens: bool = True) -> None:
         self._decode = _raw_decoder(tokenizer, skip_special_tokens)  # ids -> text
+        self._pieces = token_pieces(tokenizer)
         self.stop = [s for s in stop if s]
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -33,13 +43,22 @@ class IncrementalDetokenizer:
         """Append one token; return the stop string it completed, if any (then text ends before it)."""
         if self.stopped_on is not None:
             return self.stopped_on
-        self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
+        ids = self._ids
+        pending = self._read_offset < len(ids)
+        ids.append(token_id)
+        pieces = self._pieces
+        if not pending and pieces is not None and 0 <= token_id < len(pieces) and (piece := pieces[token_id]):
+            return self._release(piece)
+        prefix = self._decode(ids[self._prefix_offset:self._read_offset])
+        full = self._decode(ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
+        return self._release(full[len(prefix):])
+
+    def _release(self, text: str) -> str | None:
+        """``text`` joins the output and every id so far is released; the stop string it completed, if any."""
         search_from = max(0, len(self.text) - self._holdback)
-        self.text += full[len(prefix):]
+        self.text += text
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         for stop in self.stop:
             index = self.text.find(stop, search_from)
@@ -81,6 +100,7 @@ def _raw_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequenc
 
 
 _BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def byte_table(backend: Any) -> list[bytes | None] | None:
@@ -105,6 +125,33 @@ def byte_table(backend: Any) -> list[bytes | None] | None:
             table[i] = bytes(to_byte[c] for c in token)
     _BYTE_TABLES[backend] = table
     return table
+
+
+def token_pieces(tokenizer: Any) -> list[str | None] | None:
+    """Each id's text where its bytes (``byte_table``) are whole UTF-8 characters on their own,
+    neither empty nor ending in U+FFFD (None otherwise, and for added tokens); None where the
+    tokenizer does not decode from a byte table. Built once per backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    if backend in _PIECES:
+        return _PIECES[backend]
+    table = byte_table(backend)
+    pieces = None
+    if table is not None:
+        pieces = [_whole_text(raw) for raw in table]
+    _PIECES[backend] = pieces
+    return pieces
+
+
+def _whole_text(raw: bytes | None) -> str | None:
+    if not raw:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if text.endswith("\ufffd") else text
 
 
 def _byte_alphabet() -> dict[int, str]:

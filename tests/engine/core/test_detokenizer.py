@@ -38,7 +38,7 @@ def test_deltas_join_into_the_decoded_output_and_never_split_a_character(tokeniz
     deltas, _ = _stream(tokenizer, prompt, output)
     assert "".join(deltas) == tokenizer.decode(output, skip_special_tokens=True)
     assert not any(d.endswith("\ufffd") for d in deltas[:len(tokenizer(TEXT * 2)["input_ids"])])
-    assert any("🙂" in d for d in deltas)  # a 4-byte character (four byte tokens) arrives whole
+    assert any("🙂" in d for d in deltas)  # a 4-byte character split across tokens arrives whole
 
 
 def test_a_stop_string_is_never_streamed(tokenizer):
@@ -48,21 +48,43 @@ def test_a_stop_string_is_never_streamed(tokenizer):
     assert "".join(deltas) == TEXT[:TEXT.index("return")]
 
 
+@pytest.mark.parametrize("cut_prompt", [False, True], ids=["prompt", "prompt-ending-mid-character"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_backend_decode_equals_transformers_decode_at_every_step(tokenizer, skip_special_tokens, monkeypatch):
+def test_backend_decode_equals_transformers_decode_at_every_step(tokenizer, skip_special_tokens, cut_prompt,
+                                                                 monkeypatch):
+    """The fast detokenizer (byte table, and whole pieces without a decode) against two
+    transformers decodes a token, over text, random ids (cut characters, stray bytes, pending
+    tokens) and the special tokens."""
     assert not tokenizer.clean_up_tokenization_spaces  # so the backend's decode is taken
     decode = tokenizer.decode
     rng = random.Random(1)
     output = (tokenizer(TEXT)["input_ids"] + [rng.randrange(len(tokenizer)) for _ in range(300)]
               + list(tokenizer.all_special_ids))
-    fast = IncrementalDetokenizer(tokenizer, output[:5], skip_special_tokens=skip_special_tokens)
-    wrapped = IncrementalDetokenizer(tokenizer, output[:5], skip_special_tokens=skip_special_tokens)
+    prompt = output[:5] + (tokenizer("🙂")["input_ids"][:1] if cut_prompt else [])
+    fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
+    wrapped = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
     wrapped._decode = lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+    wrapped._pieces, wrapped._whole = None, False  # two decodes a token, always
     monkeypatch.setattr(tokenizer, "decode", None)  # the fast one must not call it
     for token in output[5:]:
         fast.add_token(token), wrapped.add_token(token)
         assert fast.take_delta(False) == wrapped.take_delta(False)
     assert fast.text == wrapped.text
+
+
+def test_whole_pieces_take_no_decode(tokenizer):
+    """A token whose bytes are whole characters, with nothing pending, is its own text; a
+    character cut across tokens waits for its end and is decoded."""
+    detok = IncrementalDetokenizer(tokenizer, tokenizer("Hello")["input_ids"])
+    calls = []
+    decode = detok._decode
+    detok._decode = lambda ids: calls.append(list(ids)) or decode(ids)
+    for token in tokenizer(" world, and more text")["input_ids"]:
+        detok.add_token(token)
+    assert detok.text == " world, and more text" and calls == []
+    for token in tokenizer("🙂")["input_ids"]:  # its four bytes in two tokens
+        detok.add_token(token)
+    assert detok.text.endswith("🙂") and calls
 
 
 class _CountingBackend:
