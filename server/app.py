@@ -24,6 +24,7 @@ from server.metrics import Metrics
 from server.middleware import BodySizeLimit
 from server.openapi import install_openapi
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.push import DirectBody
 from server.messages.routes import add_messages_routes
 from server.responses.routes import add_responses_routes
 from server.serving import OpenAIServing
@@ -33,11 +34,12 @@ logger = logging.getLogger(__name__)
 
 
 class KVServeApp(FastAPI):
-    """FastAPI with the access log outermost: outside Starlette's 500 handler too, so an
-    unhandled error's response carries ``X-Request-Id`` and gets its access line."""
+    """FastAPI with the access log outside Starlette's 500 handler too, so an unhandled error's
+    response carries ``X-Request-Id`` and gets its access line; outside it, ``DirectBody`` hands
+    pushed streams the server's own ``send`` for their bodies (server/push.py)."""
 
     def build_middleware_stack(self):  # noqa: ANN201 - Starlette's ASGIApp
-        return AccessLog(super().build_middleware_stack())
+        return DirectBody(AccessLog(super().build_middleware_stack()))
 
 
 def build_app(engine: EngineClient, config: ServerConfig, metrics: Metrics | None = None) -> FastAPI:

@@ -19,6 +19,11 @@ Contract:
 - ``PushedSSE(open_run)``: after the response's headers, ``open_run(writer)`` starts the run and
   returns ``close``; the response calls ``close()`` exactly once, when ``done`` resolved or the
   client left (``http.disconnect``), and returns. ``close`` must abort whatever still runs.
+- The headers go through every middleware's ``send``; the body goes to the server's own
+  ``send``, which ``DirectBody``, the app's outermost layer, leaves in the scope (``BODY_SEND``;
+  without it, the ``send`` the response was given). A body message through the middleware
+  would pass four wrappers a chunk that only look at the start (the access log's, Starlette's
+  error and exception handlers'), so no middleware of this app may change a response's body.
 """
 from __future__ import annotations
 
@@ -29,6 +34,22 @@ from typing import Any, Awaitable, Callable, Coroutine
 from starlette.responses import Response
 
 Send = Callable[[dict], Awaitable[None]]
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Send], Awaitable[None]]
+
+BODY_SEND = "kvserve.body_send"  # the scope key of the server's own send (DirectBody)
+
+
+class DirectBody:
+    """Pure ASGI middleware, the app's outermost layer: leaves the server's ``send`` in the
+    scope under ``BODY_SEND``, for pushed responses' bodies (see the module doc)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Send) -> None:
+        if scope["type"] == "http":
+            scope[BODY_SEND] = send
+        await self.app(scope, receive, send)
 
 
 class FrameWriter:
@@ -42,7 +63,12 @@ class FrameWriter:
         self.ended = False  # end(), fail() or abandon() was called: nothing more is written
 
     def write(self, frame: str) -> None:
-        self._put({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+        if not self.ended:  # _put's steps inline: this runs once a streamed token
+            message = {"type": "http.response.body", "body": frame.encode(), "more_body": True}
+            if self._waiting is None:
+                self._start(message)
+            else:
+                self._backlog.append(message)
 
     def end(self) -> None:
         """The response ends (an empty last body, as ``StreamingResponse`` ends)."""
@@ -126,7 +152,7 @@ class PushedSSE(Response):
         self._open_run = open_run
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Send) -> None:
-        writer = FrameWriter(send, asyncio.get_running_loop())
+        writer = FrameWriter(scope.get(BODY_SEND, send), asyncio.get_running_loop())
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
 
         async def client_gone() -> None:

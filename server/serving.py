@@ -345,7 +345,7 @@ class OpenAIServing:
                     checked(job.choice, out)
                 except EngineRequestError as exc:
                     return failed(exc)
-                if record is not None and out.num_output_tokens:
+                if record is not None and record.first_token_at is None and out.num_output_tokens:
                     record.first_token()
                 for frame in frames.output(job.choice, out):
                     writer.write(frame)

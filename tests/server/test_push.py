@@ -221,3 +221,44 @@ def test_an_engine_error_in_one_choice_ends_the_stream_and_aborts_the_others():
     assert writer.ended and writer.done.result() is None
     assert Frames.made == ["a", "b"]  # nothing made after the error: no closing (Responses would store)
     assert closed == {jobs[0].request_id: True, jobs[1].request_id: True}
+
+
+def test_the_body_goes_to_the_servers_send_and_the_headers_through_every_middleware():
+    """In kvserve's app, a pushed response's start passes the middleware (the access log adds
+    X-Request-Id, a wrapping layer sees it) and its frames go to the server's own ``send``."""
+    from server.app import KVServeApp
+
+    seen_by_middleware: list[str] = []
+
+    class Watching:  # a pure ASGI middleware that wraps send, as Starlette's error layers do
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def watched(message):
+                seen_by_middleware.append(message["type"])
+                await send(message)
+            await self.app(scope, receive, watched)
+
+    app = KVServeApp()
+    app.add_middleware(Watching)
+
+    def open_run(writer):
+        writer.write("data: 1\n\n")
+        writer.write("data: 2\n\n")
+        asyncio.get_running_loop().call_soon(writer.end)
+        return lambda: None
+
+    app.add_api_route("/stream", lambda: PushedSSE(open_run))
+    sent: list[dict] = []
+
+    async def server_send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/stream", "raw_path": b"/stream", "query_string": b"",
+             "headers": [], "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+             "root_path": ""}
+    asyncio.run(app(scope, _receive_until(asyncio.Event()), server_send))
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert sent[0]["status"] == 200 and b"x-request-id" in dict(sent[0]["headers"])
+    assert seen_by_middleware == ["http.response.start"]
