@@ -15,8 +15,11 @@ from json.encoder import encode_basestring  # what json.dumps(str, ensure_ascii=
 from typing import Any
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+# json.dumps(value, ensure_ascii=False), the same text, without the new JSONEncoder that
+# json.dumps builds for every call with a non-default argument (~0.7 us of a ~3 us call); every
+# SSE event of the chat-shaped APIs goes through it
+json_text = json.JSONEncoder(ensure_ascii=False).encode
+_dumps = json_text
 
 
 def _reason(finish_reason: str | None) -> str:

@@ -28,6 +28,7 @@ from server.messages.translate import translate
 from server.reasoning import split
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect
 from server.serving import OpenAIServing
+from server.sse import json_text
 from server.tools import ToolPlan, ToolStreamer, finish_message
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def content_blocks(message: dict[str, Any], thinking: str | None = None,
 
 
 def _event(type_: str, data: dict[str, Any]) -> str:
-    return f"event: {type_}\ndata: {json.dumps({'type': type_, **data}, ensure_ascii=False)}\n\n"
+    return f"event: {type_}\ndata: {json_text({'type': type_, **data})}\n\n"
 
 
 class BlockWriter:

@@ -8,7 +8,6 @@ carries the same Response the non-streamed call returns.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, Iterable
@@ -27,6 +26,7 @@ from server.responses.translate import Translation, translate
 from server.reasoning import ReasoningParser
 from server.runs import ChatRun, Choice, EngineRequestError, cancel_on_disconnect, prompt_lengths, usage
 from server.serving import OpenAIServing
+from server.sse import json_text
 from server.tools import ToolPlan, ToolStreamer, finish_message
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class ResponseFrames:
     def _event(self, kind: str, payload: dict[str, Any]) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **payload}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {json_text(data)}\n\n"
 
     def _events(self, events: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
         return [self._event(kind, payload) for kind, payload in events]
