@@ -34,7 +34,7 @@ class EngineRequestError(RuntimeError):
 class Choice:
     index: int
     prompt_index: int
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the output text as it came (``text`` joins it)
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -45,6 +45,11 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs on /v1/completions
     echo: str | None = None  # the prompt text, when echo is asked
     echoed: bool = False  # streaming: the echo went out with the first chunk
+
+    @property
+    def text(self) -> str:
+        """The output text so far (joined here: appending to one string copied it every token)."""
+        return "".join(self.parts)
 
 
 @dataclass
@@ -103,7 +108,8 @@ def checked(choice: Choice, out: RequestOutput) -> RequestOutput:
 def apply(choice: Choice, out: RequestOutput) -> None:
     if out.prompt_logprobs is not None:
         choice.prompt_logprobs = out.prompt_logprobs
-    choice.text += out.text
+    if out.text:
+        choice.parts.append(out.text)
     choice.num_output_tokens = out.num_output_tokens
     choice.num_cached_tokens = out.num_cached_tokens
     choice.num_cache_write_tokens = out.num_cache_write_tokens

@@ -34,8 +34,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""  # final output text so far (truncated at a stop string once found)
-        self._emitted = 0
+        self._taken: list[str] = []  # the released text that take_delta returned, in order
+        self._tail = ""  # the released text it has not returned yet (truncated at a stop string)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stopped_on: str | None = None
 
@@ -55,24 +55,35 @@ class IncrementalDetokenizer:
             return None
         return self._release(full[len(prefix):])
 
+    @property
+    def text(self) -> str:
+        """The final output text so far (truncated at a stop string once found)."""
+        return "".join(self._taken) + self._tail
+
     def _release(self, text: str) -> str | None:
         """``text`` joins the output and every id so far is released; the stop string it completed, if any."""
-        search_from = max(0, len(self.text) - self._holdback)
-        self.text += text
+        # a stop string may start in the held-back characters, which take_delta leaves in _tail;
+        # only _tail grows here, so a long output costs no copy of its whole text per token
+        search_from = max(0, len(self._tail) - self._holdback)
+        self._tail += text
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         for stop in self.stop:
-            index = self.text.find(stop, search_from)
+            index = self._tail.find(stop, search_from)
             if index != -1:
-                self.text = self.text[:index]
+                self._tail = self._tail[:index]
                 self.stopped_on = stop
                 return stop
         return None
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet released; everything once the request is finished."""
-        end = len(self.text) if finished or self.stopped_on else max(self._emitted, len(self.text) - self._holdback)
-        delta = self.text[self._emitted:end]
-        self._emitted = end
+        """Text not yet taken, but the last ``holdback`` characters (a stop string may start
+        there); everything once the request is finished or stopped."""
+        tail = self._tail
+        end = len(tail) if finished or self.stopped_on else max(0, len(tail) - self._holdback)
+        if not end:
+            return ""
+        delta, self._tail = tail[:end], tail[end:]
+        self._taken.append(delta)
         return delta
 
 

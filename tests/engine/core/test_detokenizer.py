@@ -41,11 +41,13 @@ def test_deltas_join_into_the_decoded_output_and_never_split_a_character(tokeniz
     assert any("🙂" in d for d in deltas)  # a 4-byte character split across tokens arrives whole
 
 
-def test_a_stop_string_is_never_streamed(tokenizer):
+@pytest.mark.parametrize("stop", ["return", "turn x *"])  # in one token; across three
+def test_a_stop_string_is_never_streamed(tokenizer, stop):
     output = tokenizer(TEXT)["input_ids"]
-    deltas, detok = _stream(tokenizer, [1, 2, 3], output, stop=["return"])
-    assert detok.stopped_on == "return"
-    assert "".join(deltas) == TEXT[:TEXT.index("return")]
+    deltas, detok = _stream(tokenizer, [1, 2, 3], output, stop=[stop])
+    assert detok.stopped_on == stop
+    assert "".join(deltas) == detok.text == TEXT[:TEXT.index(stop)]
+    assert all(stop[:2] not in d for d in deltas)
 
 
 @pytest.mark.parametrize("cut_prompt", [False, True], ids=["prompt", "prompt-ending-mid-character"])
