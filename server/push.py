@@ -63,12 +63,7 @@ class FrameWriter:
         self.ended = False  # end(), fail() or abandon() was called: nothing more is written
 
     def write(self, frame: str) -> None:
-        if not self.ended:  # _put's steps inline: this runs once a streamed token
-            message = {"type": "http.response.body", "body": frame.encode(), "more_body": True}
-            if self._waiting is None:
-                self._start(message)
-            else:
-                self._backlog.append(message)
+        self._put({"type": "http.response.body", "body": frame.encode(), "more_body": True})
 
     def end(self) -> None:
         """The response ends (an empty last body, as ``StreamingResponse`` ends)."""

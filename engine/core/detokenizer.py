@@ -95,8 +95,8 @@ def _raw_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequenc
     alphabet alone (GPT-2's, SmolLM2's, Llama 3's), the ids' bytes are joined in Python from a
     table (``byte_table``) and decoded as the backend does, with no call into it; an added or
     special token, or an id past the vocabulary, takes the backend's own rules."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    backend = _backend(tokenizer)
+    if backend is None:
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     table = byte_table(backend)
     if table is None:
@@ -110,49 +110,50 @@ def _raw_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequenc
     return decode
 
 
-_BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _backend(tokenizer: Any) -> Any | None:
+    """The ``tokenizers`` backend whose decode is the tokenizer's own (a fast tokenizer that
+    cleans up no spaces), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
+
+
+# per backend, built once: (each id's bytes, each id's whole text) or (None, None)
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def byte_table(backend: Any) -> list[bytes | None] | None:
     """Each id's bytes (None for an added token), where ``backend`` (a ``tokenizers.Tokenizer``)
     decodes by the ``ByteLevel`` decoder alone: its text is then the ids' bytes, mapped back from
     the byte-level alphabet, as UTF-8 with invalid sequences replaced (U+FFFD). None for any
-    other decoder, or a token outside the alphabet. Built once per backend."""
-    if backend in _BYTE_TABLES:
-        return _BYTE_TABLES[backend]
-    table = None
-    if type(backend.decoder).__name__ == "ByteLevel":
-        to_byte = {c: b for b, c in _byte_alphabet().items()}
-        vocab = backend.get_vocab(with_added_tokens=True)
-        added = set(backend.get_added_tokens_decoder())
-        table = [None] * (max(vocab.values()) + 1)
-        for token, i in vocab.items():
-            if i in added:
-                continue
-            if any(c not in to_byte for c in token):
-                table = None
-                break
-            table[i] = bytes(to_byte[c] for c in token)
-    _BYTE_TABLES[backend] = table
-    return table
+    other decoder, or a token outside the alphabet."""
+    return _tables(backend)[0]
 
 
 def token_pieces(tokenizer: Any) -> list[str | None] | None:
     """Each id's text where its bytes (``byte_table``) are whole UTF-8 characters on their own,
     neither empty nor ending in U+FFFD (None otherwise, and for added tokens); None where the
-    tokenizer does not decode from a byte table. Built once per backend."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
-    if backend in _PIECES:
-        return _PIECES[backend]
-    table = byte_table(backend)
-    pieces = None
-    if table is not None:
-        pieces = [_whole_text(raw) for raw in table]
-    _PIECES[backend] = pieces
-    return pieces
+    tokenizer does not decode from a byte table."""
+    backend = _backend(tokenizer)
+    return None if backend is None else _tables(backend)[1]
+
+
+def _tables(backend: Any) -> tuple[list[bytes | None] | None, list[str | None] | None]:
+    if backend not in _TABLES:
+        table = None
+        if type(backend.decoder).__name__ == "ByteLevel":
+            to_byte = {c: b for b, c in _byte_alphabet().items()}
+            vocab = backend.get_vocab(with_added_tokens=True)
+            added = set(backend.get_added_tokens_decoder())
+            table = [None] * (max(vocab.values()) + 1)
+            for token, i in vocab.items():
+                if i in added:
+                    continue
+                if any(c not in to_byte for c in token):
+                    table = None
+                    break
+                table[i] = bytes(to_byte[c] for c in token)
+        _TABLES[backend] = (table, None if table is None else [_whole_text(raw) for raw in table])
+    return _TABLES[backend]
 
 
 def _whole_text(raw: bytes | None) -> str | None:
