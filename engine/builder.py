@@ -24,6 +24,7 @@ from cache import CacheConfig, KVCacheManager, KVCapacity, num_blocks_for_memory
 from cache.eviction import EvictionConfig, build_policy
 from cache.tiers import DiskTier, HostTier, KVTier, TierChain
 from engine.attention import resolve_backend, select_attention
+from engine.attention.precision import DTYPES as PREFILL_DTYPES, resolve_prefill_attention_dtype
 from engine.config import EngineConfig, ModelConfig
 from engine.core.protocol import EngineInfo
 from engine.kernels import load_kernels
@@ -355,11 +356,16 @@ class _EngineBuild:
         build = build_ranked_model if config.model.tensor_parallel_size > 1 else build_local_model
         model = build(config, loaded, max_len, dtype, device, attention_backend)
         # auto, as the model resolved it (tensor parallel ranks run no block matmuls: none)
+        activation_quant = getattr(model, "activation_quant", "none")
+        prefill_attention = resolve_prefill_attention_dtype(
+            config.model.prefill_attention_dtype, device, dtype, activation_quant, config.model.tensor_parallel_size)
+        model.attn.prefill_dtype = PREFILL_DTYPES[prefill_attention]
         config = dataclasses.replace(config, model=dataclasses.replace(
-            config.model, activation_quant=getattr(model, "activation_quant", "none")))
+            config.model, activation_quant=activation_quant, prefill_attention_dtype=prefill_attention))
         self.config = config
-        logger.info("Attention: %s on %s (%s%s)", model.attn.describe(), device, config.model.dtype,
-                    "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks")
+        logger.info("Attention: %s on %s (%s%s%s)", model.attn.describe(), device, config.model.dtype,
+                    "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks",
+                    ", prefill chunks attend in bfloat16" if prefill_attention == "bfloat16" else "")
         _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype)
 
         per_token = pool_bytes_per_token(config, arch, model, dtype, device)

@@ -12,6 +12,7 @@ from cache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 
 ACTIVATION_QUANTS = ("auto", "none", "int8")
+PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16")
 # Every attention backend name the engine accepts; ``engine.attention.base`` registers exactly
 # these (``auto`` aside) and the CLI offers them.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
@@ -64,6 +65,13 @@ class ModelConfig:
     # runs and this CPU has an int8 kernel for one of the model's block formats, else none
     # (engine.model.linear.resolve_activation_quant). none: fp32 activations, the exact option.
     activation_quant: str = "auto"
+    # "auto" | "float32" | "bfloat16": the dtype a float32 model's prefill chunks attend in on the
+    # CPU (engine.attention.precision). bfloat16: q, k and v rounded to bf16 for torch's flash
+    # kernel, which then runs on AMX tiles (2.5x faster at 512 x 4,000 here), softmax and sums in
+    # fp32; decode rows keep the fp32 paged kernel. auto: bfloat16 where the approximate numerics
+    # are in force already (activation_quant resolved to int8) and the CPU has AMX-BF16, else
+    # float32 (the exact option)
+    prefill_attention_dtype: str = "auto"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
@@ -91,6 +99,9 @@ class ModelConfig:
             raise ValueError(f"decode_path must be auto, native or python, got {self.decode_path!r}")
         if self.activation_quant not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant must be auto, none or int8, got {self.activation_quant!r}")
+        if self.prefill_attention_dtype not in PREFILL_ATTENTION_DTYPES:
+            raise ValueError("prefill_attention_dtype must be auto, float32 or bfloat16, got "
+                             f"{self.prefill_attention_dtype!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):
             raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         check_backend_name(self.attention_backend)

@@ -40,6 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8: quantize the activations of the matmuls on GGUF blocks (llama.cpp's Q8 "
                         "activations; faster, approximate: see docs/configuration.md). Default auto: int8 on "
                         "GGUF block weights where the CPU has the int8 kernels, else none; none is exact fp32")
+    g.add_argument("--prefill-attention-dtype", dest="prefill_attention_dtype",
+                   choices=["auto", "float32", "bfloat16"],
+                   help="the dtype a float32 model's prefill chunks attend in on the CPU; default auto: bfloat16 "
+                        "(AMX tiles) where activation_quant is int8 and the CPU has AMX-BF16, else float32")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")

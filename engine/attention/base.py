@@ -45,6 +45,10 @@ class AttentionBackend(ABC):
     exports_block_mass: ClassVar[bool] = False
     # Why not, for the refusal at build (kv_eviction h2o with this backend).
     block_mass_refusal: ClassVar[str] = "its kernels do not export per-block attention mass"
+    # The dtype prefill chunks attend in where it is not the model's (None: the model's): set by
+    # the builder from ModelConfig.prefill_attention_dtype (engine/attention/precision.py), which
+    # only sets it on the CPU, where every backend is a TorchAttention.
+    prefill_dtype: torch.dtype | None = None
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:

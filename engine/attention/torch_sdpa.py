@@ -18,6 +18,8 @@ class TorchAttention(AttentionBackend):
     A float pool of another dtype than q's (``--kv-cache-dtype float16`` under a float32 model)
     is widened to q's dtype as it is gathered, and a fresh prompt attends to its own K/V rounded
     as the pool holds them, so a prompt gives the same numbers whether its prefix was cached or not.
+    With ``prefill_dtype`` set (bf16, engine/attention/precision.py) prefill chunks round q, k and v
+    to it before SDPA, cached prefix or not alike; decode rows and the block-mass path do not.
     """
 
     name = "torch"
@@ -43,17 +45,20 @@ class TorchAttention(AttentionBackend):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        # q, k and v in the dtype the chunks attend in (prefill_dtype: bf16 for the AMX tiles);
+        # the output returns to q's dtype as it is stored
+        dtype = self.prefill_dtype or q.dtype
         for chunk in meta.prefills:
             # 4-D [1, H, q_len, d]: with a batch dimension CPU SDPA takes its flash kernel; 3-D
             # inputs with a mask fall back to the math path (bmm + softmax), 5x slower at 512 x 1000.
-            q_c = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            q_c = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0).to(dtype)
             if chunk.block_ids is None:
-                keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0).to(dtype)
+                values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0).to(dtype)
                 o = F.scaled_dot_product_attention(q_c, keys, values, is_causal=True, enable_gqa=True)
             else:
-                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
-                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len).to(q.dtype)
+                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len).to(dtype)
+                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len).to(dtype)
                 if q.device.type == "cpu":
                     o = attend_after_prefix(q_c, keys, values, chunk.context_len - (chunk.end - chunk.start))
                 else:
@@ -148,7 +153,9 @@ def attend_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     copied per query head), then the chunk's own ``n`` keys, causal. Why: CPU SDPA reads a
     ``[n, prefix + n]`` mask per head and expands grouped K/V; this measured 21% less time at
     512 queries over 4,000 and 8,000 keys (9 heads of 64, 3 kv heads, 2 threads), and attention
-    is most of a long prompt's prefill. Equal to the masked SDPA up to fp32 rounding (tested)."""
+    is most of a long prompt's prefill. Equal to the masked SDPA up to fp32 rounding (tested).
+    q, keys and values share one dtype (float32, or bfloat16 for ``prefill_dtype``); the merge and
+    the result are float32 (the prefix-free case returns the inputs' dtype)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     _, heads, n, d = q.shape
     kv_heads = keys.shape[1]
@@ -161,6 +168,6 @@ def attend_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     own_k = keys[:, :, prefix:].repeat_interleave(group, dim=1)
     own_v = values[:, :, prefix:].repeat_interleave(group, dim=1)
     o2, l2 = flash(q, own_k, own_v, is_causal=True)
-    top = torch.maximum(l1, l2)
+    top = torch.maximum(l1, l2)  # the log-sum-exps are fp32 whatever the inputs' dtype
     w1, w2 = (l1 - top).exp().unsqueeze(-1), (l2 - top).exp().unsqueeze(-1)
-    return (o1 * w1 + o2 * w2) / (w1 + w2)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)

@@ -1,2 +1,3 @@
-"""Process-level settings of the host the engine runs on: OpenMP threads (``openmp``) and
-glibc's malloc arenas (``host_malloc``). Standard library and torch only."""
+"""Process-level settings of the host the engine runs on: OpenMP threads (``openmp``), glibc's
+malloc arenas (``host_malloc``), and what its CPU can do (``cpu_features``). Standard library and
+torch only."""

@@ -309,7 +309,7 @@ def test_flag_is_validated():
         model.select_linear_backend("auto")
 
 
-def _engine(path, mode: str | None, kv_cache_dtype: str | None = "float32"):
+def _engine(path, mode: str | None, kv_cache_dtype: str | None = "float32", prefill_attention_dtype: str = "auto"):
     """``mode`` / ``kv_cache_dtype`` None: the defaults (auto, auto); else the flags as given
     (``none`` with ``float32``: the exact flags)."""
     from cache import CacheConfig
@@ -321,7 +321,7 @@ def _engine(path, mode: str | None, kv_cache_dtype: str | None = "float32"):
     model = {} if mode is None else {"activation_quant": mode}
     cache = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(path), num_threads=1, **model),
+        model=ModelConfig(model=str(path), num_threads=1, prefill_attention_dtype=prefill_attention_dtype, **model),
         cache=CacheConfig(block_size=4, num_blocks=64, **cache), scheduler=SchedulerConfig(max_num_seqs=4)))
 
 
@@ -389,7 +389,7 @@ def test_unquantized_halves_keep_fp32_activations_under_the_int8_flag(fmt, tmp_p
     path = write_gguf(tmp_path / "tiny.gguf", shape, lambda name, layer, layers: fmt, seed=3)
     logits = {}
     for mode in ("none", "int8"):
-        engine = _engine(path, mode)
+        engine = _engine(path, mode, prefill_attention_dtype="float32")  # the matmuls alone differ
         model = engine.runner.model
         assert model.decode_path == "native" and model.activation_quant == mode
         assert all(op is torch.ops.kvserve.gguf_linear for mm in model.block_linears() for op in mm.kernels)
