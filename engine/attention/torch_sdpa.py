@@ -30,7 +30,10 @@ class TorchAttention(AttentionBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if isinstance(k_cache, torch.Tensor) and k_cache.dtype != q.dtype:  # what the pool holds
-            k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
+            # widened straight to the dtype the prefill chunks attend in (fp16 -> bf16: one copy);
+            # the block-mass path attends in q's dtype
+            wide = self.prefill_dtype if self.prefill_dtype and meta.block_mass is None else q.dtype
+            k, v = k.to(k_cache.dtype).to(wide), v.to(v_cache.dtype).to(wide)
         num_tokens, num_heads, head_dim = q.shape
         groups = meta.decode_groups
         if meta.block_mass is not None:
