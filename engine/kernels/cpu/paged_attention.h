@@ -63,8 +63,16 @@ inline void for_each_row(const Pool<T>& pool, const Layout& lay, Fn&& fn) {
 
 // One row of L scores in place: s_t <- exp(s_t - m), m the row's maximum; returns (m, the sum).
 inline std::pair<float, float> exp_row(float* s, int64_t L) {
-  float m = s[0];
-  for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+  // The maximum in 16 independent lanes: one running maximum was a chain of dependent maxss (GCC
+  // does not vectorize it), ~16% of a 4,000-token row's attention in perf; a one-row decode step
+  // at ~4,100 tokens of context 13-15% faster (p10 of the steps). Exact in any order.
+  float lanes[16];
+  std::fill(lanes, lanes + 16, s[0]);
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16)
+    for (int i = 0; i < 16; ++i) lanes[i] = std::max(lanes[i], s[t + i]);
+  for (; t < L; ++t) lanes[0] = std::max(lanes[0], s[t]);
+  const float m = *std::max_element(lanes, lanes + 16);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < L; ++t) {
