@@ -67,7 +67,7 @@ class ModelConfig:
     activation_quant: str = "auto"
     # "auto" | "float32" | "bfloat16": the dtype a float32 model's prefill chunks attend in on the
     # CPU (engine.attention.precision). bfloat16: q, k and v rounded to bf16 for torch's flash
-    # kernel, which then runs on AMX tiles (2.5x faster at 512 x 4,000 here), softmax and sums in
+    # kernel, which then runs on AMX tiles (2.4x faster at 512 x 4,000 here), softmax and sums in
     # fp32; decode rows keep the fp32 paged kernel. auto: bfloat16 where the approximate numerics
     # are in force already (activation_quant resolved to int8) and the CPU has AMX-BF16, else
     # float32 (the exact option)
