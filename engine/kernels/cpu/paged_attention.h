@@ -68,10 +68,10 @@ inline std::pair<float, float> exp_row(float* s, int64_t L) {
   // at ~4,100 tokens of context 13-15% faster (p10 of the steps). Exact in any order.
   float lanes[16];
   std::fill(lanes, lanes + 16, s[0]);
-  int64_t t = 0;
-  for (; t + 16 <= L; t += 16)
-    for (int i = 0; i < 16; ++i) lanes[i] = std::max(lanes[i], s[t + i]);
-  for (; t < L; ++t) lanes[0] = std::max(lanes[0], s[t]);
+  int64_t u = 0;
+  for (; u + 16 <= L; u += 16)
+    for (int i = 0; i < 16; ++i) lanes[i] = std::max(lanes[i], s[u + i]);
+  for (; u < L; ++u) lanes[0] = std::max(lanes[0], s[u]);
   const float m = *std::max_element(lanes, lanes + 16);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
