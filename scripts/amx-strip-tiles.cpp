@@ -5,7 +5,7 @@
 // (512 rows x 3072 columns x K 576), one thread, in cycles per block tile (8,192 multiply-adds)
 // at the nominal clock given (default 3 GHz; only ratios between the lines matter):
 //
-//   g++ -O3 -march=native bench/probes/amx_strip_tiles.cpp -o /tmp/amx_strip_tiles && /tmp/amx_strip_tiles [GHz]
+//   g++ -O3 -march=native scripts/amx-strip-tiles.cpp -o /tmp/amx-strip-tiles && /tmp/amx-strip-tiles [GHz]
 //
 // Needs an AMX-INT8 CPU (Sapphire Rapids or later) and GCC 11+. Not part of the kernels' build.
 #include <immintrin.h>
