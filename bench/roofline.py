@@ -34,6 +34,7 @@ import torch
 from bench.engine_runs import kvserve_batch, kvserve_single, weight_bytes_per_decode_token
 from bench.machine import CpuMonitor, machine_info, memory_bandwidth_gbs
 from bench.report import check, info, new_figure, save_figure, table
+from engine.platform.cpu_features import cpu_flags
 
 BANDWIDTH_TARGET = 0.8
 STEP_TARGET = 2.0  # issue 39: the 16-row decode step within 2x of its roofline
@@ -52,21 +53,10 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
 
 
 # ---- the decode step's roofline (issue 39) -----------------------------------------------------
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The first CPU's flags in ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def isa_report() -> dict[str, Any]:
     """What the int8 kernels can use here: the CPU's flags as the OS shows them and the
     kernels' own choice (``gguf_q8_isa``; ``gguf_q8_amx`` also asks Linux for the AMX state)."""
-    flags = cpu_flags()
+    flags = cpu_flags()  # engine/platform/cpu_features.py
     return {"avx512_vnni": "avx512_vnni" in flags, "avx_vnni": "avx_vnni" in flags,
             "avx512_bf16": "avx512_bf16" in flags,
             "amx_cpuinfo": {f: f in flags for f in ("amx_tile", "amx_int8", "amx_bf16")},

@@ -1,7 +1,8 @@
 """What the host CPU can do, as the kernel reports it in ``/proc/cpuinfo``'s ``flags`` line.
 
 For choices made once at start that depend on an instruction set torch does not expose a query
-for (torch 2.13 dropped ``torch._C._cpu._is_amx_tile_supported``). Not Linux, or no such file:
+for (torch 2.13 dropped ``torch._C._cpu._is_amx_tile_supported``). The project's one reader of
+these flags (bench/roofline.py reports them too). Not Linux, or no such file:
 no flags, so every choice falls back to its portable side.
 """
 from __future__ import annotations
