@@ -86,11 +86,33 @@ __attribute__((target("avx2"))) inline __m256i q4_codes(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
 
-// ---- Two adjacent full strips (quant_linear.cpp's strips of 8 output columns; strip-blocks of
-// 32 k: Q4_1 160 bytes, Q8_0 272) at a and b as 8 k-quads of 16 columns: dword c of w[j] =
-// column c's 4 codes at k = 4j .. 4j + 3, strip a's columns 0-7, b's 8-15. That is the operand
-// of vpdpbusd against a broadcast activation quad (quant_linear_q8.cpp's pair kernels), and the
-// rows of an AMX B tile (quant_linear_amx.cpp).
+// ---- Strips of nibbles (Q4_1, Q5_0: quant_linear.cpp's strips of 8 output columns, strip-blocks
+// of 32 k). The nibbles go in 4 chunks o of 32 bytes; byte 4c + e of chunk o holds column c at
+// k = 8o + e (low nibble) and k = 8o + 4 + e (high nibble). So one mask gives k-quad 2o, one dword
+// a column (column c's 4 codes at k = 8o .. 8o + 3), and one shift and mask k-quad 2o + 1: the
+// operand of vpdpbusd against a broadcast activation quad (quant_linear_q8.cpp) and the rows of an
+// AMX B tile (quant_linear_amx.cpp), with no byte shuffles. (The layout before issue 39's last
+// stops interleaved the columns by k pairs, and re-laying it took ~44 shuffle-port operations a
+// pair-block: a one-row decode step ran ~20% slower.) Q5_0's fifth bits: bit 2o of byte j of the
+// 32 at `fifth` is that of chunk o's byte j's low nibble, bit 2o + 1 of its high nibble.
+
+// Chunk o of one strip-block's nibbles at `codes` (and Q5_0's fifth bits at `fifth`) as its two
+// k-quads: lo = k-quad 2o, hi = k-quad 2o + 1 (codes 0..15, Q5_0 0..31).
+template <bool kFifth>
+__attribute__((target("avx2"))) inline void nibble_quads(const uint8_t* codes, const uint8_t* fifth, int o,
+                                                         __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * o));
+  lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+  if (kFifth) {  // bits 2o, 2o + 1 of each byte to bit 4 of the low and the high nibble's code
+    const __m256i t = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fifth)), _mm_cvtsi32_si128(2 * o));
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(1)), 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(2)), 3));
+  }
+}
+
+// ---- Two adjacent full strips (strip-blocks at a and b) as 8 k-quads of 16 columns: dword c of
+// w[j] = column c's 4 codes at k = 4j .. 4j + 3, strip a's columns 0-7, b's 8-15.
 #define KVSERVE_ZMM_TARGET __attribute__((target("avx2,avx512f,avx512vl,avx512bw")))
 
 KVSERVE_ZMM_TARGET inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
@@ -98,17 +120,12 @@ KVSERVE_ZMM_TARGET inline __m512i load_pair(const uint8_t* a, const uint8_t* b) 
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
 
-// Nibble codes (Q4_1: unsigned 0..15 at byte 32; Q5_0: at byte 16, with fifth bits): group g (16
-// bytes) of the nibbles holds column i % 8 at k = 4g + i / 8 (low nibble of byte i) and
-// k = 4g + 2 + i / 8 (high nibble). kFifth (Q5_0, quant_linear.cpp): bits 2o and 2o + 1 of byte j
-// of the 32 at `fifth` are the fifth bits of byte j's low and high nibble in chunk o (groups 2o,
-// 2o + 1), OR-ed in as bit 4 (codes 0..31).
+// The nibble codes at byte `codes` of each strip-block (Q4_1: 32, Q5_0: 16), kFifth (Q5_0) with
+// the fifth bits at byte `fifth` added as 16.
 template <bool kFifth>
 KVSERVE_ZMM_TARGET inline void relay_nibbles_pair(const uint8_t* a, const uint8_t* b, int64_t codes, int64_t fifth,
                                                   __m512i* w) {
   const __m512i mask = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
-  const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
-  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
   const __m512i f = kFifth ? load_pair(a + fifth, b + fifth) : _mm512_setzero_si512();
   for (int o = 0; o < 4; ++o) {
     const __m512i q = load_pair(a + codes + 32 * o, b + codes + 32 * o);
@@ -117,10 +134,7 @@ KVSERVE_ZMM_TARGET inline void relay_nibbles_pair(const uint8_t* a, const uint8_
       c0 = _mm512_mask_add_epi8(c0, _mm512_test_epi8_mask(f, _mm512_set1_epi8(static_cast<char>(1 << (2 * o)))), c0, sixteen);
       c1 = _mm512_mask_add_epi8(c1, _mm512_test_epi8_mask(f, _mm512_set1_epi8(static_cast<char>(2 << (2 * o)))), c1, sixteen);
     }
-    const __m512i k01 = _mm512_shuffle_epi8(c0, idx), k23 = _mm512_shuffle_epi8(c1, idx);
-    const __m512i c03 = _mm512_unpacklo_epi16(k01, k23), c47 = _mm512_unpackhi_epi16(k01, k23);
-    w[2 * o] = _mm512_permutex2var_epi64(c03, lo, c47);
-    w[2 * o + 1] = _mm512_permutex2var_epi64(c03, hi, c47);
+    w[2 * o] = c0, w[2 * o + 1] = c1;
   }
 }
 

@@ -15,11 +15,13 @@
 // 8-lane vector is "8 columns at one k". The kernel walks a strip once per group of up to 8
 // rows: per k it expands one vector and feeds one FMA per row with x[row, k] broadcast; the
 // accumulators are the outputs themselves. Same bytes as GGUF, no transposes at run time.
-//   Q4_1 strip-block (160 bytes): d[8] fp16, m[8] fp16, then 8 groups of 16 bytes; in group
-//        g, byte i holds column i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8
-//        (high nibble).
+//   Q4_1 strip-block (160 bytes): d[8] fp16, m[8] fp16, then 4 chunks of 32 bytes; in chunk
+//        o, byte 4c + e holds column c at k = 8o + e (low nibble) and k = 8o + 4 + e (high
+//        nibble). So a chunk's low nibbles are k-quad 2o of the 8 columns, one dword a column,
+//        and its high nibbles k-quad 2o + 1: the operand of an int8 dot product (vpdpbusd, an
+//        AMX B tile) after one mask or shift, with no byte shuffles (kvserve::nibble_quads).
 //   Q8_0 strip-block (272 bytes): d[8] fp16, then int8 codes, byte 8 k + c = column c at k.
-//   Q5_0 strip-block (176 bytes): d[8] fp16, Q4_1's groups of nibbles, 32 bytes of fifth bits.
+//   Q5_0 strip-block (176 bytes): d[8] fp16, Q4_1's chunks of nibbles, 32 bytes of fifth bits.
 // Columns past N in the last strip are zero.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,6 +54,11 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
+// Where a strip-block's nibble of column c at k sits (Q4_1, Q5_0): byte nibble_byte(k, c) of
+// the nibbles, shifted by nibble_shift(k) (the layout above).
+constexpr int nibble_byte(int k, int c) { return 32 * (k / 8) + 4 * c + k % 4; }
+constexpr int nibble_shift(int k) { return k % 8 < 4 ? 0 : 4; }
+
 struct Q4_1 {
   static constexpr int64_t kGgufBytes = 20;   // half d, half m, 16 bytes of nibbles
   static constexpr int64_t kStripBytes = kvserve::blocks::kQ4_1StripBytes;
@@ -63,20 +70,16 @@ struct Q4_1 {
       if (!cols[c]) continue;
       std::memcpy(dst + 2 * c, cols[c], 2);
       std::memcpy(dst + 16 + 2 * c, cols[c] + 2, 2);
-      for (int k = 0; k < kBlock; ++k) {
-        const int g = k / 4, r = k % 4, i = (r % 2) * 8 + c;
-        dst[32 + 16 * g + i] |= gguf_code(cols[c], k) << (r < 2 ? 0 : 4);
-      }
+      for (int k = 0; k < kBlock; ++k) dst[32 + nibble_byte(k, c)] |= gguf_code(cols[c], k) << nibble_shift(k);
     }
   }
   // w[k][c] = the strip-block's weight at (k, column c), as gguf computes it: d * q + m.
   static void expand(const uint8_t* sb, float w[kBlock][kStrip]) {
     float d[kStrip], m[kStrip];
     for (int c = 0; c < kStrip; ++c) d[c] = half_at(sb + 2 * c), m[c] = half_at(sb + 16 + 2 * c);
-    for (int k = 0; k < kBlock; ++k) {
-      const uint8_t* q = sb + 32 + 16 * (k / 4) + (k % 2) * 8;
-      for (int c = 0; c < kStrip; ++c) w[k][c] = d[c] * static_cast<float>(k % 4 < 2 ? q[c] & 15 : q[c] >> 4) + m[c];
-    }
+    for (int k = 0; k < kBlock; ++k)
+      for (int c = 0; c < kStrip; ++c)
+        w[k][c] = d[c] * static_cast<float>(sb[32 + nibble_byte(k, c)] >> nibble_shift(k) & 15) + m[c];
   }
 };
 
@@ -100,9 +103,9 @@ struct Q8_0 {
 };
 
 // Q5_0 (w = d (q - 16), q five bits): the nibbles as Q4_1's (at byte 16, no m), then the fifth
-// bits at byte 144: the nibble bytes go in 4 chunks o of 32 (groups 2o, 2o + 1), and bit 2o of
-// byte 144 + j is the fifth bit of chunk o's byte j's low nibble, bit 2o + 1 of its high nibble,
-// so that one shift of those 32 bytes serves a whole chunk (block_codes.h relay_nibbles).
+// bits at byte 144: bit 2o of byte 144 + j is the fifth bit of chunk o's byte j's low nibble,
+// bit 2o + 1 of its high nibble, so that one shift of those 32 bytes serves a whole chunk
+// (block_codes.h nibble_quads).
 // 176 bytes a strip-block: the GGUF blocks' own 8 x 22.
 struct Q5_0 {
   static constexpr int64_t kGgufBytes = 22;  // half d, 4 bytes of fifth bits qh, 16 bytes of nibbles
@@ -118,23 +121,21 @@ struct Q5_0 {
       if (!cols[c]) continue;
       std::memcpy(dst + 2 * c, cols[c], 2);
       for (int k = 0; k < kBlock; ++k) {
-        const int g = k / 4, r = k % 4, i = (r % 2) * 8 + c, code = gguf_code(cols[c], k);
-        dst[16 + 16 * g + i] |= (code & 15) << (r < 2 ? 0 : 4);
-        dst[144 + 16 * (g % 2) + i] |= (code >> 4) << (2 * (g / 2) + (r < 2 ? 0 : 1));
+        const int code = gguf_code(cols[c], k), j = nibble_byte(k, c) % 32;
+        dst[16 + nibble_byte(k, c)] |= (code & 15) << nibble_shift(k);
+        dst[144 + j] |= (code >> 4) << (2 * (k / 8) + nibble_shift(k) / 4);
       }
     }
   }
   static void expand(const uint8_t* sb, float w[kBlock][kStrip]) {
     float d[kStrip];
     for (int c = 0; c < kStrip; ++c) d[c] = half_at(sb + 2 * c);
-    for (int k = 0; k < kBlock; ++k) {
-      const int g = k / 4, hi = k % 4 < 2 ? 0 : 1, j = 16 * (g % 2) + (k % 2) * 8;
+    for (int k = 0; k < kBlock; ++k)
       for (int c = 0; c < kStrip; ++c) {
-        const int nibble = (sb[16 + 16 * g + (k % 2) * 8 + c] >> (4 * hi)) & 15;
-        const int fifth = (sb[144 + j + c] >> (2 * (g / 2) + hi)) & 1;
+        const int nibble = sb[16 + nibble_byte(k, c)] >> nibble_shift(k) & 15;
+        const int fifth = sb[144 + nibble_byte(k, c) % 32] >> (2 * (k / 8) + nibble_shift(k) / 4) & 1;
         w[k][c] = d[c] * static_cast<float>((nibble | fifth << 4) - 16);
       }
-    }
   }
 };
 
@@ -168,46 +169,33 @@ void linear_strips_portable(const float* x, int64_t M, int64_t K, const uint8_t*
 template <typename Format>
 struct Avx2;
 
-// fn(k, w): w = the strip-block's 8 columns at k, for k = 0 .. 31 in order.
-template <>
-struct Avx2<Q4_1> {
+// fn(k, w): w = the strip-block's 8 columns at k, for k = 0 .. 31 in order. Q4_1 and Q5_0 (m =
+// -16 d: d q - 16 d = d (q - 16) exactly): chunk o's k-quads (block_codes.h nibble_quads) give
+// k = 8o + e as byte e of each column's dword.
+template <bool kQ5>
+struct Avx2Nibbles {
   template <typename Fn>
   static inline void for_each_k(const uint8_t* sb, Fn&& fn) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
-    const __m128i mask = _mm_set1_epi8(15);
-    for (int g = 0; g < 8; ++g) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 32 + 16 * g));
-      const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-      fn(4 * g + 0, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m));
-      fn(4 * g + 1, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m));
-      fn(4 * g + 2, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m));
-      fn(4 * g + 3, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m));
+    const __m256 m = kQ5 ? _mm256_mul_ps(d, _mm256_set1_ps(-16.f))
+                         : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    for (int o = 0; o < 4; ++o) {
+      __m256i quad[2];
+      kvserve::nibble_quads<kQ5>(sb + (kQ5 ? 16 : 32), sb + 144, o, quad[0], quad[1]);
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 4; ++e) {
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi32(quad[h], 8 * e), byte);
+          fn(8 * o + 4 * h + e, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m));
+        }
     }
   }
 };
 
-// Q5_0: Q4_1's groups with the fifth bits OR-ed in and m = -16 d (d q - 16 d = d (q - 16) exactly).
 template <>
-struct Avx2<Q5_0> {
-  template <typename Fn>
-  static inline void for_each_k(const uint8_t* sb, Fn&& fn) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-    const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
-    const __m128i mask = _mm_set1_epi8(15), one = _mm_set1_epi8(1), two = _mm_set1_epi8(2);
-    for (int g = 0; g < 8; ++g) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 + 16 * g));
-      const __m128i f = _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 144 + 16 * (g % 2))),
-                                      _mm_cvtsi32_si128(2 * (g / 2)));
-      const __m128i lo = _mm_or_si128(_mm_and_si128(q, mask), _mm_slli_epi16(_mm_and_si128(f, one), 4));
-      const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_slli_epi16(_mm_and_si128(f, two), 3));
-      fn(4 * g + 0, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m));
-      fn(4 * g + 1, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m));
-      fn(4 * g + 2, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m));
-      fn(4 * g + 3, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m));
-    }
-  }
-};
+struct Avx2<Q4_1> : Avx2Nibbles<false> {};
+template <>
+struct Avx2<Q5_0> : Avx2Nibbles<true> {};
 
 template <>
 struct Avx2<Q8_0> {

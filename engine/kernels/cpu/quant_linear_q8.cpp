@@ -18,16 +18,16 @@
 // only approximation against the fp32 kernel is the activations' rounding to 8 bits.
 //
 // Layouts (quant_linear.cpp's strips, 8 output columns per strip, 32 k per strip-block):
-//   Q4_1 (160 bytes): d[8], m[8] fp16, then 8 groups of 16 bytes; group g byte i holds column
-//     i % 8 at k = 4g + i / 8 (low nibble) and k = 4g + 2 + i / 8 (high nibble), so group g is
-//     k-quad g of all 8 columns. Once per strip-block (shared by every row of the pass) the codes
-//     are re-laid as 8 vectors w[g] whose dword c is column c's 4 codes at k = 4g .. 4g + 3; a row
+//   Q4_1 (160 bytes): d[8], m[8] fp16, then 4 chunks of 32 bytes of nibbles whose low nibbles
+//     are k-quad 2o of the 8 columns and high nibbles k-quad 2o + 1, one dword a column (see
+//     block_codes.h). Once per strip-block (shared by every row of the pass) one mask or shift
+//     gives the 8 vectors w[g] whose dword c is column c's 4 codes at k = 4g .. 4g + 3; a row
 //     then multiplies w[g] by its 4 codes at k-quad g broadcast to every dword (maddubs: 16 int16
 //     lanes = 8 columns x 2 k pairs), sums the 8 quads in int16 (<= 8 * 2 * 15 * 127 = 30480, no
 //     saturation) and one madd by 1 gives the 8 int32 column sums. A row reads its own 32 int8
 //     codes per block (an earlier layout broadcast 256 bytes of pre-expanded code pairs per row and
 //     block, which at 8+ rows spilled from L1 and made the kernel L2 bound: 16 rows ran ~20% slower).
-//   Q5_0 (176 bytes): d[8] fp16, Q4_1's 8 groups of nibbles, then 32 bytes of fifth bits (see
+//   Q5_0 (176 bytes): d[8] fp16, Q4_1's chunks of nibbles, then 32 bytes of fifth bits (see
 //     quant_linear.cpp's Q5_0), OR-ed in as the codes are re-laid; w = d (q - 16) is Q4_1's
 //     d q + m with m = -16 d, and with 5-bit codes 4 quads are summed in int16, not 8. (Until
 //     issue 39 the loader converted Q5_0 matrices to Q8_0 strips, 1.55x their bytes: SmolLM2
@@ -108,28 +108,11 @@ inline void store_cols(__m256 v, float* out, int64_t cols) {
   }
 }
 
-// A Q4_1 or Q5_0 (kQ5) strip-block's codes as k-quads: dword c % 4 of lane c / 4 of w[j] = column
-// c's codes at k = 4j .. 4j + 3 (unsigned, 0..15, Q5_0 0..31: its fifth bits as block_codes.h's
-// relay_nibbles_pair takes them).
+// A Q4_1 or Q5_0 (kQ5) strip-block's codes as k-quads: dword c of w[j] = column c's codes at
+// k = 4j .. 4j + 3 (unsigned, 0..15, Q5_0 0..31), block_codes.h nibble_quads.
 template <bool kQ5>
 inline void relay_nibbles(const uint8_t* sb, __m256i* w) {
-  const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2);
-  const uint8_t* codes = sb + (kQ5 ? 16 : 32);
-  const __m256i f = kQ5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 144)) : _mm256_setzero_si256();
-  for (int o = 0; o < 4; ++o) {  // lane 0: group 2o (k-quad 2o), lane 1: group 2o + 1
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * o));
-    __m256i c0 = _mm256_and_si256(q, mask), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-    if (kQ5) {  // bits 2o, 2o + 1 of each byte to bit 4 of the low and the high nibble's code
-      const __m256i t = _mm256_srl_epi16(f, _mm_cvtsi32_si128(2 * o));
-      c0 = _mm256_or_si256(c0, _mm256_slli_epi16(_mm256_and_si256(t, one), 4));
-      c1 = _mm256_or_si256(c1, _mm256_slli_epi16(_mm256_and_si256(t, two), 3));
-    }
-    const __m256i k01 = interleave_halves(c0);  // column c: (k, k + 1)
-    const __m256i k23 = interleave_halves(c1);
-    const __m256i c03 = _mm256_unpacklo_epi16(k01, k23), c47 = _mm256_unpackhi_epi16(k01, k23);
-    w[2 * o] = _mm256_permute2x128_si256(c03, c47, 0x20);
-    w[2 * o + 1] = _mm256_permute2x128_si256(c03, c47, 0x31);
-  }
+  for (int o = 0; o < 4; ++o) kvserve::nibble_quads<kQ5>(sb + (kQ5 ? 16 : 32), sb + 144, o, w[2 * o], w[2 * o + 1]);
 }
 
 // Row code quad j (k = 4j .. 4j + 3) of a block's 32 int8 codes, broadcast to every dword.
