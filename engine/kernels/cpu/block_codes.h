@@ -148,19 +148,10 @@ KVSERVE_ZMM_TARGET inline void relay_q5_0_pair(const uint8_t* a, const uint8_t* 
   relay_nibbles_pair<true>(a, b, 16, 144, w);
 }
 
-// Q8_0 (signed codes): byte 16 + 8k + c of a strip-block is column c at k. A 32-byte load at quad
-// j is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
-// words, then dword c of each 256-bit half <- (word c of its low lane, word c of its high lane).
+// Q8_0 (signed codes): bytes 16 + 32j .. + 31 of a strip-block are k-quad j of its 8 columns,
+// one dword a column (quant_linear.cpp), so the pair's quad j is one load of each.
 KVSERVE_ZMM_TARGET inline void relay_q8_0_pair(const uint8_t* a, const uint8_t* b, __m512i* w) {
-  const __m512i words = _mm512_set_epi16(31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
-                                         15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
-  for (int j = 0; j < 8; ++j) {
-    const __m512i q = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 + 32 * j))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j)), 1);
-    w[j] = _mm512_permutexvar_epi16(words, _mm512_shuffle_epi8(q, pairs));
-  }
+  for (int j = 0; j < 8; ++j) w[j] = load_pair(a + 16 + 32 * j, b + 16 + 32 * j);
 }
 
 // 16 fp16 scales: 8 at a, 8 at b.

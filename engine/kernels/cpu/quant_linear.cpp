@@ -20,7 +20,9 @@
 //        nibble). So a chunk's low nibbles are k-quad 2o of the 8 columns, one dword a column,
 //        and its high nibbles k-quad 2o + 1: the operand of an int8 dot product (vpdpbusd, an
 //        AMX B tile) after one mask or shift, with no byte shuffles (kvserve::nibble_quads).
-//   Q8_0 strip-block (272 bytes): d[8] fp16, then int8 codes, byte 8 k + c = column c at k.
+//   Q8_0 strip-block (272 bytes): d[8] fp16, then int8 codes in k-quads: byte 32j + 4c + e =
+//        column c at k = 4j + e (j = 0 .. 7), so 32 bytes are k-quad j of the 8 columns, one dword
+//        a column, as the int8 kernels take them (no re-lay).
 //   Q5_0 strip-block (176 bytes): d[8] fp16, Q4_1's chunks of nibbles, 32 bytes of fifth bits.
 // Columns past N in the last strip are zero.
 #include <ATen/ATen.h>
@@ -58,6 +60,8 @@ inline float half_at(const uint8_t* p) {
 // the nibbles, shifted by nibble_shift(k) (the layout above).
 constexpr int nibble_byte(int k, int c) { return 32 * (k / 8) + 4 * c + k % 4; }
 constexpr int nibble_shift(int k) { return k % 8 < 4 ? 0 : 4; }
+// Where a Q8_0 strip-block's code of column c at k sits: byte quad_byte(k, c) of the codes.
+constexpr int quad_byte(int k, int c) { return 32 * (k / 4) + 4 * c + k % 4; }
 
 struct Q4_1 {
   static constexpr int64_t kGgufBytes = 20;   // half d, half m, 16 bytes of nibbles
@@ -91,14 +95,14 @@ struct Q8_0 {
     for (int c = 0; c < kStrip; ++c) {
       if (!cols[c]) continue;
       std::memcpy(dst + 2 * c, cols[c], 2);
-      for (int k = 0; k < kBlock; ++k) dst[16 + 8 * k + c] = cols[c][2 + k];
+      for (int k = 0; k < kBlock; ++k) dst[16 + quad_byte(k, c)] = cols[c][2 + k];
     }
   }
   static void expand(const uint8_t* sb, float w[kBlock][kStrip]) {
     float d[kStrip];
     for (int c = 0; c < kStrip; ++c) d[c] = half_at(sb + 2 * c);
     for (int k = 0; k < kBlock; ++k)
-      for (int c = 0; c < kStrip; ++c) w[k][c] = d[c] * static_cast<float>(static_cast<int8_t>(sb[16 + 8 * k + c]));
+      for (int c = 0; c < kStrip; ++c) w[k][c] = d[c] * static_cast<float>(static_cast<int8_t>(sb[16 + quad_byte(k, c)]));
   }
 };
 
@@ -202,9 +206,10 @@ struct Avx2<Q8_0> {
   template <typename Fn>
   static inline void for_each_k(const uint8_t* sb, Fn&& fn) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-    for (int k = 0; k < kBlock; ++k) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 16 + 8 * k));
-      fn(k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+    for (int j = 0; j < 8; ++j) {  // k-quad j: k = 4j + e is byte e of each column's dword, sign-extended
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j));
+      for (int e = 0; e < 4; ++e)
+        fn(4 * j + e, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * e), 24))));
     }
   }
 };

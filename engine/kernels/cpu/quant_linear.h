@@ -29,16 +29,15 @@ void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, i
 //   super-block of 256, with the code sums of each 16 kept as integers. One scale per weight
 //   super-block lets the kernels sum a super-block's integer products before any float work.
 // The value the kernels multiply by is d * q. The per-32 codes are held in the layouts the
-// strip kernels read (see quant_linear_q8.cpp): int8 `q8` (Q4_1), int16 `q16` (Q8_0 on AVX2) and
-// offset `u8` (Q8_0 on AVX512-VNNI); the per-256 codes as they are (`k8`, one-row kernels) and
+// strip kernels read (see quant_linear_q8.cpp): int8 `q8` (Q4_1, Q5_0, Q8_0 on AVX2) and offset
+// `u8` (Q8_0 on AVX512-VNNI); the per-256 codes as they are (`k8`, one-row kernels) and
 // transposed (`kq`, many-row kernels).
 struct Q8Act {
   int64_t M = 0, K = 0;
-  // per 32 (kBlocks; kWide, kOffset imply it)
+  // per 32 (kBlocks; kOffset implies it)
   std::vector<int8_t> q8;    // [M, K] the codes
   std::vector<float> d, s;   // [M, K / 32]
   std::vector<uint8_t> u8;   // [M, K] the codes + 128 (AVX512-VNNI CPUs only: the unsigned operand of vpdpbusd for Q8_0; kOffset)
-  std::vector<int16_t> q16;  // [M, K] the codes as int16 (kWide)
   // per 256 (kSuper; K % 256 == 0)
   std::vector<int8_t> k8;      // [M, K] the codes
   std::vector<int8_t> kq;      // [M, K] the same codes, each 256 in transpose_k's order (AVX2 only)
@@ -51,7 +50,7 @@ struct Q8Act {
   std::vector<int32_t> ktsum;  // [T, K / 256, 4, 16] the code sums of 32-blocks 2p and 2p + 1, an int16 pair
   // The layouts as a bit set: each kernel reads some of them (q8_layouts), so a call makes only
   // those (the others are left empty).
-  enum Layout : unsigned { kBlocks = 1, kWide = 2, kOffset = 4, kSuper = 8, kTiles = 16, kAll = 31 };
+  enum Layout : unsigned { kBlocks = 1, kOffset = 4, kSuper = 8, kTiles = 16, kAll = 29 };
   // Quantize x [M, K] (row stride K, K a multiple of 32, of 256 for kSuper) into this buffer,
   // reusing its memory.
   void quantize(const float* x, int64_t M, int64_t K, unsigned layouts = kAll);

@@ -32,10 +32,9 @@
 //     d q + m with m = -16 d, and with 5-bit codes 4 quads are summed in int16, not 8. (Until
 //     issue 39 the loader converted Q5_0 matrices to Q8_0 strips, 1.55x their bytes: SmolLM2
 //     Q4_K_M's are 52% of the file.)
-//   Q8_0 (272 bytes): d[8] fp16, then byte 16 + 8k + c = column c at k. A 32-byte load at quad j
-//     is [cols@4j, cols@4j+1 | cols@4j+2, cols@4j+3]; interleaved in-lane into (column, k pair)
-//     pairs (interleave_halves) and sign-extended to int16, madd with the broadcast int16 pair (x4j, x4j+1) (resp. (x4j+2, x4j+3)) gives 8 int32
-//     column sums.
+//   Q8_0 (272 bytes): d[8] fp16, then 8 k-quads of 32 bytes, one dword a column: signed by
+//     signed, so on AVX2 maddubs takes |w| and the row's codes with w's sign (strip_q8_0), and
+//     vpdpbusd the row's codes offset by 128 (pair_q8_0).
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
 // (The K-quants' many-row kernels are below: pair_rows, lanes_q8.) On AMX CPUs the whole 16-row
 // tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
@@ -90,13 +89,6 @@ using kvserve::prefetch_ahead;  // quant_linear.h
 using kvserve::prefetch_range;
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// Per 128-bit lane: bytes [a0..a7, b0..b7] -> [a0, b0, a1, b1, ..., a7, b7].
-inline __m256i interleave_halves(__m256i v) {
-  const __m256i idx = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                       0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  return _mm256_shuffle_epi8(v, idx);
-}
 
 inline void store_cols(__m256 v, float* out, int64_t cols) {
   if (cols == kStrip) {
@@ -155,32 +147,30 @@ void strip_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, fl
   for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
 }
 
-// Rows [r0, r0 + R) against one Q8_0 strip.
+// Rows [r0, r0 + R) against one Q8_0 strip: signed by signed bytes through maddubs's unsigned
+// operand, |w| against x with w's sign (sign_epi8; |w| <= 128 and |x| <= 127, so a pair's sum
+// <= 32512 does not saturate), then madd by 1 to each column's int32 sum of its quad.
 template <int R>
 void strip_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, float* out, int64_t ldo, int64_t cols) {
   const int64_t nb = x.K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb = strip + b * kQ8_0Bytes;
     prefetch_ahead(sb, kQ8_0Bytes);
-    __m256i w[16];
+    __m256i w[8], aw[8];
     for (int j = 0; j < 8; ++j) {
-      const __m256i q = interleave_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j)));
-      w[2 * j] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-      w[2 * j + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+      w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * j));
+      aw[j] = _mm256_sign_epi8(w[j], w[j]);
     }
     const __m256 d = halves8(sb);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nb + b;
-      const int16_t* q = x.q16.data() + (r0 + r) * x.K + b * kBlock;
-      int32_t pair;
-      std::memcpy(&pair, q, 4);
-      __m256i s = _mm256_madd_epi16(w[0], _mm256_set1_epi32(pair));
-      for (int v = 1; v < 16; ++v) {
-        std::memcpy(&pair, q + 2 * v, 4);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(w[v], _mm256_set1_epi32(pair)));
-      }
+      const int8_t* xq = x.q8.data() + rb * kBlock;
+      __m256i s = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(quad_at(xq, j), w[j])), ones));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb])), acc[r]);
     }
   }
@@ -1099,9 +1089,9 @@ inline float amax_avx2(const float* x, int64_t n) {  // max |x[i]|, n a multiple
   return _mm_cvtss_f32(m);
 }
 
-// 32 codes round-half-even(x * id) clamped to [-127, 127] into q8 (and q16 when not null); the
+// 32 codes round-half-even(x * id) clamped to [-127, 127] into q8; the
 // sums of the first and the last 16 into sums.
-inline void codes32_avx2(const float* xb, float id, int8_t* q8, int16_t* q16, int32_t* sums) {
+inline void codes32_avx2(const float* xb, float id, int8_t* q8, int32_t* sums) {
   const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
   __m256i q[4];
   for (int i = 0; i < 4; ++i)  // round half to even, as nearbyint in the default rounding mode
@@ -1113,10 +1103,6 @@ inline void codes32_avx2(const float* xb, float id, int8_t* q8, int16_t* q16, in
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8), bytes);
   const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
   const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-  if (q16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), w0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), w1);
-  }
   const __m256i ones = _mm256_set1_epi16(1);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(sums), hsum2_epi32(_mm256_madd_epi16(w0, ones), _mm256_madd_epi16(w1, ones)));
 }
@@ -1283,26 +1269,23 @@ bool gguf_q8_amx() { return kvserve::cpu_has_amx(); }
 
 void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsigned layouts) {
   M = rows, K = width;
-  if (layouts & (kWide | kOffset)) layouts |= kBlocks;
+  if (layouts & kOffset) layouts |= kBlocks;
   const bool avx2 = cpu_has_avx2(), blocks = layouts & kBlocks, super = layouts & kSuper;
   TORCH_CHECK(K % kBlock == 0 && (!super || K % 256 == 0), "cannot quantize a width of ", K, " per 32 / 256");
   q8.resize(blocks ? M * K : 0), d.resize(blocks ? M * K / kBlock : 0), s.resize(d.size());
-  q16.resize(layouts & kWide ? M * K : 0);
   u8.resize(avx2 && (layouts & kOffset) && cpu_has_vnni() ? M * K : 0);
   k8.resize(super ? M * K : 0), ksum16.resize(super ? M * K / 16 : 0), kd.resize(super ? M * K / 256 : 0);
   kq.resize(avx2 && super ? M * K : 0);
-  int16_t* const wide = q16.empty() ? nullptr : q16.data();
-  // n values at xb -> scale, codes (and int16 codes), sums of each 16 codes; per 32 or per 256.
+  // n values at xb -> scale, codes, sums of each 16 codes; per 32 or per 256.
   // The codes of 32-block c go to codes + 32 * (permuted ? k8_order(c) : c); sums stay in order.
-  const auto group = [&](const float* xb, int64_t n, float& dg, int8_t* codes, int16_t* codes16, int32_t* sums,
-                         bool permuted) {
+  const auto group = [&](const float* xb, int64_t n, float& dg, int8_t* codes, int32_t* sums, bool permuted) {
     const auto at = [&](int64_t c) { return codes + kBlock * (permuted ? k8_order(static_cast<int>(c)) : c); };
 #ifdef KVSERVE_X86
     if (avx2) {
       dg = amax_avx2(xb, n) / 127.f;
       const float id = dg > 0.f ? 1.f / dg : 0.f;
       for (int64_t o = 0; o < n; o += kBlock)
-        codes32_avx2(xb + o, id, at(o / kBlock), codes16 ? codes16 + o : nullptr, sums + o / 16);
+        codes32_avx2(xb + o, id, at(o / kBlock), sums + o / 16);
       return;
     }
 #endif
@@ -1313,7 +1296,6 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
     for (int64_t k = 0; k < n; ++k) {
       const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
       at(k / kBlock)[k % kBlock] = static_cast<int8_t>(v);
-      if (codes16) codes16[k] = static_cast<int16_t>(v);
       sums[k / 16] = (k % 16 ? sums[k / 16] : 0) + static_cast<int32_t>(v);
     }
   };
@@ -1323,12 +1305,12 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
     for (int64_t r = r0; r < r1; ++r) {
       if (blocks)
         for (int64_t b = r * K / kBlock; b < (r + 1) * K / kBlock; ++b) {
-          group(x + b * kBlock, kBlock, d[b], q8.data() + b * kBlock, wide ? wide + b * kBlock : nullptr, sums, false);
+          group(x + b * kBlock, kBlock, d[b], q8.data() + b * kBlock, sums, false);
           s[b] = d[b] * static_cast<float>(sums[0] + sums[1]);
         }
       if (super)
         for (int64_t b = r * K / 256; b < (r + 1) * K / 256; ++b) {
-          group(x + b * 256, 256, kd[b], k8.data() + b * 256, nullptr, sums, true);
+          group(x + b * 256, 256, kd[b], k8.data() + b * 256, sums, true);
           for (int i = 0; i < 16; ++i) ksum16[b * 16 + i] = static_cast<int16_t>(sums[i]);  // |.| <= 16 * 127
         }
     }
@@ -1353,7 +1335,7 @@ void kvserve::Q8Act::quantize(const float* x, int64_t rows, int64_t width, unsig
 unsigned kvserve::q8_layouts(int64_t format) {
   if (!q8_supported(format)) return 0;
   switch (format) {
-    case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset | Q8Act::kWide : Q8Act::kWide;  // pairs | lone strips
+    case kQ8_0: return cpu_has_vnni() ? Q8Act::kOffset : Q8Act::kBlocks;  // pairs (and lone strips) | strips
     case kQ4_K: case kQ5_K: case kQ6_K: return Q8Act::kSuper | (cpu_has_amx() ? Q8Act::kTiles : 0u);
     default: return Q8Act::kBlocks;  // Q4_1, Q5_0 and the row formats: the codes, scales and block sums
   }
