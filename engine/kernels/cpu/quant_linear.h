@@ -88,6 +88,13 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) { prefetch_range(p +
 // The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the
 // same for 1 row as for 16; at 16 rows the tiles and the AVX-512 kernels measured about even).
 constexpr int64_t kAmxMinRows = 16;
+// The fewest rows for which the Q4_1 / Q5_0 / Q8_0 strip pairs take AMX tiles. Their 32-blocks
+// are one tile product each, stored and scaled per block, and once the strips' codes came in
+// k-quads (block_codes.h) the vpdpbusd pair kernels beat the tiles at 16 rows: SmolLM2's layers
+// ~226-270 against ~254-310 us, its Q8_0 LM head ~1.3-1.6 against ~1.9-2.2 ms, a 16-row decode step
+// ~7% (2 threads, this project's Sapphire Rapids VM); about even at 24 rows; from 32 the tiles win
+// (~420 against ~460 us, 2.5 against 3.0 ms).
+constexpr int64_t kAmxStripMinRows = 32;
 
 // Output features [n0, n0 + 16 g) of the K-quant `format` (Q4_K, Q5_K, Q6_K) for every row of x,
 // on AMX tiles, g the whole groups of 16 in [n0, n1): out[r * ldo + n]. Returns n0 + 16 g, where
@@ -98,7 +105,7 @@ int64_t kquant_rows_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_
 // Q4_1, Q5_0 or Q8_0 (`format`): strips [s0, s1), all full and an even count, as pairs (s0, s0 + 1),
 // ... (quant_linear_q8.cpp's strips_q8 chooses them), for rows [0, 16 t) of x on AMX tiles, t the
 // whole 16-row tiles of x; strip s's columns at out + s * 8 (row stride ldo). Returns 16 t: the
-// rows done (0 where the CPU has no AMX or x fewer than kAmxMinRows rows); the caller runs the
+// rows done (0 where the CPU has no AMX or x fewer than kAmxStripMinRows rows); the caller runs the
 // rest on its own kernels, which give the same floats.
 int64_t strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t strip_bytes, int64_t s0, int64_t s1,
                         float* out, int64_t ldo);

@@ -1,9 +1,9 @@
 // The many-row int8 matmuls on AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (16)
-// rows: batched decode and prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute
+// rows (the strip pairs from kAmxStripMinRows, 32): batched decode and prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute
 // bound (~80-150 GMAC/s per thread). Two kernels: the K-quants (Q4_K, Q5_K, Q6_K against Q8Act's
 // per-256 activations), described here, and the Q4_1 / Q5_0 / Q8_0 strip pairs (see strip_pairs_amx
 // below: per-32 scales, so one tile product per 32-block; one thread, 512 rows of 1536 x 576 Q4_1
-// ~120 -> ~185 GMAC/s; Q8_0 ~1.1x; 16 rows of a decode step measured no faster in situ).
+// ~120 -> ~185 GMAC/s; Q8_0 ~1.1x; at 16 rows the vpdpbusd pairs are faster, quant_linear.h).
 //
 // Per 16 output features (a group) the codes are unpacked once per call with their sub-block
 // scale folded in, v = sc q (see Group), and serve every 16-row tile of activations (Q8Act::kt,
@@ -424,7 +424,7 @@ void relay_pair(const uint8_t* a, int64_t strip_bytes, int64_t nb, std::vector<L
 int64_t kvserve::strip_pairs_amx(const Q8Act& x, const uint8_t* w, int64_t format, int64_t strip_bytes, int64_t s0,
                                  int64_t s1, float* out, int64_t ldo) {
   const int64_t rows = x.M / kTile * kTile;
-  if (!kHasAmx || x.M < kAmxMinRows || !kvserve::blocks::is_strip_format(format)) return 0;
+  if (!kHasAmx || x.M < kAmxStripMinRows || !kvserve::blocks::is_strip_format(format)) return 0;
   thread_local std::vector<Line> bw;
   thread_local std::vector<RowTileScales> scales;
   scales.resize(rows / kTile);
