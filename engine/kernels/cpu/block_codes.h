@@ -92,8 +92,8 @@ __attribute__((target("avx2"))) inline __m256i q4_codes(const uint8_t* qs) {
 // a column (column c's 4 codes at k = 8o .. 8o + 3), and one shift and mask k-quad 2o + 1: the
 // operand of vpdpbusd against a broadcast activation quad (quant_linear_q8.cpp) and the rows of an
 // AMX B tile (quant_linear_amx.cpp), with no byte shuffles. (The layout before issue 39's last
-// stops interleaved the columns by k pairs, and re-laying it took ~44 shuffle-port operations a
-// pair-block: a one-row decode step ran ~20% slower.) Q5_0's fifth bits: bit 2o of byte j of the
+// stops interleaved the columns by k pairs, and re-laying it took ~44 operations a pair-block,
+// most on the shuffle port: a layer's four one-row matmuls ran 1.2-1.4x slower.) Q5_0's fifth bits: bit 2o of byte j of the
 // 32 at `fifth` is that of chunk o's byte j's low nibble, bit 2o + 1 of its high nibble.
 
 // Chunk o of one strip-block's nibbles at `codes` (and Q5_0's fifth bits at `fifth`) as its two
