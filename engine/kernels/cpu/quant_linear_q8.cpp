@@ -36,8 +36,8 @@
 //     signed, so on AVX2 maddubs takes |w| and the row's codes with w's sign (strip_q8_0), and
 //     vpdpbusd the row's codes offset by 128 (pair_q8_0).
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
-// (The K-quants' many-row kernels are below: pair_rows, lanes_q8.) On AMX CPUs the whole 16-row
-// tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
+// (The K-quants' many-row kernels are below: pair_rows, lanes_q8.) On AMX CPUs, from 32 rows
+// (kAmxStripMinRows), the whole 16-row tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
 // the same results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -1119,7 +1119,7 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   // the paired strips [s0, pair_end): the full ones (only the matrix's last strip can be
   // partial), an even count
   const int64_t pair_end = pairs ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
-  // AMX CPUs: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
+  // AMX CPUs, from kAmxStripMinRows rows: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
   const int64_t tiled = pair_end > s0 ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, pair_end, out, ldo) : 0;
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
@@ -1170,8 +1170,7 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")
 
 // Lane i of the result: v[i]'s 16 lanes folded by op (max, +), for 16 vectors (v is clobbered).
-// Four levels of pairwise folds halve the vectors; the lanes come out in the order kFoldLanes
-// undoes.
+// Four levels of pairwise folds halve the vectors; the last permutation puts the lanes in order.
 template <typename Op>
 inline __m512 fold16(__m512* v, Op op) {
   for (int i = 0; i < 8; ++i)  // quarters [v_i 0+2, v_i 1+3, v_i+8 0+2, v_i+8 1+3]
