@@ -255,10 +255,11 @@ void pair_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int
 
 // Rows [r0, r0 + R) against two Q8_0 strips. Both sides are signed, so the row's codes go in
 // the unsigned operand offset by 128 (Q8Act::u8) and the strip-block's column sums times 128
-// come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32.
-template <bool kRelaid, int R>
+// come off: sum (x + 128) w - 128 sum w = sum x w, exact in int32. The strips hold their codes in
+// k-quads already, so every pass loads them as they are (no relay_all).
+template <int R>
 void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_t strip_bytes, float* out,
-               int64_t ldo, const uint8_t* relaid) {
+               int64_t ldo) {
   static_assert(R <= 8, "one group of accumulators");
   const int64_t nb = x.K / kBlock;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -267,12 +268,8 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *sa = strip + b * kQ8_0Bytes, *sb = sa + strip_bytes;
     __m512i w[8], sum128 = _mm512_setzero_si512();
-    if constexpr (kRelaid) {
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(relaid + 64 * (8 * b + j));
-    } else {
-      prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
-      relay_q8_0_pair(sa, sb, w);
-    }
+    prefetch_ahead(sa, kQ8_0Bytes), prefetch_ahead(sb, kQ8_0Bytes);
+    relay_q8_0_pair(sa, sb, w);
     for (int j = 0; j < 8; ++j) sum128 = _mm512_dpbusd_epi32(sum128, bias, w[j]);
     const __m512 d = halves16(sa, sb);
     __m512i s[R];
@@ -291,7 +288,7 @@ void pair_q8_0(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, int64_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// A strip pair's every block re-laid (relay(a, b, w): 8 zmm a block) into `out` (64 bytes a zmm,
+// A nibble strip pair's every block re-laid (relay(a, b, w): 8 zmm a block) into `out` (64 bytes a zmm,
 // stored and loaded unaligned: the buffer is plain bytes, whatever the build's vector alignment),
 // for passes over more rows than one pass takes: each then loads them (from L1: 9 KB for K = 576)
 // instead of re-laying its own copy, which for the nibble formats' 8-row passes was ~1/4 of the work.
@@ -1034,6 +1031,7 @@ template <bool kQ5, int R>
 struct NibbleKernel {
   static constexpr int64_t kFormat = kQ5 ? kQ5_0 : kQ4_1;
   static constexpr int kMaxRows = 16;  // 16 accumulators spill, but the strip-block re-lay is shared by more rows
+  static constexpr bool kRelays = true;  // passes over more than 16 rows share one re-lay (relay_all)
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_nibbles<kQ5, R>(x, r0, s, o, ldo, cols);  // ymm vpdpbusd measured slower here (see cpu_has_vnni)
   }
@@ -1057,13 +1055,10 @@ struct Q8_0Kernel {
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
+  static constexpr bool kRelays = false;  // its k-quads are loaded as they are: a copy would only add stores
   static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo,
-                       const uint8_t* relaid) {
-    if (relaid) pair_q8_0<true, R>(x, r0, s, bytes, o, ldo, relaid);
-    else pair_q8_0<false, R>(x, r0, s, bytes, o, ldo, nullptr);
-  }
-  static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<uint8_t>& out) {
-    relay_all(a, bytes, kQ8_0Bytes, nb, relay_q8_0_pair, out);
+                       const uint8_t*) {
+    pair_q8_0<R>(x, r0, s, bytes, o, ldo);
   }
 };
 
@@ -1124,13 +1119,16 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
     if (s < pair_end) {
-      // more than two passes: the pair re-laid once for all of them (relay_all; for two, storing
-      // and loading the re-laid blocks measured slower than re-laying them: Q4_1 16 rows +6-8%)
-      thread_local std::vector<uint8_t> relay_buffer;
+      // nibble formats, more than two passes: the pair re-laid once for all of them (relay_all;
+      // for two, storing and loading the re-laid blocks measured slower than re-laying them: Q4_1
+      // 16 rows +6-8%). Q8_0's passes load their k-quads as they are (Kernel::kRelays false).
       const uint8_t* relaid = nullptr;
-      if (x.M - tiled > 16) {
-        Kernel<1>::relay_pair(strip, strip_bytes, x.K / kBlock, relay_buffer);
-        relaid = relay_buffer.data();
+      if constexpr (Kernel<1>::kRelays) {
+        thread_local std::vector<uint8_t> relay_buffer;
+        if (x.M - tiled > 16) {
+          Kernel<1>::relay_pair(strip, strip_bytes, x.K / kBlock, relay_buffer);
+          relaid = relay_buffer.data();
+        }
       }
       for (int64_t r = tiled; r < x.M;) {
         float* o = out + r * ldo + s * kStrip;
