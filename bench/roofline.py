@@ -178,8 +178,9 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
                   tokens: int = 32, repeats: int = 5, kernel_min_s: float = 0.5, peak_rows: int = 128,
                   matmul_gflops_value: float | None = None, ipc: bool = True) -> dict[str, Any]:
     """The decode step against its roofline at each of ``rows_levels`` rows: the bounds
-    (``step_bound``), the measured decode step in process and its pieces
-    (``decode_profile``), the largest row count's ratio, and the per-step IPC round trip."""
+    (``step_bound``), the measured decode step in process and its pieces (``decode_profile``,
+    the best of ``min(repeats, 3)`` rounds), the largest row count's ratio, and the per-step IPC
+    round trip."""
     from bench.step_timing import decode_profile
 
     model = engine.runner.model
@@ -190,7 +191,7 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
     peaks = kernel_peaks(groups, gflops, kernel_min_s, peak_rows)
     engine.kv_cache.reset_prefix_cache()
     with CpuMonitor() as load:
-        profile = decode_profile(engine, list(rows_levels), prompt_len, tokens)
+        profile = decode_profile(engine, list(rows_levels), prompt_len, tokens, rounds=min(repeats, 3))
     engine.kv_cache.reset_prefix_cache()
     # Bounds measured again after the steps, the better of the two kept: what the machine can do
     # (a neighbour's load only lowers a run; on a loaded 2-core machine one 2-thread call in many
@@ -208,6 +209,7 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
     return {"isa": isa_report(), "weight_bytes": weight_bytes, "model_bandwidth_gbs": bandwidth,
             "bandwidth_mib": max(1, round(weight_bytes / 2**20)), "peaks_gops": peaks, "peak_rows": peak_rows,
             "matmuls": [vars(g) for g in groups], "prompt_len": prompt_len, "tokens": tokens, "steps": rows,
+            "step_rounds": min(repeats, 3),
             "foreign_cores": load.foreign_cores, "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
@@ -337,7 +339,8 @@ def step_checks(step: dict[str, Any]) -> list[dict[str, Any]]:
     last = max(step["steps"], key=lambda r: r["rows"])
     return [check(f"{last['rows']}-row decode step / its roofline", round(last["ratio"], 3), STEP_TARGET,
                   higher_is_better=False,
-                  detail=f"step {last['step_ms']:.2f} ms, roofline {last['bound_ms']:.2f} ms ({last['bound_by']} bound)")]
+                  detail=f"step {last['step_ms']:.2f} ms (rounds: {', '.join(f'{x:.2f}' for x in last.get('step_ms_rounds', []))}), "
+                         f"roofline {last['bound_ms']:.2f} ms ({last['bound_by']} bound)")]
 
 
 def step_note(step: dict[str, Any]) -> str:
@@ -345,7 +348,8 @@ def step_note(step: dict[str, Any]) -> str:
             f"of a {step['bandwidth_mib']} MiB buffer, against each decode matmul's multiply-adds at its kernel's "
             f"peak ({step['peak_rows']} rows on a cache-resident 512 x 2048 random matrix of its format); attention "
             "and everything but the matmuls are outside the bound. Steps: pure decode steps of the given rows "
-            f"({step['prompt_len']}-token prompts, {step['tokens']} tokens each), engine in process, each piece timed "
+            f"({step['prompt_len']}-token prompts, {step['tokens']} tokens each), engine in process, the round with "
+            f"the lowest mean step of {step.get('step_rounds', 1)} (as the bounds are the best of their runs), each piece timed "
             "by wrapping its method (bench.step_timing); 'other' is the step less its top-level pieces. "
             "'matmuls alone': one pass over the model's block matmuls at the step's rows, random inputs, weights "
             "from memory (the layers' and LM head's matmul time without attention, norms, RoPE and the rest). "

@@ -96,3 +96,21 @@ def test_step_roofline_breakdown(engine):
     assert "forward" not in vars(model) and "compute_logits" not in vars(model)
     assert type(engine.runner.sampler).__name__ == "Sampler"  # the object itself again, not a wrapper function
     assert engine.generate([prompt], params)[0].token_ids == before
+
+
+
+def test_decode_profile_keeps_the_fastest_round(engine, monkeypatch):
+    """Each row is the round with the lowest mean step, with that round's own pieces, and every
+    round's mean is kept: rounds scripted out of order, so picking the first or the last fails."""
+    import bench.step_timing as st
+
+    means = iter([9.0, 3.0, 1.0, 2.0])  # the warm-up round, then three timed rounds
+
+    def scripted(engine, streams, prompt_len, tokens, tag, seconds):
+        ms = next(means)
+        return {"rows": streams, "decode_steps": 5, "step_ms": ms, "pieces_ms": {"model forward": ms / 2}}
+
+    monkeypatch.setattr(st, "decode_round", scripted)
+    (row,) = st.decode_profile(engine, [2], prompt_len=12, tokens=6, rounds=3)
+    assert row["step_ms_rounds"] == [3.0, 1.0, 2.0]
+    assert (row["step_ms"], row["pieces_ms"]["model forward"], row["other_ms"]) == (1.0, 0.5, 0.5)
