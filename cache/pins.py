@@ -1,6 +1,6 @@
 """Prompt-cache retention: per-request cache policy and the pin table.
 
-``CachePolicy`` is the value a request carries (built by the server from ``cache_control`` /
+``CachePolicy`` (kvtypes.cache_policy) is the value a request carries (built by the server from ``cache_control`` /
 ``prompt_cache_retention`` / ``prompt_cache_key``). ``Pin`` records one pinned prefix; the
 ``KVCacheManager`` owns the pins and the block references they hold.
 
@@ -18,7 +18,6 @@ import hashlib
 from dataclasses import dataclass
 
 from cache.hashing import BlockHash
-from kvtypes.cache_policy import CachePolicy
 
 RETENTION_SECONDS: dict[str, float | None] = {"in_memory": None, "24h": 24 * 3600.0}
 PIN_TTL_SECONDS: dict[str, float] = {"5m": 300.0, "1h": 3600.0}

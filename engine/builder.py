@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cache import CacheConfig, KVCacheManager, KVCapacity, num_blocks_for_memory
+from cache import CacheConfig, KVCacheManager, KVCapacity
 from cache.eviction import EvictionConfig, build_policy
 from cache.tiers import DiskTier, HostTier, KVTier, TierChain
 from engine.attention import resolve_backend, select_attention

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.probes.spec_decode import COPY_TASKS, PASSAGE
+from bench.probes.spec_decode import COPY_TASKS
 
 # ---- the prompts --------------------------------------------------------------------------------
 # A 60-line function for the code-edit class (COPY_TASKS' own function is 13 lines).

@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.kv.int4 import Int4KV, gather_int4, write_int4
 from engine.kv.int8 import Int8KV, gather_int8, write_int8

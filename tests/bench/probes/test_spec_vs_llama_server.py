@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
+from bench.probes.spec_decode import PASSAGE
 from bench.probes.spec_vs_llama_server import (CHAT_CLASS, COPY, COPY_CLASSES, FUNCTION_60, LLAMA, LLAMA_NGRAM, PLAIN,
-                                               PASSAGE, Side, accept_cell, llama_log_drafts, make_sides,
+                                               Side, accept_cell, llama_log_drafts, make_sides,
                                                median_ratio, median_value, prompt_texts, round_order, run_probe,
                                                spec_config, table_rows, tabulate)
 from bench.peers.llama_server import SCRIPT

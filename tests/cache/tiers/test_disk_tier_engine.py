@@ -130,7 +130,7 @@ def test_foreign_fingerprint_is_a_miss(hf_model, tmp_path):
 
 
 def test_24h_retention_writes_through_and_outlives_the_disk_lru(hf_model, tmp_path):
-    from cache.pins import CachePolicy
+    from kvtypes.cache_policy import CachePolicy
 
     p = prompt(4)
     # Room for ~16 blocks on disk (2 KiB of KV + a header each): a flood would push p out.

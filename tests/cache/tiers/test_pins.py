@@ -6,7 +6,7 @@ import random
 import pytest
 
 from cache.hashing import hash_full_blocks
-from cache.pins import CachePolicy
+from kvtypes.cache_policy import CachePolicy
 from kvtypes.sampling_params import SamplingParams
 from tests.helpers import tiny_engine, tiny_hf_model
 
