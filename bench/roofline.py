@@ -337,9 +337,10 @@ def step_tables(step: dict[str, Any]) -> list[dict[str, Any]]:
 
 def step_checks(step: dict[str, Any]) -> list[dict[str, Any]]:
     last = max(step["steps"], key=lambda r: r["rows"])
+    rounds = ", ".join(f"{x:.2f}" for x in last.get("step_ms_rounds", []))
     return [check(f"{last['rows']}-row decode step / its roofline", round(last["ratio"], 3), STEP_TARGET,
                   higher_is_better=False,
-                  detail=f"step {last['step_ms']:.2f} ms (rounds: {', '.join(f'{x:.2f}' for x in last.get('step_ms_rounds', []))}), "
+                  detail=f"step {last['step_ms']:.2f} ms (rounds: {rounds}), "
                          f"roofline {last['bound_ms']:.2f} ms ({last['bound_by']} bound)")]
 
 
@@ -348,8 +349,9 @@ def step_note(step: dict[str, Any]) -> str:
             f"of a {step['bandwidth_mib']} MiB buffer, against each decode matmul's multiply-adds at its kernel's "
             f"peak ({step['peak_rows']} rows on a cache-resident 512 x 2048 random matrix of its format); attention "
             "and everything but the matmuls are outside the bound. Steps: pure decode steps of the given rows "
-            f"({step['prompt_len']}-token prompts, {step['tokens']} tokens each), engine in process, the round with "
-            f"the lowest mean step of {step.get('step_rounds', 1)} (as the bounds are the best of their runs), each piece timed "
+            f"({step['prompt_len']}-token prompts, {step['tokens']} tokens each), engine in process, the round "
+            f"with the lowest mean step of {step.get('step_rounds', 1)} (as the bounds are the best of their runs), "
+            "each piece timed "
             "by wrapping its method (bench.step_timing); 'other' is the step less its top-level pieces. "
             "'matmuls alone': one pass over the model's block matmuls at the step's rows, random inputs, weights "
             "from memory (the layers' and LM head's matmul time without attention, norms, RoPE and the rest). "

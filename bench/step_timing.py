@@ -111,7 +111,8 @@ def decode_profile(engine: Any, rows_levels: list[int], prompt_len: int, tokens:
     with instrumented(engine) as (seconds, _):
         for n in rows_levels:
             decode_round(engine, n, prompt_len, max(4, tokens // 4), f"warm-decode{n}", seconds)
-            runs = [decode_round(engine, n, prompt_len, tokens, f"decode{n}-{r}", seconds) for r in range(max(1, rounds))]
+            runs = [decode_round(engine, n, prompt_len, tokens, f"decode{n}-{r}", seconds)
+                    for r in range(max(1, rounds))]
             row = min(runs, key=lambda run: run["step_ms"])
             row["step_ms_rounds"] = [round(run["step_ms"], 3) for run in runs]
             row["other_ms"] = row["step_ms"] - sum(v for k, v in row["pieces_ms"].items() if top_level(k))

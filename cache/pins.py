@@ -1,8 +1,8 @@
 """Prompt-cache retention: per-request cache policy and the pin table.
 
-``CachePolicy`` (kvtypes.cache_policy) is the value a request carries (built by the server from ``cache_control`` /
-``prompt_cache_retention`` / ``prompt_cache_key``). ``Pin`` records one pinned prefix; the
-``KVCacheManager`` owns the pins and the block references they hold.
+``CachePolicy`` (``kvtypes.cache_policy``) is the value a request carries (built by the server
+from ``cache_control`` / ``prompt_cache_retention`` / ``prompt_cache_key``). ``Pin`` records one
+pinned prefix; the ``KVCacheManager`` owns the pins and the block references they hold.
 
 Pin contract (enforced by the manager):
   * a pin holds one reference on each block of its prefix, so the pool never evicts them;

@@ -1052,12 +1052,12 @@ template <int R>
 struct Q8_0Kernel {
   static constexpr int64_t kFormat = kQ8_0;
   static constexpr int kMaxRows = 8;
+  static constexpr bool kRelays = false;  // its k-quads are loaded as they are: a copy would only add stores
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
-  static constexpr bool kRelays = false;  // its k-quads are loaded as they are: a copy would only add stores
   static void run_pair(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, int64_t bytes, float* o, int64_t ldo,
-                       const uint8_t*) {
+                       const uint8_t* /*relaid: null, kRelays false*/) {
     pair_q8_0<R>(x, r0, s, bytes, o, ldo);
   }
 };
