@@ -32,12 +32,10 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
-// Whether this CPU runs 512-bit vectors (AVX-512F, besides cpu_has_avx2, and KVSERVE_NO_AVX512
-// unset): argmax.cpp's scan and paged_attention.h's Avx512Passes.
+// Whether this CPU runs 512-bit vectors (AVX-512F, besides cpu_has_avx2): argmax.cpp's scan.
 inline bool cpu_has_avx512f() {
 #ifdef KVSERVE_X86
-  static const bool yes =
-      kvserve::cpu_has_avx2() && __builtin_cpu_supports("avx512f") && !std::getenv("KVSERVE_NO_AVX512");
+  static const bool yes = kvserve::cpu_has_avx2() && __builtin_cpu_supports("avx512f");
   return yes;
 #else
   return false;

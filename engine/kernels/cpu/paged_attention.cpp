@@ -197,10 +197,6 @@ int64_t attention_chunk_tokens(int64_t head_dim) {
   return kvserve::attend_chunks_supported(head_dim) ? kvserve::kAttnChunk : 0;
 }
 
-// The vector width (fp32 lanes) of the fp32 / fp16 decode attention for this head_dim on this CPU
-// (paged_attention.h attend_lanes): 16, 8 or 1.
-int64_t attention_lanes(int64_t head_dim) { return kvserve::attend_lanes(head_dim); }
-
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
@@ -210,7 +206,6 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor block_tables, Tensor context_lens, float scale, Tensor(a!)? block_mass=None) -> Tensor");
   m.def("write_int8_kv(Tensor x, Tensor(a!) codes, Tensor(b!) scale, Tensor slot_mapping) -> ()");
   m.def("attention_chunk_tokens(int head_dim) -> int", &attention_chunk_tokens);
-  m.def("attention_lanes(int head_dim) -> int", &attention_lanes);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

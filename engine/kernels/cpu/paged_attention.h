@@ -142,17 +142,12 @@ inline void add_block_mass(const float* probs, int64_t nh, int64_t L, int64_t bl
 }
 
 #ifdef KVSERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
 // Token rows a head's first pass asks for ahead of use: the pools' blocks sit anywhere, so the
 // hardware prefetcher cannot follow a sequence across them.
 constexpr int64_t kRowsAhead = 16;
-
-// Query heads sharing a kv head are taken together, up to kGroup at a time, so that each K and V
-// value is loaded (and, from an fp16 pool, widened) once for all of them rather than once per head.
-constexpr int kGroup = 4;
-
-// ---- 256-bit kernels (AVX2, FMA, F16C) ----------------------------------------------------------
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
 
 
 // 8 values of a float or fp16 pool as fp32.
@@ -160,6 +155,10 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+
+// Query heads sharing a kv head are taken together, up to kGroup at a time, so that each K and V
+// value is loaded (and, from an fp16 pool, widened) once for all of them rather than once per head.
+constexpr int kGroup = 4;
 
 // scores[g * ldS + t] = scale * q_g . k_t for the NG heads g whose queries are q + g * D, over the
 // L tokens whose key rows are krows[t] + off: 4 tokens at a time into 4 NG accumulators, each
@@ -243,152 +242,9 @@ inline void values_group(const T* const* rows, int64_t L, const float* p, int64_
   if (c < nv) weighted_sum<NG, 1>(rows, L, p, ldP, off + 8 * c, ahead0, ahead(c), out + 8 * c, D);
 }
 
-// The driver's (attend_simd's) two passes in 256-bit vectors, head_dim % 8 == 0.
-struct Avx2Passes {
-  static constexpr int64_t kLanes = 8;
-  template <int NG, typename T>
-  static void dots(const float* q, int64_t D, const T* const* krows, int64_t off, int64_t L, float scale,
-                   float* scores, int64_t ldS, int64_t ahead0, int64_t ahead_bytes, const T* const* vrows) {
-    dots_group<NG>(q, D, krows, off, L, scale, scores, ldS, ahead0, ahead_bytes, vrows);
-  }
-  template <int NG, typename T>
-  static void values(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t off, int64_t D,
-                     int64_t ahead0, int64_t ahead_bytes, float* out) {
-    values_group<NG>(rows, L, p, ldP, off, D, ahead0, ahead_bytes, out);
-  }
-};
-
-#pragma GCC pop_options
-
-// ---- 512-bit kernels (AVX-512F) -----------------------------------------------------------------
-// The same two passes with twice the lanes (head_dim % 16 == 0). Why: at 16 decode rows of
-// ~400 tokens attention was ~30% of the step, and with its pool in cache the 256-bit passes ran
-// ~216 cycles a token row (9 heads of 64) against ~72 for their FMAs alone: the horizontal adds
-// of every dot product and 8-wide FMAs. Here the dot products of up to 16 (head, token) pairs are
-// reduced together (reduce16), and the V pass keeps a whole 64-channel head in 4 registers.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma,f16c")
-
-// 16 values of a float or fp16 pool as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// Lane i of the result = the sum of a[i]'s 16 lanes, for all 16 at once: four rounds that each
-// halve the lanes per accumulator and pair accumulators up (46 instructions, against 16 x ~5 one by
-// one). Every a[i] is summed in the same order: lanes (l, l + 8), then (l, l + 4), (l, l + 2),
-// (l, l + 1).
-inline __m512 reduce16(const __m512 (&a)[16]) {
-  __m512 x[8], y[4], z[2];
-  for (int i = 0; i < 8; ++i)  // x[i]: a[i] in lanes 0-7, a[i + 8] in 8-15
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)  // y[i]: a[i], a[i + 8], a[i + 4], a[i + 12], 4 lanes each
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)  // z[i]: per 128-bit lane, 2 lanes of a[2i] (resp. + 8, 4, 12), then 2 of a[2i + 1]
-    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
-  // per 128-bit lane: a[0..3], a[8..11], a[4..7], a[12..15]; then the middle two lanes swapped
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
-  return _mm512_shuffle_f32x4(w, w, 0xD8);
-}
-
-// dots_group in 512-bit vectors: TT = 16 / NG tokens at a time, the NG x TT dot products in 16
-// accumulators reduced together (reduce16). A last pass of n < TT tokens repeats its last token
-// in the unused slots and stores n scores, so every score is summed in the same order.
-template <int NG, typename T>
-inline void dots_group16(const float* q, int64_t D, const T* const* krows, int64_t off, int64_t L, float scale,
-                         float* scores, int64_t ldS, int64_t ahead0, int64_t ahead_bytes, const T* const* vrows) {
-  constexpr int TT = 16 / NG;
-  const int64_t nc = D / 16;
-  const __m512 sc = _mm512_set1_ps(scale);
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t t = 0; t < L; t += TT) {
-    const int n = static_cast<int>(std::min<int64_t>(TT, L - t));
-    const T* kt[TT];
-    for (int i = 0; i < TT; ++i) kt[i] = krows[t + std::min(i, n - 1)] + off;
-    if (ahead_bytes)
-      for (int64_t j = t + kRowsAhead; j < std::min(L, t + kRowsAhead + TT); ++j)
-        prefetch_row(krows[j] + ahead0, ahead_bytes), prefetch_row(vrows[j] + ahead0, ahead_bytes);
-    __m512 a[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < nc; ++c)
-      for (int i = 0; i < TT; ++i) {
-        const __m512 x = load16(kt[i] + 16 * c);
-        for (int g = 0; g < NG; ++g)
-          a[g * TT + i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), x, a[g * TT + i]);
-      }
-    const __m512 r = _mm512_mul_ps(reduce16(a), sc);
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    for (int g = 0; g < NG; ++g)  // head g's scores are lanes [g TT, g TT + n)
-      _mm512_mask_storeu_ps(scores + g * ldS + t, valid,
-                            _mm512_permutexvar_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(g * TT)), r));
-  }
-}
-
-// weighted_sum in 512-bit vectors: out[g * D + 0 .. 16 NV) = sum_t p[g * ldP + t] rows[t][offset ..].
-// Each channel is summed over t in order, as weighted_sum sums it.
-template <int NG, int NV, typename T>
-inline void weighted_sum16(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset,
-                           int64_t ahead0, int64_t ahead_bytes, float* out, int64_t D) {
-  __m512 a[NG][NV];
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) a[g][i] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const T* vt = rows[t] + offset;
-    if (ahead_bytes && t + kRowsAhead < L) prefetch_row(rows[t + kRowsAhead] + ahead0, ahead_bytes);
-    __m512 x[NV];
-    for (int i = 0; i < NV; ++i) x[i] = load16(vt + 16 * i);
-    for (int g = 0; g < NG; ++g) {
-      const __m512 pt = _mm512_set1_ps(p[g * ldP + t]);
-      for (int i = 0; i < NV; ++i) a[g][i] = _mm512_fmadd_ps(pt, x[i], a[g][i]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + g * D + 16 * i, a[g][i]);
-}
-
-// values_group in 512-bit vectors: slices of 8 vectors (4 when 3 or 4 heads share the
-// registers), then 4, 2, 1, over nv = D / 16; only the first slice prefetches.
-template <int NG, typename T>
-inline void values_group16(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t off, int64_t D,
-                           int64_t ahead0, int64_t ahead_bytes, float* out) {
-  const int64_t nv = D / 16;
-  int64_t c = 0;
-  const auto ahead = [&](int64_t c) { return c == 0 ? ahead_bytes : 0; };
-  if constexpr (NG <= 2)
-    for (; c + 8 <= nv; c += 8)
-      weighted_sum16<NG, 8>(rows, L, p, ldP, off + 16 * c, ahead0, ahead(c), out + 16 * c, D);
-  for (; c + 4 <= nv; c += 4) weighted_sum16<NG, 4>(rows, L, p, ldP, off + 16 * c, ahead0, ahead(c), out + 16 * c, D);
-  if (c + 2 <= nv) weighted_sum16<NG, 2>(rows, L, p, ldP, off + 16 * c, ahead0, ahead(c), out + 16 * c, D), c += 2;
-  if (c < nv) weighted_sum16<NG, 1>(rows, L, p, ldP, off + 16 * c, ahead0, ahead(c), out + 16 * c, D);
-}
-
-// The driver's two passes in 512-bit vectors, head_dim % 16 == 0.
-struct Avx512Passes {
-  static constexpr int64_t kLanes = 16;
-  template <int NG, typename T>
-  static void dots(const float* q, int64_t D, const T* const* krows, int64_t off, int64_t L, float scale,
-                   float* scores, int64_t ldS, int64_t ahead0, int64_t ahead_bytes, const T* const* vrows) {
-    dots_group16<NG>(q, D, krows, off, L, scale, scores, ldS, ahead0, ahead_bytes, vrows);
-  }
-  template <int NG, typename T>
-  static void values(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t off, int64_t D,
-                     int64_t ahead0, int64_t ahead_bytes, float* out) {
-    values_group16<NG>(rows, L, p, ldP, off, D, ahead0, ahead_bytes, out);
-  }
-};
-
-#pragma GCC pop_options
-
-// ---- the driver ---------------------------------------------------------------------------------
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-
-// attend() for fp32 and fp16 pools and D % Passes::kLanes == 0 (the same contract), Passes being
-// Avx2Passes or Avx512Passes (attend_vectorized chooses). The heads go in groups of up to kGroup
-// sharing one kv head: q . k (Passes::dots), then the softmax of every head, then the
-// probability-weighted V rows (Passes::values). The first group streams the rows' kv heads
+// attend() for fp32 and fp16 pools and D % 8 == 0 (the same contract). The heads go in groups of
+// up to kGroup sharing one kv head: q . k (dots_group), then the softmax of every head, then the
+// probability-weighted V rows (values_group). The first group streams the rows' kv heads
 // [h0 / G, (h1 - 1) / G] from memory (prefetched kRowsAhead tokens on, whole rows when the job
 // has every head, so that blocks are read as they lie); the other groups find them in cache.
 // The job's first kRowsAhead K and V rows are asked for before any work, and each pass over K
@@ -398,8 +254,8 @@ struct Avx512Passes {
 //
 // A chunk (stats not null): tokens [t0, t1) only, and instead of the softmax, exp_rows: out gets
 // the heads' unnormalized sums and stats their (maximum, sum) for merge_chunks.
-template <typename Passes, typename T>
-inline void attend_simd(
+template <typename T>
+inline void attend_avx2(
     const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0, int64_t h1,
     int64_t G, int64_t D, float scale, float* scores, float* out, float* mass, int64_t t0 = 0, int64_t t1 = -1,
     float* stats = nullptr) {
@@ -429,10 +285,10 @@ inline void attend_simd(
     float* s = scores + (h - h0) * L;
     const int64_t pf = h == h0 ? ahead_bytes : 0;
     switch (n) {
-      case 1: Passes::template dots<1>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
-      case 2: Passes::template dots<2>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
-      case 3: Passes::template dots<3>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
-      default: Passes::template dots<4>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      case 1: dots_group<1>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      case 2: dots_group<2>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      case 3: dots_group<3>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
+      default: dots_group<4>(qh, D, krows.data(), off, L, scale, s, L, ahead0, pf, vrows.data()); break;
     }
   });
   if (stats)
@@ -445,23 +301,12 @@ inline void attend_simd(
     float* o = out + h * D;
     const int64_t pf = h == h0 ? ahead_bytes : 0;
     switch (n) {
-      case 1: Passes::template values<1>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
-      case 2: Passes::template values<2>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
-      case 3: Passes::template values<3>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
-      default: Passes::template values<4>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 1: values_group<1>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 2: values_group<2>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      case 3: values_group<3>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
+      default: values_group<4>(vrows.data(), L, p, L, off, D, ahead0, pf, o); break;
     }
   });
-}
-
-// attend_simd with the widest passes this CPU and head_dim allow (requires D % 8 == 0 and AVX2).
-template <typename T>
-inline void attend_vectorized(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t h0,
-                              int64_t h1, int64_t G, int64_t D, float scale, float* scores, float* out, float* mass,
-                              int64_t t0 = 0, int64_t t1 = -1, float* stats = nullptr) {
-  if (D % 16 == 0 && cpu_has_avx512f())
-    attend_simd<Avx512Passes>(q, k, v, lay, h0, h1, G, D, scale, scores, out, mass, t0, t1, stats);
-  else
-    attend_simd<Avx2Passes>(q, k, v, lay, h0, h1, G, D, scale, scores, out, mass, t0, t1, stats);
 }
 
 #pragma GCC pop_options
@@ -479,7 +324,7 @@ inline void attend(const float* q, const Pool<T>& k, const Pool<T>& v, const Lay
   constexpr bool widened = !std::is_same<T, float>::value;  // int8 codes or fp16 values
 #ifdef KVSERVE_X86
   if constexpr (!quantized) {
-    if (D % 8 == 0 && cpu_has_avx2()) return attend_vectorized(q, k, v, lay, h0, h1, G, D, scale, scores, out, mass);
+    if (D % 8 == 0 && cpu_has_avx2()) return attend_avx2(q, k, v, lay, h0, h1, G, D, scale, scores, out, mass);
   }
 #endif
   const int64_t L = lay.len, nh = h1 - h0, KVH = k.kv_heads;
@@ -590,25 +435,13 @@ inline bool attend_chunks_supported(int64_t D) {
 #endif
 }
 
-// The fp32 lanes per vector attend() runs for head_dim D on this CPU: 16 (Avx512Passes), 8
-// (Avx2Passes) or 1 (the portable loops; int8 pools always take them).
-inline int64_t attend_lanes(int64_t D) {
-#ifdef KVSERVE_X86
-  if (D % 16 == 0 && cpu_has_avx512f()) return 16;
-  if (D % 8 == 0 && cpu_has_avx2()) return 8;
-#else
-  (void)D;
-#endif
-  return 1;
-}
-
-// Every head of one sequence over its tokens [t0, t1) (attend_simd's chunk; requires
+// Every head of one sequence over its tokens [t0, t1) (attend_avx2's chunk; requires
 // attend_chunks_supported): out [H, D] the unnormalized sums, stats [H, 2]; scores scratch [H, t1 - t0].
 template <typename T>
 inline void attend_chunk(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t H, int64_t G,
                          int64_t D, float scale, int64_t t0, int64_t t1, float* scores, float* out, float* stats) {
 #ifdef KVSERVE_X86
-  attend_vectorized(q, k, v, lay, 0, H, G, D, scale, scores, out, nullptr, t0, t1, stats);
+  attend_avx2(q, k, v, lay, 0, H, G, D, scale, scores, out, nullptr, t0, t1, stats);
 #else
   (void)q, (void)k, (void)v, (void)lay, (void)H, (void)G, (void)D, (void)scale, (void)t0, (void)t1, (void)scores,
       (void)out, (void)stats;

@@ -2,11 +2,6 @@
 fp16 pools widened to fp32, int8 codes against the torch int8 reference)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,48 +50,6 @@ def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, one_row,
     assert got.dtype == torch.float32
     want = reference(q, k_cache.float(), v_cache.float(), tables, lens)  # fp16 values are exact in fp32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-# (heads, kv_heads, head_dim, block_size): query heads per kv head 1, 2, 3, 4 and 6 (a group of 4,
-# then 2), head_dim 16 to 128 (the V pass's slices of 8, 4, 2 and 1 vectors)
-WIDTH_SHAPES = [(4, 4, 16, 4), (8, 4, 32, 8), (9, 3, 64, 16), (8, 2, 128, 16), (12, 2, 48, 8), (6, 1, 64, 16)]
-
-
-def widths_match_reference() -> int:
-    """WIDTH_SHAPES at every length 1-40 (each tail of the score pass's 16, 8, 5 or 4 tokens at a
-    time), fp32 and fp16 pools, against gather + SDPA; returns the lanes the kernel ran."""
-    lanes = {torch.ops.kvserve.attention_lanes(d) for _, _, d, _ in WIDTH_SHAPES if d % 16 == 0}
-    assert len(lanes) == 1
-    for heads, kv_heads, head_dim, block_size in WIDTH_SHAPES:
-        gen = torch.Generator().manual_seed(head_dim + heads)
-        for dtype in (torch.float32, torch.float16):
-            k_cache = torch.randn(48, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-            v_cache = torch.randn(48, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-            lens = torch.arange(1, 41)
-            tables = torch.randint(0, 48, (40, 40 // block_size + 1), generator=gen)
-            q = torch.randn(40, heads, head_dim, generator=gen)
-            got = torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
-            want = reference(q, k_cache.float(), v_cache.float(), tables, lens)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    return lanes.pop()
-
-
-def test_both_vector_widths_match_gather_and_sdpa():
-    """The 512-bit passes (paged_attention.h Avx512Passes) where the CPU has AVX-512, and the
-    256-bit ones (Avx2Passes) that KVSERVE_NO_AVX512 (read once per process) leaves, in a
-    subprocess, each against gather + SDPA."""
-    if torch.ops.kvserve.attention_lanes(64) != 16:
-        pytest.skip("no AVX-512 here: the other tests of this file run the 256-bit passes")
-    assert widths_match_reference() == 16
-    script = ("from engine.kernels import load_kernels\n"
-              "from tests.engine.kernels.test_paged_kernel import widths_match_reference\n"
-              "assert load_kernels()\n"
-              "print(widths_match_reference())\n")
-    env = {**os.environ, "KVSERVE_NO_AVX512": "1"}
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "8", done.stderr[-2000:]
 
 
 def test_shared_blocks_and_empty_batch():
