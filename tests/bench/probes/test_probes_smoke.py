@@ -135,3 +135,19 @@ def test_spec_decode_probe_concurrent_streams_with_the_suffix_method():
     assert (result["method"], result["streams"], copy["prompts"], copy["token_match"]) == ("suffix", 4, 4, "4/4")
     assert copy["output_tokens"] == 4 * 12 and copy["accepted_tokens"] > 0
     assert engine.scheduler.config.speculative_config is None and not engine.has_unfinished()
+
+
+def test_attention_pool_smoke():
+    """The attention probe's arithmetic: its pool bytes are K and V of every row, token and layer,
+    its rate those bytes over its own median round, and each row's table covers its context with
+    distinct blocks (half contiguous, half interleaved)."""
+    from bench.probes.attention_pool import KV_HEADS, HEAD_DIM, block_tables, run_attention_pool
+    from tests.helpers import require_native_kernel
+
+    require_native_kernel()
+    tables = block_tables(3, 4)
+    assert tables.tolist() == [[0, 1, 6, 9], [2, 3, 7, 10], [4, 5, 8, 11]]
+    r = run_attention_pool(rows=3, context=40, layers=2, sweep_mib=1, rounds=2, block_size=16)
+    assert r["pool_bytes"] == 2 * 2 * 3 * 40 * KV_HEADS * HEAD_DIM * 2  # fp16
+    assert r["read_gbs_p50"] == pytest.approx(r["pool_bytes"] / (r["p50_ms"] / 1000) / 1e9)
+    assert 0 < r["min_ms"] <= r["p50_ms"]
