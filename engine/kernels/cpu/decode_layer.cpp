@@ -38,13 +38,16 @@
 namespace {
 
 constexpr int64_t kDense = -1;  // format code of a dense fp32 [rows, K] part
-// Output features per work item of an N-feature matmul on `threads` threads: about two items per
-// thread, whole 32-feature groups (whole 8-column strips), at most 512. Small items cost: 32 per
-// item measured 3.3-3.7 ms of native layers per SmolLM2 decode step against 2.1-2.5 at 256 (each
-// item restarts the weight stream and its prefetch, and is dealt out by the dynamic schedule).
+// Output features per work item of an N-feature matmul on `threads` threads: one item per thread,
+// whole 32-feature groups (whole 8-column strips). Small items cost, as each restarts the weight
+// stream and its prefetch: 32 features an item measured 3.3-3.7 ms of native layers per SmolLM2
+// decode step against 2.1-2.5 at 256; and one item per thread, not two of at most 512, took
+// SmolLM2's decode steps 1-8% faster at 1 to 16 rows (29 of 30 p10 / p25 / p50 comparisons, the
+// two alternated in one process; docs/benchmarks.md). Items are still dealt out dynamically, so a
+// thread held up by another process before it takes one leaves both to the other.
 inline int64_t chunk_for(int64_t N, int threads) {
-  const int64_t per = (N + 2 * threads - 1) / (2 * threads);
-  return std::min<int64_t>(512, std::max<int64_t>(32, (per + 31) / 32 * 32));
+  const int64_t per = (N + threads - 1) / threads;
+  return std::max<int64_t>(32, (per + 31) / 32 * 32);
 }
 
 struct Part {
