@@ -9,10 +9,11 @@
 // Why: on a small model a decode step is ~10 small torch calls per layer, and each one pays
 // dispatch plus an OpenMP fork/join, which on 2 cores costs about as much as the matmuls. Here
 // a layer is ONE parallel region; its phases are worksharing loops separated by four barriers. The
-// matmuls deal out chunks of 32 output features dynamically (a thread preempted by another
-// process does not hold the others up), each chunk through the block kernel of its part's
-// format (quant_linear.h) or a plain fp32 dot product for dense parts. Attention is the native
-// paged kernel's per-sequence routine (paged_attention.h), one job per (sequence, kv head).
+// matmuls deal out one chunk of output features per thread (chunk_for), dynamically (a thread
+// preempted before it takes one does not hold the others up), each chunk through the block
+// kernel of its part's format (quant_linear.h) or a plain fp32 dot product for dense parts.
+// Attention is the native paged kernel's per-sequence routine (paged_attention.h), one job per
+// (sequence, kv head).
 //
 // The results equal engine/model/llama.py's DecoderLayer.forward up to fp32 summation order.
 #include <ATen/ATen.h>
