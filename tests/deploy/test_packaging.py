@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tomllib
 import zipfile
-from pathlib import Path
 
 import pytest
 from setuptools import find_packages

@@ -6,7 +6,6 @@ Offline: a local task file and dataset (tests/assets/lm_eval), the model's own t
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from pathlib import Path
 

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from tests.helpers import serve_inprocess
-from tests.server.conftest import is_idle
 
 CONTEXT, WINDOW, CHUNK, NUM_BLOCKS = 256, 64, 64, 40  # the pool: 640 tokens
 TEXT_TOKENS, SCORED_FROM = 384, 160

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
-
 from cache.tiers import DiskTier
 
 FP = hashlib.sha256(b"model-a").digest()

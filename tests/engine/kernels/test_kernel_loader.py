@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.attention import NativeAttention, TorchAttention, select_attention
+from engine.attention import TorchAttention, select_attention
 
 
 def test_broken_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loader.gguf.blocks import BlockFormat, GGUFMatrix, PackedMatrix
+from engine.loader.gguf.blocks import BlockFormat, GGUFMatrix
 
 from engine.model.block_linear import BlockLinear
 

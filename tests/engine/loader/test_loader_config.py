@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
