@@ -190,8 +190,9 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
     gflops = matmul_gflops_value if matmul_gflops_value is not None else matmul_gflops()
     peaks = kernel_peaks(groups, gflops, kernel_min_s, peak_rows)
     engine.kv_cache.reset_prefix_cache()
+    rounds = min(repeats, 3)
     with CpuMonitor() as load:
-        profile = decode_profile(engine, list(rows_levels), prompt_len, tokens, rounds=min(repeats, 3))
+        profile = decode_profile(engine, list(rows_levels), prompt_len, tokens, rounds=rounds)
     engine.kv_cache.reset_prefix_cache()
     # Bounds measured again after the steps, the better of the two kept: what the machine can do
     # (a neighbour's load only lowers a run; on a loaded 2-core machine one 2-thread call in many
@@ -209,7 +210,7 @@ def step_roofline(engine: Any, rows_levels: Sequence[int] = BREAKDOWN_ROWS, prom
     return {"isa": isa_report(), "weight_bytes": weight_bytes, "model_bandwidth_gbs": bandwidth,
             "bandwidth_mib": max(1, round(weight_bytes / 2**20)), "peaks_gops": peaks, "peak_rows": peak_rows,
             "matmuls": [vars(g) for g in groups], "prompt_len": prompt_len, "tokens": tokens, "steps": rows,
-            "step_rounds": min(repeats, 3),
+            "step_rounds": rounds,
             "foreign_cores": load.foreign_cores, "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 

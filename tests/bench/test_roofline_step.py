@@ -98,7 +98,6 @@ def test_step_roofline_breakdown(engine):
     assert engine.generate([prompt], params)[0].token_ids == before
 
 
-
 def test_decode_profile_keeps_the_fastest_round(engine, monkeypatch):
     """Each row is the round with the lowest mean step, with that round's own pieces, and every
     round's mean is kept: rounds scripted out of order, so picking the first or the last fails."""
