@@ -1,10 +1,11 @@
-"""``native``: the compiled CPU paged decode kernel (engine/kernels) for decode, SDPA for prefill."""
+"""``native``: the compiled CPU paged decode kernel (engine/kernels) for decode; for prefill, the AMX-BF16
+kernel where bf16 chunks can take it, else SDPA."""
 from __future__ import annotations
 
 import torch
 
 from engine.attention.base import register
-from engine.attention.metadata import DecodeGroup
+from engine.attention.metadata import AttentionMetadata, DecodeGroup, gather_kv
 from engine.attention.torch_sdpa import TorchAttention
 from engine.kernels import has_op
 from engine.kv.int4 import Int4KV
@@ -15,11 +16,12 @@ from engine.kv.int8 import Int8KV
 class NativeAttention(TorchAttention):
     """Decode rows go to ``torch.ops.kvserve.paged_decode_attention``, which reads the pool
     in place instead of gathering a contiguous copy (fp32 pools, or fp16 ones widened as they are
-    read); prefill chunks use SDPA. int8 pools
+    read); prefill chunks use SDPA, or the AMX-BF16 kernel (below). int8 pools
     (``Int8KV``, engine/kv/int8.py) go to ``paged_decode_attention_int8``, which folds the
     per-token-per-head (step, minimum) into the dot products instead of dequantizing rows; int4
     pools (``Int4KV``, engine/kv/int4.py) to ``paged_decode_attention_int4`` (quantized blocks read
-    as codes, open blocks from the residual)."""
+    as codes, open blocks from the residual). Prefill chunks attending in bf16 go to
+    ``prefill_attention`` (AMX-BF16 tiles) where the CPU has them (``_prefill``)."""
 
     name = "native"
     reads_lengths_in_place = True
@@ -52,6 +54,25 @@ class NativeAttention(TorchAttention):
         return torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, g.block_table, g.context_lens,
                                                         q.shape[-1] ** -0.5)
 
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """bf16 prefill chunks (``prefill_dtype``) on the AMX-BF16 tiles where the CPU has them:
+        one ``prefill_attention`` call a chunk, over the chunk's own keys or its whole context as
+        the pool holds it (gathered, rounded to bf16 in the kernel), fp32 out; else SDPA's."""
+        if self.prefill_dtype != torch.bfloat16 or not native_prefill_runs(q.shape[-1]):
+            return super()._prefill(q, k, v, k_cache, v_cache, meta, out)
+        scale = q.shape[-1] ** -0.5
+        for chunk in meta.prefills:
+            n = chunk.end - chunk.start
+            if chunk.block_ids is None:
+                keys, values, prefix = k[chunk.start:chunk.end], v[chunk.start:chunk.end], 0
+            else:  # [1, kv_heads, L, d] views of one gathered copy -> [L, kv_heads, d]
+                keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len)[0].transpose(0, 1)
+                values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len)[0].transpose(0, 1)
+                prefix = chunk.context_len - n
+            out[chunk.start:chunk.end] = torch.ops.kvserve.prefill_attention(
+                q[chunk.start:chunk.end], keys, values, prefix, scale)
+
     def _decode_with_mass(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
                           mass: torch.Tensor) -> torch.Tensor:
         if isinstance(k_cache, Int4KV):  # its kernel exports no mass (h2o is refused with int4 pools anyway)
@@ -65,4 +86,11 @@ class NativeAttention(TorchAttention):
                                                         mass)
 
     def describe(self) -> str:
-        return "native paged decode kernel + SDPA prefill"
+        return "native paged decode kernel + SDPA prefill (bf16 chunks: the AMX-BF16 kernel where the CPU has it)"
+
+
+def native_prefill_runs(head_dim: int) -> bool:
+    """Whether ``torch.ops.kvserve.prefill_attention`` (prefill_attention.cpp) runs here for this
+    head size: a CPU with AMX-BF16 and AVX512-BF16, and ``head_dim`` a multiple of 32 up to 256."""
+    return (head_dim % 32 == 0 and head_dim <= 256 and has_op("prefill_attention_supported")
+            and torch.ops.kvserve.prefill_attention_supported())

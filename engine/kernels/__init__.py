@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-Five kernels, one library:
+Six kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
@@ -15,6 +15,8 @@ Five kernels, one library:
 * ``decode_layer.cpp``: every decoder layer of an all-decode step in one call (``DecodeStack``)
   and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
+* ``prefill_attention.cpp``: a bf16 prefill chunk's attention over its whole context on AMX-BF16
+  tiles, one call a chunk (``NativeAttention._prefill``), where the CPU has AMX-BF16 and AVX512-BF16.
 * ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
   maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampling/sampler.py).
 

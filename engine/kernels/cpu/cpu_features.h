@@ -7,7 +7,8 @@
 // - cpu_has_amx: declared here, defined in quant_linear_amx.cpp (the detection also asks Linux for
 //   permission to use tile data).
 // Included by every source and header that chooses a path or holds x86 code: argmax.cpp,
-// decode_layer.cpp, quant_linear.cpp, quant_linear_q8.cpp, quant_linear_amx.cpp, block_codes.h,
+// decode_layer.cpp, prefill_attention.cpp, quant_linear.cpp, quant_linear_q8.cpp,
+// quant_linear_amx.cpp, block_codes.h,
 // paged_attention.h, quant_linear.h and vec_math.h.
 #pragma once
 
@@ -54,7 +55,8 @@ inline bool detect_vnni() {
 }
 #endif
 
-// Whether this CPU (and OS) runs AMX-INT8 tiles and KVSERVE_NO_AMX is unset (quant_linear_amx.cpp).
+// Whether this CPU (and OS) runs AMX-INT8 tiles and KVSERVE_NO_AMX is unset (quant_linear_amx.cpp;
+// prefill_attention.cpp asks it too, before its own AMX-BF16 test).
 bool cpu_has_amx();
 
 }  // namespace kvserve

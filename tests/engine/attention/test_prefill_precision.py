@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, TorchAttention
 from engine.attention import precision
+from engine.attention.native import NativeAttention, native_prefill_runs
 from engine.attention.precision import resolve_prefill_attention_dtype
 from engine.config import ModelConfig
 from engine.platform.cpu_features import flags_of
@@ -64,13 +65,17 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("prefix", [0, 48])
-def test_a_bf16_prefill_chunk_attends_to_its_inputs_rounded_to_bf16(prefix):
+def test_a_bf16_prefill_chunk_attends_to_its_inputs_rounded_to_bf16(prefix, backend):
     """A step of one decode row and one prefill chunk of 37 tokens after ``prefix`` cached ones,
     over an fp16 pool (the CPU default): the chunk's output is the float64 attention of q, k and
     v as the pool holds them, rounded to bf16, within bf16's rounding of the probabilities and
     the output; the same step in float32 is nearer the unrounded reference; the decode row is
-    the same in both (it does not take the prefill dtype)."""
+    the same in both (it does not take the prefill dtype). ``native``: the same through the
+    AMX-BF16 prefill kernel (engine/kernels/cpu/prefill_attention.cpp), where the CPU has it."""
+    if backend == "native" and not native_prefill_runs(HEAD_DIM):
+        pytest.skip("no AMX-BF16 prefill kernel on this CPU")
     gen = torch.Generator().manual_seed(prefix)
     n, blocks = 37, 16
     k_cache = torch.zeros(blocks, BS, KV_HEADS, HEAD_DIM, dtype=torch.float16)
@@ -95,7 +100,7 @@ def test_a_bf16_prefill_chunk_attends_to_its_inputs_rounded_to_bf16(prefix):
         prefills=[PrefillChunk(1, 1 + n, context, chunk_blocks if prefix else None, None)])
 
     def run(dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn = TorchAttention()
+        attn = NativeAttention() if backend == "native" else TorchAttention()
         attn.prefill_dtype = dtype
         kc, vc = k_cache.clone(), v_cache.clone()
         out = attn.forward(q, k, v, kc, vc, meta).view(1 + n, HEADS, HEAD_DIM)
