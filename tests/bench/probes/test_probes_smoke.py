@@ -151,3 +151,21 @@ def test_attention_pool_smoke():
     assert r["pool_bytes"] == 2 * 2 * 3 * 40 * KV_HEADS * HEAD_DIM * 2  # fp16
     assert r["read_gbs_p50"] == pytest.approx(r["pool_bytes"] / (r["p50_ms"] / 1000) / 1e9)
     assert 0 < r["min_ms"] <= r["p50_ms"]
+
+
+def test_prefill_attention_probe_smoke():
+    """The prefill attention probe times both paths on the same inputs, and they agree within bf16's
+    rounding of the output (torch's path rounds it; the kernel does not)."""
+    from engine.attention.native import native_prefill_runs
+    from tests.helpers import require_native_kernel
+
+    require_native_kernel()
+    if not native_prefill_runs(64):
+        pytest.skip("no AMX-BF16 prefill kernel on this CPU")
+    from bench.probes.prefill_attention import run_prefill_attention
+
+    r = run_prefill_attention(queries=20, prefix=50, rounds=5)
+    assert (r["queries"], r["prefix"]) == (20, 50)
+    assert r["kvserve_ms"] > 0 and r["torch_ms"] > 0
+    assert r["speedup"] == pytest.approx(r["torch_ms"] / r["kvserve_ms"], rel=0.01)
+    assert r["max_abs_diff"] < 2e-2
