@@ -188,7 +188,7 @@ def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(de
     so every CPU runs it) the agreement with the exact engine is at or above ``AGREEMENT_FLOOR``
     and within half a point of the same defaults with fp32 prefill attention; the two differ
     (the chunks really attend in bf16). Measured on an Emerald Rapids VM (AMX: the native bf16
-    prefill kernel), 1 thread: bf16 1,930 of 1,999 (NLL +0.0042), fp32 1,928 (+0.0035); torch's
+    prefill kernel), 1 thread: bf16 1,931 of 1,999 (NLL -0.0009), fp32 1,928 (+0.0035); torch's
     bf16 flash kernel before it, 1,934 (+0.0004)."""
     from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
     from engine.llm_engine import LLMEngine
