@@ -124,36 +124,42 @@ void to_bf16_rows(const at::Tensor& t, int64_t h, int64_t r0, int64_t r1, uint16
   }
 }
 
-// One KV head's keys and values re-laid for the tiles (see the file comment); rows past L zero.
+// One KV head's keys and values re-laid for the tiles (see the file comment), built a step of 64
+// keys at a time (build_step, any thread); keys past L are zeros.
 struct KVTiles {
   std::vector<uint16_t> k, v;  // bf16 bits
-  void build(const at::Tensor& keys, const at::Tensor& values, int64_t h, int64_t L, int64_t d,
-             std::vector<uint16_t>& stage) {
-    const int64_t steps = (L + kStep - 1) / kStep, padded = steps * kStep;
-    stage.assign(padded * d, 0);
+  void allocate(int64_t L, int64_t d) {
+    const int64_t padded = (L + kStep - 1) / kStep * kStep;
     k.resize(padded / 16 * (d / 32) * 512), v.resize(padded / 32 * (d / 16) * 512);
-    to_bf16_rows(keys, h, 0, L, stage.data(), d);
+  }
+  void build_step(const at::Tensor& keys, const at::Tensor& values, int64_t h, int64_t t, int64_t L, int64_t d) {
+    alignas(64) uint16_t stage[kStep * 256];  // the step's 64 rows as bf16 (d <= 256)
+    const int64_t k0 = t * kStep, rows = std::min<int64_t>(kStep, L - k0);
+    std::memset(stage + rows * d, 0, (kStep - rows) * d * 2);
+    to_bf16_rows(keys, h, k0, k0 + rows, stage, d);
     // K: row p of block b's chunk c = dword c * 16 + p (dims 2p, 2p + 1) of keys 16 b .. 16 b + 15
     const __m512i by_key = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(static_cast<int>(d / 2)));
-    for (int64_t b = 0; b < padded / 16; ++b)
+    for (int64_t b = 0; b < kStep / 16; ++b)
       for (int64_t c = 0; c < d / 32; ++c)
         for (int p = 0; p < 16; ++p) {
-          const auto* src = reinterpret_cast<const int*>(stage.data() + b * 16 * d + c * 32 + 2 * p);
-          _mm512_storeu_si512(k.data() + ((b * (d / 32) + c) * 16 + p) * 32, _mm512_i32gather_epi32(by_key, src, 4));
+          const auto* src = reinterpret_cast<const int*>(stage + b * 16 * d + c * 32 + 2 * p);
+          _mm512_storeu_si512(k.data() + (((4 * t + b) * (d / 32) + c) * 16 + p) * 32,
+                              _mm512_i32gather_epi32(by_key, src, 4));
         }
-    to_bf16_rows(values, h, 0, L, stage.data(), d);
+    to_bf16_rows(values, h, k0, k0 + rows, stage, d);
     // V: row p of block b's slice s = keys 32 b + 2p, 32 b + 2p + 1 interleaved over dims 16 s ..
     alignas(64) int16_t order[32];
     for (int j = 0; j < 16; ++j) order[2 * j] = static_cast<int16_t>(j), order[2 * j + 1] = static_cast<int16_t>(32 + j);
     const __m512i interleave = _mm512_load_si512(order);
-    for (int64_t b = 0; b < padded / 32; ++b)
+    for (int64_t b = 0; b < kStep / 32; ++b)
       for (int64_t s = 0; s < d / 16; ++s)
         for (int p = 0; p < 16; ++p) {
-          const uint16_t* even = stage.data() + (b * 32 + 2 * p) * d + s * 16;
+          const uint16_t* even = stage + (b * 32 + 2 * p) * d + s * 16;
           const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)));
           const __m512i hi = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
-          _mm512_storeu_si512(v.data() + ((b * (d / 16) + s) * 16 + p) * 32, _mm512_permutex2var_epi16(lo, interleave, hi));
+          _mm512_storeu_si512(v.data() + (((2 * t + b) * (d / 16) + s) * 16 + p) * 32,
+                              _mm512_permutex2var_epi16(lo, interleave, hi));
         }
   }
   const uint16_t* k_tile(int64_t block16, int64_t chunk, int64_t d) const { return k.data() + (block16 * (d / 32) + chunk) * 512; }
@@ -289,14 +295,10 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const KVTiles& kv, int64_t
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                  int64_t prefix, double scale) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = keys.size(1), L = prefix + n;
-  const int64_t blocks = (n + kRows - 1) / kRows;
-  // q as bf16, zero rows up to a whole tile
-  std::vector<uint16_t> qb(blocks * kRows * heads * d, 0);
-  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t r = r0; r < r1; ++r) to_bf16_rows(q, h, r, r + 1, qb.data() + (r * heads + h) * d, d);
-  });
+  const int64_t blocks = (n + kRows - 1) / kRows, steps = (L + kStep - 1) / kStep;
+  std::vector<uint16_t> qb(blocks * kRows * heads * d);  // q as bf16, zeros up to whole tiles of rows
   std::vector<KVTiles> kv(kv_heads);
+  for (auto& tiles : kv) tiles.allocate(L, d);
   at::Tensor out = at::empty({n, heads, d}, q.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const int64_t group = heads / kv_heads, items = heads * blocks;
@@ -304,9 +306,11 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, co
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<uint16_t> stage;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t h = 0; h < kv_heads; ++h) kv[h].build(keys, values, h, L, d, stage);
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = 0; h < heads; ++h) to_bf16_rows(q, h, r, r + 1, qb.data() + (r * heads + h) * d, d);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t i = 0; i < kv_heads * steps; ++i) kv[i / steps].build_step(keys, values, i / steps, i % steps, L, d);
     configure_tiles();
     // KV head by KV head, so that a thread's next item reads the K and V tiles its last one left
     // in its L2 (at 4,000 keys one head's are 1 MB); within a head the longest (last) query blocks
