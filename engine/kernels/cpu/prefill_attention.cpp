@@ -70,8 +70,7 @@ bool supported() {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
 constexpr int kRows = 16;   // query rows per tile
-constexpr int kStep = 64;   // keys per softmax step: four 16-key S tiles
-constexpr int kTileBytes = 1024;
+constexpr int kStep = 64;   // keys per step: four 16-key S tiles
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -79,8 +78,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: S (16 rows x 16 keys, fp32); 4: Q chunk, later P keys 0-31 (A); 5: K or V (B);
-// 6: P V (16 rows x 16 dims, fp32); 7: P keys 32-63 (A). All 16 rows of 64 bytes.
+// Every tile 16 rows of 64 bytes. attend_tile's first pass: 0-3 S (16 rows x 16 keys, fp32), 6 a
+// Q chunk (A: 16 rows x 32 dims), 4, 5, 7 K (B); its second: 0-3 the output (16 rows x 16 dims,
+// fp32), 4, 5 P (A: keys 0-31, 32-63), 6, 7 V (B).
 void configure_tiles() {
   TileConfig c;
   for (int i = 0; i < 8; ++i) c.rows[i] = kRows, c.colsb[i] = 64;
@@ -88,8 +88,9 @@ void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-// 2^x for x <= 0 in every lane (x >= -126 after the clamp, so no denormals): x = n + f, |f| <=
-// 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n by scalef.
+// 2^x for x <= 0 (up to rounding) in every lane, x >= -126 after the clamp (no denormals):
+// x = n + f, |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n by
+// scalef.
 inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
