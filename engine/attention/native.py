@@ -2,6 +2,8 @@
 kernel where bf16 chunks can take it, else SDPA."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.attention.base import register
@@ -89,8 +91,10 @@ class NativeAttention(TorchAttention):
         return "native paged decode kernel + SDPA prefill (bf16 chunks: the AMX-BF16 kernel where the CPU has it)"
 
 
+@functools.cache
 def native_prefill_runs(head_dim: int) -> bool:
     """Whether ``torch.ops.kvserve.prefill_attention`` (prefill_attention.cpp) runs here for this
-    head size: a CPU with AMX-BF16 and AVX512-BF16, and ``head_dim`` a multiple of 32 up to 256."""
+    head size: a CPU with AMX-BF16 and AVX512-BF16, and ``head_dim`` a multiple of 32 up to 256.
+    Asked once per head size (every layer's prefill asks)."""
     return (head_dim % 32 == 0 and head_dim <= 256 and has_op("prefill_attention_supported")
             and torch.ops.kvserve.prefill_attention_supported())
