@@ -24,6 +24,7 @@ The headers they share, each source including the ones it uses (``cpu/`` is pack
 a package: no ``__init__.py``; pyproject ships its ``*.cpp`` and ``*.h``, and every header is
 part of the build's cache key):
 
+* ``amx_tiles.h``: what the AMX tile kernels share (``KVSERVE_AMX``, the tile configuration).
 * ``cpu_features.h``: what the CPU runs (``cpu_has_avx2``, ``cpu_has_avx512f``, ``detect_vnni``,
   ``cpu_has_amx``) and the ``KVSERVE_X86`` build test; the vector paths are compiled for their
   own targets whatever the flags and chosen at run time by these.

@@ -8,7 +8,7 @@
 //   permission to use tile data).
 // Included by every source and header that chooses a path or holds x86 code: argmax.cpp,
 // decode_layer.cpp, prefill_attention.cpp, quant_linear.cpp, quant_linear_q8.cpp,
-// quant_linear_amx.cpp, block_codes.h,
+// quant_linear_amx.cpp, amx_tiles.h, block_codes.h,
 // paged_attention.h, quant_linear.h and vec_math.h.
 #pragma once
 

@@ -34,17 +34,16 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_features.h"  // KVSERVE_X86, cpu_has_amx
+#include "amx_tiles.h"     // KVSERVE_AMX (the compiler has the AMX intrinsics), configure_full_tiles
+#include "cpu_features.h"  // cpu_has_amx
 
-// The AMX intrinsics need GCC 11 or clang 12 (as quant_linear_amx.cpp).
-#if defined(KVSERVE_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
-#define KVSERVE_AMX_BF16 1
+#ifdef KVSERVE_AMX
 #include <cpuid.h>
 #endif
 
 namespace {
 
-#ifdef KVSERVE_AMX_BF16
+#ifdef KVSERVE_AMX
 // AMX-BF16 and AVX512-BF16 besides what cpu_has_amx asks (AMX tiles, the OS's permission,
 // KVSERVE_NO_AMX unset). Asked at first use, not at load: cpu_has_amx's answer is another
 // source's static constant.
@@ -57,7 +56,7 @@ bool detect() {
 #endif
 
 bool supported() {
-#ifdef KVSERVE_AMX_BF16
+#ifdef KVSERVE_AMX
   static const bool yes = detect();
   return yes;
 #else
@@ -65,28 +64,12 @@ bool supported() {
 #endif
 }
 
-#ifdef KVSERVE_AMX_BF16
+#ifdef KVSERVE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
 constexpr int kRows = 16;   // query rows per tile
 constexpr int kStep = 64;   // keys per step: four 16-key S tiles
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes. attend_tile's first pass: 0-3 S (16 rows x 16 keys, fp32), 6 a
-// Q chunk (A: 16 rows x 32 dims), 4, 5, 7 K (B); its second: 0-3 the output (16 rows x 16 dims,
-// fp32), 4, 5 P (A: keys 0-31, 32-63), 6, 7 V (B).
-void configure_tiles() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) c.rows[i] = kRows, c.colsb[i] = 64;
-  asm volatile("" ::: "memory");  // ldtilecfg's asm names only 8 bytes of c as its input
-  _tile_loadconfig(&c);
-}
 
 // 2^x for x <= 0 (up to rounding) in every lane, x >= -126 after the clamp (no denormals):
 // x = n + f, |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n by
@@ -231,7 +214,9 @@ inline void mask_step(__m512* y, __mmask16* keep, int r, int64_t rows, int64_t f
 // by 2^8 had doubled the error against a float64 reference; one that rescaled at every growth
 // stored and reloaded the output tiles at most steps). Each pass lags its vector work one step
 // behind its tile work, so a tile load never reads vector stores just made, nor a vector load
-// tile stores.
+// tile stores. Tiles, pass 1: 0-3 S (16 rows x 16 keys, fp32), 6 a Q chunk (A: 16 rows x 32
+// dims), 4, 5, 7 K (B); pass 2: 0-3 the output (16 rows x 16 dims, fp32), 4, 5 P (A: keys 0-31,
+// 32-63), 6, 7 V (B).
 void attend_tile(const uint16_t* q, int64_t q_stride, const KVTiles& kv, int64_t d, int64_t d0, int64_t nd,
                  int64_t first, int64_t rows, float scale_log2e, float* out, int64_t out_stride) {
   alignas(64) uint16_t p[2][kRows * kStep];
@@ -312,7 +297,7 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, co
       for (int64_t h = 0; h < heads; ++h) to_bf16_rows(q, h, r, r + 1, qb.data() + (r * heads + h) * d, d);
 #pragma omp for schedule(dynamic, 4)
     for (int64_t i = 0; i < kv_heads * steps; ++i) kv[i / steps].build_step(keys, values, i / steps, i % steps, L, d);
-    configure_tiles();
+    kvserve::configure_full_tiles();  // every tile 16 rows x 64 bytes (attend_tile's map)
     // KV head by KV head, so that a thread's next item reads the K and V tiles its last one left
     // in its L2 (at 4,000 keys one head's are 1 MB); within a head the longest (last) query blocks
     // first, so the dynamic deal ends evenly. An item: one row tile, every 64 output dims.
@@ -330,7 +315,7 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, co
 }
 
 #pragma GCC pop_options
-#endif  // KVSERVE_AMX_BF16
+#endif  // KVSERVE_AMX
 
 // q [n, heads, d] (float32, float16 or bfloat16), keys / values [prefix + n, kv_heads, d] (any
 // strides but a contiguous last dim) -> fp32 [n, heads, d]: query i at position prefix + i
@@ -350,7 +335,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
     const auto dt = t->scalar_type();
     TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "float32, float16 or bfloat16 tensors");
   }
-#ifdef KVSERVE_AMX_BF16
+#ifdef KVSERVE_AMX
   return prefill_attention_amx(q, keys, values, prefix, scale);
 #else
   return at::Tensor();

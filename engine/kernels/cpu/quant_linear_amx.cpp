@@ -37,9 +37,9 @@
 #include <cstring>
 #include <vector>
 
-// The AMX intrinsics need GCC 11 or clang 12; with an older compiler the kernel is left out.
-#if defined(KVSERVE_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
-#define KVSERVE_AMX 1
+#include "amx_tiles.h"  // KVSERVE_AMX (the compiler has the AMX intrinsics), TileConfig
+
+#ifdef KVSERVE_AMX
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -90,18 +90,7 @@ inline float half_at(const uint8_t* p) {
 
 // Every tile is 16 rows x 64 bytes: C (16 features x 16 activation rows of int32), A (16
 // features x 64 bytes of weights along K), B (16 groups of 4 along K x 16 activation rows x 4).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) c.rows[i] = kTile, c.colsb[i] = 64;
-  asm volatile("" ::: "memory");  // ldtilecfg's asm names only 8 bytes of c as its input
-  _tile_loadconfig(&c);
-}
+void configure_tiles() { kvserve::configure_full_tiles(); }
 
 // One group of 16 features, unpacked for the tiles. The sub-block scale is folded into each
 // code: v = sc q (Q4_K, Q5_K: 0 <= v <= 63 * 31; Q6_K: |v| <= 128 * 32), as its low byte `lo`
@@ -310,12 +299,11 @@ void group_tiles(const kvserve::Q8Act& x, const uint8_t* w, int64_t n, Group& g,
 // scales (per column and per row) change every 32 k, so each product is one block (K = 32).
 // Tiles: C 0, 1; A 2, 3; B 4, 5 (two blocks in flight).
 void configure_strip_tiles() {
-  TileConfig c;
+  kvserve::TileConfig c;
   for (int i = 0; i < 2; ++i) c.rows[i] = kTile, c.colsb[i] = 64;  // C: 16 rows x 16 int32
   for (int i = 2; i < 4; ++i) c.rows[i] = kTile, c.colsb[i] = 32;  // A: 16 rows x 32 codes
   for (int i = 4; i < 6; ++i) c.rows[i] = 8, c.colsb[i] = 64;      // B: 8 k-quads x 16 columns
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&c);
+  kvserve::load_tile_config(c);
 }
 
 // 64 bytes, 64-aligned: a B-tile row. (std::vector<__m512i> would not do: GCC drops a vector
