@@ -14,13 +14,9 @@
 #include <cstdint>
 #include <cstdio>
 
-namespace {
+#include "../engine/kernels/cpu/amx_tiles.h"  // configure_full_tiles (the kernels' own)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+namespace {
 
 alignas(64) uint16_t tiles[8][512];  // bf16 1.0 everywhere
 alignas(64) float out[4][256];
@@ -42,9 +38,7 @@ int main() {
     std::puts("no permission to use AMX tile data here");
     return 1;
   }
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
-  _tile_loadconfig(&c);
+  kvserve::configure_full_tiles();
   for (auto& t : tiles)
     for (auto& v : t) v = 0x3f80;
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);

@@ -19,26 +19,22 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../engine/kernels/cpu/amx_tiles.h"  // TileConfig, load_tile_config (the kernels' own)
+
 namespace {
 
 constexpr int kK = 576, kBlocks = kK / 32, kRows = 512, kCols = 3072;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 struct alignas(64) Line {
   int8_t b[64];
 };
 
 void configure() {  // C 0..3: 16 x 16 int32; A 4, 5: 16 rows x 32 codes; B 6, 7: 8 k-quads x 16 columns
-  TileConfig c;
+  kvserve::TileConfig c;
   for (int i = 0; i < 4; ++i) c.rows[i] = 16, c.colsb[i] = 64;
   for (int i = 4; i < 6; ++i) c.rows[i] = 16, c.colsb[i] = 32;
   for (int i = 6; i < 8; ++i) c.rows[i] = 8, c.colsb[i] = 64;
-  asm volatile("" ::: "memory");  // ldtilecfg's asm names only part of c as its input
-  _tile_loadconfig(&c);
+  kvserve::load_tile_config(c);
 }
 
 struct Data {

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention.native import native_prefill_runs
+from tests.engine.attention.test_prefill_precision import bf16, reference  # float64 causal attention
 from tests.helpers import require_native_kernel
 
 
@@ -19,15 +20,9 @@ def kernel():
         pytest.skip("no AMX-BF16 on this CPU: prefill chunks attend through SDPA")
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
-    """float64 causal attention of bf16-rounded q ``[n, H, d]`` at positions ``prefix..`` over
-    bf16-rounded keys / values ``[L, KVH, d]`` -> ``[n, H, d]``."""
-    q, keys, values = (t.bfloat16().double() for t in (q, keys, values))
-    group = q.shape[1] // keys.shape[1]
-    k, v = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q, k) * q.shape[-1] ** -0.5
-    visible = torch.arange(keys.shape[0])[None, :] <= torch.arange(prefix, prefix + q.shape[0])[:, None]
-    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
+def rounded_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
+    """The float64 causal reference of q, keys and values rounded to bf16."""
+    return reference(bf16(q), bf16(keys.float()), bf16(values.float()), prefix)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -48,7 +43,7 @@ def test_agrees_with_a_float64_reference_of_bf16_inputs(n, prefix, heads, kv_hea
     q, keys, values = inputs(n, prefix, heads, kv_heads, d, torch.float32, n * 1000 + prefix)
     got = attend(q, keys, values, prefix)
     assert got.dtype == torch.float32 and got.shape == (n, heads, d)
-    err = (got.double() - reference(q, keys, values, prefix)).abs()
+    err = (got.double() - rounded_reference(q, keys, values, prefix)).abs()
     # bf16's rounding of the probabilities (2^-9 relative) is the only rounding left beyond fp32:
     # measured max 0.0016-0.0034 where torch's bf16 SDPA (output rounded to bf16 too) is 0.004-0.008
     assert err.max().item() < 6e-3, err.max()
