@@ -108,7 +108,7 @@ def scenario_llama_server(ctx: Context) -> dict[str, Any]:
                                stream_prompt_len=_q(a, "stream_prompt_len", 50, 50),
                                single_requests=_q(a, "single_requests", 3, 1), waves=_q(a, "waves", 2, 1),
                                gguf=getattr(a, "llama_gguf", None), seed=a.seed, progress=not a.no_progress,
-                               out_dir=ctx.out, agreement=agreement, rounds=getattr(a, "rounds", None) or 1)
+                               out_dir=ctx.out, agreement=agreement, rounds=_q(a, "rounds", 3, 1))
 
 
 def scenario_kv_cache(ctx: Context) -> dict[str, Any]:
@@ -352,7 +352,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--waves", type=int, help="concurrent requests = waves x concurrency (default 2; quick 1)")
     p.add_argument("--rounds", type=int, help="llama-server: measure each workload this many times on fresh prompts, "
                                               "alternating which server goes first; ratio = median of the rounds' "
-                                              "(default 1)")
+                                              "(default 3, issue 39's medians of 3 rounds; quick 1)")
     p.add_argument("--llama-gguf", help="the GGUF llama-server runs: default the shipped Q4_1 file; 'f32', "
                                         "'Q8_0', 'Q4_K_M', 'F16' or 'BF16' (made with llama-quantize, cached) or a path")
     p.add_argument("--no-agreement", action="store_true",
