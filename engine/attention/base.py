@@ -64,6 +64,11 @@ class AttentionBackend(ABC):
         """One phrase for the startup log."""
         return self.name
 
+    def prefill_kernel(self, head_dim: int) -> str:
+        """What multiplies prefill chunks that attend in ``prefill_dtype`` (the CPU's bf16
+        chunks) at this head size, for the startup log."""
+        return "torch SDPA"
+
 
 BACKENDS: dict[str, type[AttentionBackend]] = {}
 # What ``auto`` tries, in order, per device type; the first available one wins.

@@ -88,7 +88,12 @@ class NativeAttention(TorchAttention):
                                                         mass)
 
     def describe(self) -> str:
-        return "native paged decode kernel + SDPA prefill (bf16 chunks: the AMX-BF16 kernel where the CPU has it)"
+        return "native paged decode kernel + SDPA prefill"
+
+    def prefill_kernel(self, head_dim: int) -> str:
+        if native_prefill_runs(head_dim):
+            return "kvserve's AMX-BF16 kernel"
+        return "torch SDPA (kvserve's AMX-BF16 kernel needs AMX-BF16, AVX512-BF16 and a head size of 32k <= 256)"
 
 
 @functools.cache

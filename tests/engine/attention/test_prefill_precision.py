@@ -49,6 +49,19 @@ def test_explicit_bfloat16_is_refused_where_it_has_no_meaning():
         ModelConfig(prefill_attention_dtype="float16")
 
 
+def test_the_startup_log_names_what_multiplies_bf16_prefill_chunks():
+    """The ``Attention:`` line says which kernel bf16 chunks take: the native backend's own AMX-BF16
+    kernel where it runs for the head size (this CPU's answer, asked of the kernel library), else
+    torch SDPA with the reason; the torch backend always SDPA."""
+    native = NativeAttention()
+    if native_prefill_runs(64):
+        assert native.prefill_kernel(64) == "kvserve's AMX-BF16 kernel"
+    else:
+        assert native.prefill_kernel(64).startswith("torch SDPA (kvserve's AMX-BF16 kernel needs")
+    assert native.prefill_kernel(48).startswith("torch SDPA (")  # no multiple of 32: never the kernel
+    assert TorchAttention().prefill_kernel(64) == "torch SDPA"
+
+
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> torch.Tensor:
     """float64 attention of q ``[n, H, d]`` at positions ``first_pos..`` over keys / values
     ``[L, KVH, d]`` (causal) -> ``[n, H, d]``."""
