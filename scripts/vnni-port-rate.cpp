@@ -26,14 +26,14 @@ double seconds(F&& f) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-__attribute__((noinline)) int dot_products() {
+__attribute__((noinline)) long long dot_products() {
   __m512i acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_epi32(i);
   const __m512i a = _mm512_set1_epi32(0x03030303), b = _mm512_set1_epi32(0x05050505);
   for (long r = 0; r < kRounds; ++r)
 #pragma GCC unroll 12
     for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-  int sum = 0;
+  long long sum = 0;
   for (int i = 0; i < kChains; ++i) sum += _mm512_reduce_add_epi32(acc[i]);
   return sum;
 }

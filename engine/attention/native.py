@@ -93,7 +93,8 @@ class NativeAttention(TorchAttention):
     def prefill_kernel(self, head_dim: int) -> str:
         if native_prefill_runs(head_dim):
             return "kvserve's AMX-BF16 kernel"
-        return "torch SDPA (kvserve's AMX-BF16 kernel needs AMX-BF16, AVX512-BF16 and a head size of 32k <= 256)"
+        return ("torch SDPA (kvserve's AMX-BF16 kernel needs AMX-BF16, AVX512-BF16 and a head size that is a "
+                "multiple of 32, at most 256)")
 
 
 @functools.cache
