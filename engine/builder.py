@@ -36,6 +36,7 @@ from engine.loader.gguf.blocks import BlockFormat
 from engine.loader.gguf.reader import read_gguf_index
 from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
+from engine.model.linear import resolve_prefill_matmul_dtype
 from engine.model.llama import LlamaForCausalLM, configure_linear_layers
 from engine.model.native_decode import configure_decode_path
 from engine.model.runner import ModelRunner
@@ -360,8 +361,14 @@ class _EngineBuild:
         prefill_attention = resolve_prefill_attention_dtype(
             config.model.prefill_attention_dtype, device, dtype, activation_quant, config.model.tensor_parallel_size)
         model.attn.prefill_dtype = PREFILL_DTYPES[prefill_attention]
+        prefill_matmul = resolve_prefill_matmul_dtype(
+            config.model.prefill_matmul_dtype, device, dtype, activation_quant, config.model.tensor_parallel_size)
+        model.set_prefill_matmul_dtype(prefill_matmul)
+        if model.block_linears():
+            logger.info("Prefill matmuls: %s", model.describe_prefill_matmuls())
         config = dataclasses.replace(config, model=dataclasses.replace(
-            config.model, activation_quant=activation_quant, prefill_attention_dtype=prefill_attention))
+            config.model, activation_quant=activation_quant, prefill_attention_dtype=prefill_attention,
+            prefill_matmul_dtype=prefill_matmul))
         self.config = config
         logger.info("Attention: %s on %s (%s%s%s)", model.attn.describe(), device, config.model.dtype,
                     "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks",

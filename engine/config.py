@@ -13,6 +13,7 @@ from scheduler.config import SchedulerConfig
 
 ACTIVATION_QUANTS = ("auto", "none", "int8")
 PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16")
+PREFILL_MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 # Every attention backend name the engine accepts; ``engine.attention.base`` registers exactly
 # these (``auto`` aside) and the CLI offers them.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
@@ -72,6 +73,14 @@ class ModelConfig:
     # are in force already (activation_quant resolved to int8) and the CPU has AMX-BF16, else
     # float32 (the exact option)
     prefill_attention_dtype: str = "auto"
+    # "auto" | "float32" | "bfloat16": the dtype a prefill chunk's activations enter the K-quant
+    # block matmuls in (Q4_K, Q5_K, Q6_K; engine.model.linear.resolve_prefill_matmul_dtype).
+    # bfloat16: calls of BlockLinear.BF16_MIN_ROWS rows or more round x and the decoded weights to
+    # bf16 and multiply on AMX tiles (engine/kernels/cpu/prefill_linear.cpp), sums in fp32; float32:
+    # they run the decode kernels (int8 activations under activation_quant int8). auto: as
+    # prefill_attention_dtype's auto (bfloat16 where activation_quant resolved to int8 and the CPU
+    # has AMX-BF16), else float32
+    prefill_matmul_dtype: str = "auto"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     # CUDA: the share of the GPU's memory kvserve may use (weights, activations measured by a
@@ -102,6 +111,9 @@ class ModelConfig:
         if self.prefill_attention_dtype not in PREFILL_ATTENTION_DTYPES:
             raise ValueError("prefill_attention_dtype must be auto, float32 or bfloat16, got "
                              f"{self.prefill_attention_dtype!r}")
+        if self.prefill_matmul_dtype not in PREFILL_MATMUL_DTYPES:
+            raise ValueError("prefill_matmul_dtype must be auto, float32 or bfloat16, got "
+                             f"{self.prefill_matmul_dtype!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):
             raise ValueError(f"weights_resident must be auto, dense or blocks, got {self.weights_resident!r}")
         check_backend_name(self.attention_backend)

@@ -10,6 +10,8 @@ tied LM head: Q8_0) and each row count, one call's time through
 * ``mkl``: ``F.linear`` on the fp32 weights (what transformers runs),
 * ``panels``: ``gguf_linear_panels``, what ``weights_resident: blocks`` runs for calls above
   ``MAX_ROWS`` (prefill): 4 MB fp32 tiles decoded from the blocks, one MKL GEMM per tile,
+* ``bf16``: ``gguf_linear_bf16`` (``prefill_matmul_dtype`` bfloat16: x and decoded weight panels
+  rounded to bf16 on AMX-BF16 tiles), where the CPU runs it,
 
 cycling over all 30 layers' copies so that, as in a real step, each call reads its weights
 from memory rather than from cache. The ratios say where ``BlockLinear.MAX_ROWS`` belongs:
@@ -113,6 +115,9 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
             tile = BlockLinear(first, None, None).tile_rows
             panels_s = time_call(lambda: [torch.ops.kvserve.gguf_linear_panels(x, c.data, c.out_features, int(c.format),
                                                                                tile) for c in copies], min_s) / len(copies)
+            bf16_s = (time_call(lambda: [torch.ops.kvserve.gguf_linear_bf16(x, c.data, c.out_features, int(c.format))
+                                         for c in copies], min_s) / len(copies)
+                      if torch.ops.kvserve.gguf_linear_bf16_supported() else None)
             results.append({
                 "matrix": kind, "format": first.format.name + (" int8" if q8 else ""),
                 "shape": [first.out_features, first.in_features],
@@ -120,16 +125,19 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
                 "mkl_us": round(mkl_s * 1e6, 1), "panels_us": round(panels_s * 1e6, 1), "block_gflops": round(2 * m * first.out_features
                                                                        * first.in_features / block_s / 1e9, 1),
                 "onednn_over_block": ratio(onednn_s, block_s), "mkl_over_block": ratio(mkl_s, block_s),
+                "bf16_us": None if bf16_s is None else round(bf16_s * 1e6, 1),
+                "block_over_bf16": None if bf16_s is None else ratio(block_s, bf16_s),
             })
     return {"scenario": "quant_linear", "machine": machine_info(), "results": results}
 
 
 def print_report(result: dict[str, Any]) -> None:
     rows = [[r["matrix"], r["format"], "x".join(map(str, r["shape"])), r["rows"], r["block_us"], r["onednn_us"],
-             r["mkl_us"], r["panels_us"], r["block_gflops"], r["onednn_over_block"], r["mkl_over_block"]] for r in result["results"]]
+             r["mkl_us"], r["panels_us"], r["block_gflops"], r["onednn_over_block"], r["mkl_over_block"],
+             r.get("bf16_us"), r.get("block_over_bf16")] for r in result["results"]]
     print_table("one call, microseconds (ratios > 1: the block kernel is faster)", rows,
                 ["matrix", "format", "N x K", "rows", "block", "onednn", "mkl", "panels", "block GFLOP/s", "onednn/block",
-                 "mkl/block"])
+                 "mkl/block", "bf16", "block/bf16"])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

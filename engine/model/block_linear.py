@@ -63,6 +63,15 @@ class BlockLinear:
     INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
                                           BlockFormat.Q5_K, BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
+    # prefill_matmul_dtype bfloat16 (engine.model.linear.resolve_prefill_matmul_dtype): calls of at
+    # least BF16_MIN_ROWS rows on a matrix whose parts are all K-quants run gguf_linear_bf16 (x and
+    # the decoded weights rounded to bf16, AMX-BF16 tiles, fp32 sums; no dense copy). The K-quants'
+    # int8 tile kernel applies a scale per 32 weights after each product, which bounds it at 512
+    # rows; the bf16 tiles measured 1.1-2.3x faster there on the 1B Q4_K_M's four matrices and
+    # 0.9-1.2x at 64 rows (2 threads, bench.probes.quant_linear --int8's bf16 column). The strip formats (Q4_1, Q5_0,
+    # Q8_0) measured about even with their int8 strip pairs at 512 rows and keep them.
+    BF16_MIN_ROWS = 128
+    BF16_FORMATS = frozenset({BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K})
 
     @classmethod
     def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:
@@ -85,6 +94,15 @@ class BlockLinear:
         # int8_activations (ModelConfig.activation_quant): calls of up to max_rows rows run the
         # int8-activation kernel for the parts that have one on this CPU, the fp32 kernel otherwise
         self.use_int8_activations(int8_activations)
+        self.use_bf16_prefill(False)
+
+    def use_bf16_prefill(self, on: bool) -> None:
+        """Calls of ``BF16_MIN_ROWS`` rows or more on the AMX-BF16 kernel, where ``on`` and every
+        part is in ``BF16_FORMATS`` (``prefill_matmul_dtype`` bfloat16)."""
+        self.bf16_prefill = on and all(p.format in self.BF16_FORMATS for p in self.blocks.parts)
+        half = self.blocks.out_features // 2
+        single = len(self.parts) == 1 and self.bias is None and half % 8 == 0
+        self.bf16_swiglu_args = (self.parts[0][0], half, self.parts[0][2]) if self.bf16_prefill and single else None
 
     def use_int8_activations(self, on: bool) -> None:
         """Bind the kernel of each part: int8 activations where ``on`` and the part's format has
@@ -111,13 +129,18 @@ class BlockLinear:
         """``SiLU(gate) * up`` for a gate/up matrix (the gate's rows first) where this call would
         run one int8 kernel over the whole matrix: ``gguf_swiglu_q8`` computes the same products
         without the ``[rows, 2 * intermediate]`` tensor (32 MiB per 512-row prefill chunk of a
-        1B model). None where it does not apply; the caller then splits ``self(x)``."""
+        1B model); on the bf16 tiles (``gguf_swiglu_bf16``) where ``__call__`` would take them. None
+        where neither applies; the caller then splits ``self(x)``."""
+        if self.bf16_swiglu_args is not None and x.shape[0] >= self.BF16_MIN_ROWS:
+            return torch.ops.kvserve.gguf_swiglu_bf16(x, *self.bf16_swiglu_args)
         if self.swiglu_args is None or x.shape[0] > self.max_rows:
             return None
         return torch.ops.kvserve.gguf_swiglu_q8(x, *self.swiglu_args)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if self.bf16_prefill and x.shape[0] >= self.BF16_MIN_ROWS:
+            ys = [torch.ops.kvserve.gguf_linear_bf16(x, d, n, f) for d, n, f in self.parts]
+        elif x.shape[0] > self.max_rows:
             if self.dense is not None:
                 return self.dense(x)
             ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]

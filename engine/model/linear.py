@@ -1,6 +1,7 @@
 """The model's dense matmul kernels, and the policies that bind them: which linear backend runs
-(``choose_linear``) and whether block matmuls take int8 activations (``resolve_activation_quant``,
-``check_activation_quant``, ``describe_activation_quant``).
+(``choose_linear``), whether block matmuls take int8 activations (``resolve_activation_quant``,
+``check_activation_quant``, ``describe_activation_quant``) and whether prefill chunks multiply the
+K-quants in bf16 (``resolve_prefill_matmul_dtype``, ``describe_prefill_matmuls``).
 
 Backends (``ModelConfig.linear_backend``): ``aten`` (``F.linear``, MKL), ``onednn``
 (``PackedLinear``), ``gguf`` (``engine.model.block_linear.BlockLinear`` on the GGUF blocks, the
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ACTIVATION_QUANTS
+from engine.kernels import load_kernels
 from engine.loader.gguf.blocks import BlockFormat
 from engine.model.block_linear import BlockLinear
 
@@ -120,6 +122,39 @@ def resolve_activation_quant(mode: str, use_blocks: bool, block_formats: Iterabl
     if not use_blocks:
         return "none"
     return "int8" if any(torch.ops.kvserve.gguf_q8_supported(int(f)) for f in set(block_formats)) else "none"
+
+
+def bf16_matmul_runs() -> bool:
+    """Whether the native kernels are loaded and this CPU runs their AMX-BF16 prefill matmul."""
+    return load_kernels() and torch.ops.kvserve.gguf_linear_bf16_supported()
+
+
+def resolve_prefill_matmul_dtype(mode: str, device: torch.device, dtype: torch.dtype, activation_quant: str,
+                                 tensor_parallel_size: int = 1) -> str:
+    """``float32`` or ``bfloat16`` for ``mode`` (``ModelConfig.prefill_matmul_dtype``).
+
+    Contract (as ``prefill_attention_dtype``'s, engine/attention/precision.py): ``auto`` is
+    ``bfloat16`` only where the approximate numerics are in force already (``activation_quant``
+    resolved to ``int8``), on a single rank, for a float32 model on a CPU whose kernels have
+    AMX-BF16 (``gguf_linear_bf16_supported``); else ``float32``, so the exact flags multiply exactly
+    as before. ``bfloat16`` asked for where it cannot run is a ValueError that says why."""
+    runs = device.type == "cpu" and dtype == torch.float32 and tensor_parallel_size == 1 and bf16_matmul_runs()
+    if mode == "auto":
+        return "bfloat16" if runs and activation_quant == "int8" else "float32"
+    if mode == "bfloat16" and not runs:
+        raise ValueError("prefill_matmul_dtype 'bfloat16' needs a float32 model on one CPU rank whose native "
+                         "kernels have AMX-BF16 and AVX512-BF16 (Sapphire Rapids or later)")
+    return mode
+
+
+def describe_prefill_matmuls(mode: str, block_linears: Sequence[BlockLinear]) -> str:
+    """The prefill matmul dtype as bound on ``block_linears``: which block matrices take bf16 tiles."""
+    if mode != "bfloat16":
+        return "float32 (prefill chunks run the decode kernels)"
+    on = [mm for mm in block_linears if mm.bf16_prefill]
+    formats = sorted({BlockFormat(f).name for mm in on for _, _, f in mm.parts})
+    return (f"bfloat16 on AMX tiles for {len(on)} of {len(block_linears)} block matrices "
+            f"({', '.join(formats) or 'none: no K-quant matrix'}) from {BlockLinear.BF16_MIN_ROWS} rows")
 
 
 def check_activation_quant(mode: str, linear_backend: str) -> None:

@@ -29,7 +29,7 @@ from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
 from engine.model.decoder_layer import DecoderLayer
 from engine.model.linear import (check_activation_quant, choose_linear, dense_linear, describe_activation_quant,
-                                 resolve_activation_quant)
+                                 describe_prefill_matmuls, resolve_activation_quant)
 from engine.model.native_decode import NativeDecoder, decide_decode_path, rebind_native_decoder
 from engine.model.parallel_linear import ModelShard
 from engine.model.ranks import ModelRanks
@@ -65,6 +65,8 @@ class LlamaForCausalLM(nn.Module):
         # "auto" | "none" | "int8" (ModelConfig.activation_quant): select_linear_backend resolves
         # auto to none or int8 (linear.resolve_activation_quant)
         self.activation_quant = "none"
+        # "float32" | "bfloat16" (ModelConfig.prefill_matmul_dtype, resolved): set_prefill_matmul_dtype
+        self.prefill_matmul_dtype = "float32"
         self.ranks = ModelRanks()  # rank 0 of a tensor-parallel group: TensorParallelRanks
 
     # ---- the processes (engine/model/ranks.py) --------------------------------------------
@@ -103,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
         if self.shard is not None:
             self.lm_head_mm = self.shard.lm_head(self.lm_head_mm)
         self.linear_backend = choice.backend
+        self.set_prefill_matmul_dtype(self.prefill_matmul_dtype)  # onto the matmuls just bound
         rebind_native_decoder(self)  # its arguments name the matmuls just bound
         return choice.backend
 
@@ -126,6 +129,17 @@ class LlamaForCausalLM(nn.Module):
         for mm in self.block_linears():
             mm.use_int8_activations(mode == "int8")
         rebind_native_decoder(self)  # max_rows follows the kernels' max_rows
+
+    def set_prefill_matmul_dtype(self, mode: str) -> None:
+        """``float32`` or ``bfloat16`` (resolved, ``engine.model.linear.resolve_prefill_matmul_dtype``):
+        whether the K-quant block matmuls take prefill chunks on the AMX-BF16 kernel."""
+        self.prefill_matmul_dtype = mode
+        for mm in self.block_linears():
+            mm.use_bf16_prefill(mode == "bfloat16")
+
+    def describe_prefill_matmuls(self) -> str:
+        """``prefill_matmul_dtype`` as bound: which block matrices take bf16 prefill chunks."""
+        return describe_prefill_matmuls(self.prefill_matmul_dtype, self.block_linears())
 
     def describe_activation_quant(self) -> str:
         """``activation_quant`` as bound: which block matrices multiply int8 activations."""

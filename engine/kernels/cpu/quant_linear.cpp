@@ -709,6 +709,83 @@ constexpr int64_t weights_per_block() {
   if constexpr (is_strip<Format>::value) return kBlock; else return Format::kWeights;
 }
 
+// Rows [n0, n1) of the matrix at weights [k0, k1) (whole blocks) as fp32: out[(n - n0) * ldo + k - k0],
+// the values gguf_linear multiplies by. For the strip formats n0 must be a multiple of 8. The
+// AVX2 path writes a strip's 8 columns 8 k at a time through an 8 x 8 transpose, where the
+// portable loop stores every weight alone (the strips hold 8 columns at each k).
+template <typename Format>
+void decode_range_portable(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* out,
+                           int64_t ldo) {
+  if constexpr (is_strip<Format>::value) {
+    const int64_t blocks = K / kBlock;
+    float wb[kBlock][kStrip];
+    for (int64_t s = n0 / kStrip; s * kStrip < n1; ++s)
+      for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) {
+        Format::expand(w + (s * blocks + b) * Format::kStripBytes, wb);
+        for (int64_t c = 0; c < std::min(kStrip, n1 - s * kStrip); ++c)
+          for (int k = 0; k < kBlock; ++k) out[(s * kStrip + c - n0) * ldo + b * kBlock + k - k0] = wb[k][c];
+      }
+  } else {
+    const int64_t nb = K / Format::kWeights;
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = k0 / Format::kWeights; b < k1 / Format::kWeights; ++b)
+        Format::decode(w + (n * nb + b) * Format::kBytes, out + (n - n0) * ldo + b * Format::kWeights - k0);
+  }
+}
+
+#ifdef KVSERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// v[0..7] (rows) transposed in place: v[c][k] <- v[k][c].
+inline void transpose8(__m256 v[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20), v[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+}
+
+template <typename Format>
+void decode_range_avx2(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* out,
+                       int64_t ldo) {
+  if constexpr (is_strip<Format>::value) {
+    const int64_t blocks = K / kBlock;
+    for (int64_t s = n0 / kStrip; s * kStrip < n1; ++s) {
+      const int64_t cols = std::min(kStrip, n1 - s * kStrip);
+      for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) {
+        float* o = out + (s * kStrip - n0) * ldo + b * kBlock - k0;
+        __m256 v[8];
+        Avx2<Format>::for_each_k(w + (s * blocks + b) * Format::kStripBytes, [&](int k, __m256 wk) {
+          v[k % 8] = wk;
+          if (k % 8 != 7) return;
+          transpose8(v);
+          for (int64_t c = 0; c < cols; ++c) _mm256_storeu_ps(o + c * ldo + k - 7, v[c]);
+        });
+      }
+    }
+  } else {
+    const int64_t nb = K / Format::kWeights, b0 = k0 / Format::kWeights;
+    for (int64_t n = n0; n < n1; ++n)
+      decode_row_avx2<Format>(w + (n * nb + b0) * Format::kBytes, (k1 - k0) / Format::kWeights, out + (n - n0) * ldo);
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
+template <typename Format>
+void decode_range(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* out,
+                  int64_t ldo) {
+#ifdef KVSERVE_X86
+  if (has_avx2()) return decode_range_avx2<Format>(w, K, n0, n1, k0, k1, out, ldo);
+#endif
+  decode_range_portable<Format>(w, K, n0, n1, k0, k1, out, ldo);
+}
+
 // Shape of the packed tensor for an [N, K] matrix: strips [ceil(N / 8), K / 32 * strip bytes]
 // or GGUF rows [N, K / weights per block * block bytes].
 std::pair<int64_t, int64_t> packed_shape(int64_t N, int64_t K, int64_t format) {
@@ -760,32 +837,11 @@ at::Tensor gguf_pack(const at::Tensor& gguf, int64_t K, int64_t format) {
   });
 }
 
-// Rows [n0, n1) of the matrix as fp32 into o ([n1 - n0, K], row stride K). For the strip
-// formats n0 must be a multiple of 8.
+// Rows [n0, n1) of the matrix as fp32 into o ([n1 - n0, K], row stride K). For the strip formats
+// n0 must be a multiple of 8.
 template <typename Format>
-void decode_rows(const uint8_t* src, int64_t N, int64_t K, int64_t n0, int64_t n1, float* o) {
-  if constexpr (is_strip<Format>::value) {
-    const int64_t blocks = K / kBlock;
-    float wb[kBlock][kStrip];
-    for (int64_t s = n0 / kStrip; s * kStrip < n1; ++s)
-      for (int64_t b = 0; b < blocks; ++b) {
-        Format::expand(src + (s * blocks + b) * Format::kStripBytes, wb);
-        for (int64_t c = 0; c < std::min(kStrip, n1 - s * kStrip); ++c)
-          for (int k = 0; k < kBlock; ++k) o[(s * kStrip + c - n0) * K + b * kBlock + k] = wb[k][c];
-      }
-  } else {
-    const int64_t nb = K / Format::kWeights;
-    for (int64_t n = n0; n < n1; ++n) {
-#ifdef KVSERVE_X86
-      if (has_avx2()) {
-        decode_row_avx2<Format>(src + n * nb * Format::kBytes, nb, o + (n - n0) * K);
-        continue;
-      }
-#endif
-      for (int64_t b = 0; b < nb; ++b)
-        Format::decode(src + (n * nb + b) * Format::kBytes, o + (n - n0) * K + b * Format::kWeights);
-    }
-  }
+void decode_rows(const uint8_t* src, int64_t K, int64_t n0, int64_t n1, float* o) {
+  decode_range<Format>(src, K, n0, n1, 0, K, o, K);
 }
 
 // Fill panel[0 : n1 - n0] with rows [n0, n1), in parallel over groups of 8 rows.
@@ -794,7 +850,7 @@ void decode_rows_parallel(const uint8_t* src, int64_t N, int64_t K, int64_t n0, 
   const int64_t groups = (n1 - n0 + kStrip - 1) / kStrip;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     const int64_t a = n0 + g0 * kStrip, b = std::min(n1, n0 + g1 * kStrip);
-    decode_rows<Format>(src, N, K, a, b, panel + (a - n0) * K);
+    decode_rows<Format>(src, K, a, b, panel + (a - n0) * K);
   });
 }
 
@@ -828,10 +884,10 @@ at::Tensor gguf_rows(const at::Tensor& packed, int64_t N, int64_t K, int64_t for
         if constexpr (is_strip<Format>::value) {  // decode the row's strip of 8, keep its one row
           const int64_t n0 = id[t] / kStrip * kStrip, n1 = std::min(N, n0 + kStrip);
           strip.resize((n1 - n0) * K);
-          decode_rows<Format>(src, N, K, n0, n1, strip.data());
+          decode_rows<Format>(src, K, n0, n1, strip.data());
           std::copy(strip.begin() + (id[t] - n0) * K, strip.begin() + (id[t] - n0 + 1) * K, o + t * K);
         } else {
-          decode_rows<Format>(src, N, K, id[t], id[t] + 1, o + t * K);
+          decode_rows<Format>(src, K, id[t], id[t] + 1, o + t * K);
         }
       }
     });
@@ -916,6 +972,18 @@ void kvserve::gguf_linear_range(const float* x, int64_t M, int64_t K, const uint
 #endif
       linear_rows_portable<Format>(x, M, K, w, n0, n1, out - n0, ldo);
     }
+  });
+}
+
+void kvserve::gguf_check_packed(const at::Tensor& packed, int64_t N, int64_t K, int64_t format) {
+  check_packed(packed, N, K, format);
+}
+
+void kvserve::gguf_decode_range(const uint8_t* w, int64_t K, int64_t format, int64_t n0, int64_t n1, int64_t k0,
+                                int64_t k1, float* out, int64_t ldo) {
+  with_format(format, [&](auto f) {
+    decode_range<decltype(f)>(w, K, n0, n1, k0, k1, out, ldo);
+    return 0;
   });
 }
 

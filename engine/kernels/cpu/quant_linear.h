@@ -1,5 +1,5 @@
 // The block matmuls' interface between their sources: the fp32-activation matmul of
-// quant_linear.cpp as a plain function (gguf_linear_range), for other kernels of the library
+// quant_linear.cpp as a plain function (gguf_linear_range) and its decoder (gguf_decode_range), for other kernels of the library
 // (decode_layer.cpp) that split the output features over their own threads; the int8-activation
 // matmul of quant_linear_q8.cpp (ModelConfig.activation_quant "int8": Q8Act, q8_supported,
 // gguf_linear_q8_range) and its AMX entry points in quant_linear_amx.cpp; the weight prefetch
@@ -12,6 +12,10 @@
 
 #include "cpu_features.h"  // KVSERVE_X86, <immintrin.h>
 
+namespace at {
+class Tensor;
+}
+
 namespace kvserve {
 
 // Output features [n0, n1) of y[M, N] = x[M, K] @ W^T, W one packed matrix of `format` (the
@@ -20,6 +24,15 @@ namespace kvserve {
 // a multiple of 8 or N.
 void gguf_linear_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t format,
                        int64_t n0, int64_t n1, float* out, int64_t ldo);
+
+// Rows [n0, n1) of a packed matrix of `format` at weights [k0, k1) (whole blocks along K) as fp32,
+// the values gguf_linear_range multiplies by: out[(n - n0) * ldo + k - k0], on the calling thread.
+// For the strip formats n0 must be a multiple of 8. (prefill_linear.cpp's bf16 panels.)
+// TORCH_CHECK that `packed` (gguf_pack's) holds an [N, K] matrix of `format`.
+void gguf_check_packed(const at::Tensor& packed, int64_t N, int64_t K, int64_t format);
+
+void gguf_decode_range(const uint8_t* w, int64_t K, int64_t format, int64_t n0, int64_t n1, int64_t k0, int64_t k1,
+                       float* out, int64_t ldo);
 
 // Rows of activations quantized to int8, as llama.cpp quantizes them for each weight format:
 // - per 32 along K (its Q8_0/Q8_1, for Q4_1 and Q8_0 weights; layout kBlocks): block b of row r

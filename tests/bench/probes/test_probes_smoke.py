@@ -93,6 +93,7 @@ def test_quant_linear_bench_smoke():
     for r in result["results"]:
         assert r["shape"] == [40, 64] and r["format"] == "Q4_1"
         assert r["block_us"] > 0 and r["onednn_us"] > 0 and r["mkl_us"] > 0 and r["onednn_over_block"] > 0
+        assert (r["bf16_us"] is not None) == torch.ops.kvserve.gguf_linear_bf16_supported()
     int8 = run_quant_linear({"tiny": [matrix]}, rows=[4], min_s=0.01, int8=True)["results"][0]
     assert int8["format"] == ("Q4_1 int8" if torch.ops.kvserve.gguf_q8_supported(int(BlockFormat.Q4_1)) else "Q4_1")
 

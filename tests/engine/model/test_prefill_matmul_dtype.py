@@ -1,0 +1,116 @@
+"""``prefill_matmul_dtype``: how ``auto`` resolves, what an explicit ``bfloat16`` is refused for,
+which calls ``BlockLinear`` sends to the bf16 kernel, and a Q4_K_M model's bf16 prefill against
+its float32 one (the kernel itself: tests/engine/kernels/test_prefill_linear_kernel.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.loader.gguf.blocks import BlockFormat
+from engine.model import linear
+from engine.model.block_linear import BlockLinear
+from engine.model.linear import resolve_prefill_matmul_dtype
+from tests.engine.loader.test_gguf_formats import blocks_and_reference
+from tests.helpers import require_native_kernel
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_is_bfloat16_only_with_int8_activations_on_an_amx_cpu(monkeypatch, amx):
+    monkeypatch.setattr(linear, "bf16_matmul_runs", lambda: amx)
+    f32 = torch.float32
+    assert resolve_prefill_matmul_dtype("auto", CPU, f32, "int8") == ("bfloat16" if amx else "float32")
+    # the exact flags multiply exactly; so do tensor parallel ranks, a GPU and a model of another dtype
+    assert resolve_prefill_matmul_dtype("auto", CPU, f32, "none") == "float32"
+    assert resolve_prefill_matmul_dtype("auto", CPU, f32, "int8", tensor_parallel_size=2) == "float32"
+    assert resolve_prefill_matmul_dtype("auto", CUDA, f32, "int8") == "float32"
+    assert resolve_prefill_matmul_dtype("auto", CPU, torch.bfloat16, "int8") == "float32"
+    assert resolve_prefill_matmul_dtype("float32", CPU, f32, "int8") == "float32"
+
+
+def test_explicit_bfloat16_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(linear, "bf16_matmul_runs", lambda: True)
+    assert resolve_prefill_matmul_dtype("bfloat16", CPU, torch.float32, "none") == "bfloat16"
+    for device, dtype, tp in ((CUDA, torch.float32, 1), (CPU, torch.float16, 1), (CPU, torch.float32, 2)):
+        with pytest.raises(ValueError, match="needs a float32 model on one CPU rank"):
+            resolve_prefill_matmul_dtype("bfloat16", device, dtype, "int8", tensor_parallel_size=tp)
+    monkeypatch.setattr(linear, "bf16_matmul_runs", lambda: False)
+    with pytest.raises(ValueError, match="AMX-BF16"):
+        resolve_prefill_matmul_dtype("bfloat16", CPU, torch.float32, "int8")
+    with pytest.raises(ValueError, match="prefill_matmul_dtype must be auto, float32 or bfloat16"):
+        ModelConfig(prefill_matmul_dtype="float16")
+
+
+def bf16_kernel() -> None:
+    require_native_kernel()
+    if not torch.ops.kvserve.gguf_linear_bf16_supported():
+        pytest.skip("the bf16 prefill kernel needs AMX-BF16 and AVX512-BF16 (Sapphire Rapids or later)")
+
+
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_1])
+def test_block_linear_takes_the_bf16_kernel_from_128_rows_for_k_quants(fmt):
+    """From BF16_MIN_ROWS rows a K-quant matrix returns gguf_linear_bf16's bits (bias added), below it
+    the int8 kernel's; a strip format (Q4_1) keeps its int8 kernels at every row count."""
+    bf16_kernel()
+    blocks, _ = blocks_and_reference(fmt, 48, 512, seed=1)
+    bias = torch.randn(48)
+    mm = BlockLinear(blocks.pack(), bias, None, int8_activations=True)
+    mm.use_bf16_prefill(True)
+    assert mm.bf16_prefill == (fmt in BlockLinear.BF16_FORMATS)
+    data, n, f = mm.parts[0]
+    for rows in (BlockLinear.BF16_MIN_ROWS - 1, BlockLinear.BF16_MIN_ROWS):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        on_bf16 = mm.bf16_prefill and rows >= BlockLinear.BF16_MIN_ROWS
+        op = torch.ops.kvserve.gguf_linear_bf16 if on_bf16 else torch.ops.kvserve.gguf_linear_q8
+        assert torch.equal(mm(x), op(x, data, n, f) + bias), (fmt, rows)
+    mm.use_bf16_prefill(False)
+    x = torch.randn(BlockLinear.BF16_MIN_ROWS, 512)
+    assert torch.equal(mm(x), torch.ops.kvserve.gguf_linear_q8(x, data, n, f) + bias)
+
+
+def test_a_q4_k_m_prefill_in_bf16_tracks_the_exact_flags(tmp_path, monkeypatch):
+    """A Q4_K_M file (Q4_K, Q6_K) prefilling 150 tokens in one chunk, at the defaults with
+    ``prefill_matmul_dtype`` float32 (int8 activations) and bfloat16, against the exact flags: with
+    ``bfloat16`` every block matrix of the layers takes the bf16 kernel (the startup description
+    says so), and the first logits stay as close to the exact ones as int8's: within 5% of the
+    largest logit, the int8 tests' bound (bf16 rounds x and the weights at 2^-9 relative; random
+    weights through 2 layers of 7 matmuls). They differ from float32's: another kernel ran."""
+    bf16_kernel()
+    from bench.make_gguf import GGUFShape, q4_k_m, write_gguf
+    from cache import CacheConfig
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from kvtypes.sampling_params import SamplingParams
+    from scheduler.config import SchedulerConfig
+    from tests.helpers import EXACT_CACHE_FLAGS, EXACT_MODEL_FLAGS
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    shape = GGUFShape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=512, context=256)
+    path = write_gguf(tmp_path / "tiny-q4_k_m.gguf", shape, q4_k_m, seed=4)
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(150)]
+    runs = {"exact": ({**EXACT_MODEL_FLAGS, "prefill_attention_dtype": "float32"}, EXACT_CACHE_FLAGS),
+            "float32": ({"prefill_matmul_dtype": "float32"}, {}), "bfloat16": ({"prefill_matmul_dtype": "bfloat16"}, {})}
+    first = {}
+    for name, (model_flags, cache_flags) in runs.items():
+        engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=str(path), num_threads=1, **model_flags),
+            cache=CacheConfig(block_size=16, num_blocks=32, **cache_flags),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256)))
+        model = engine.runner.model
+        layers = [mm for mm in model.block_linears() if mm is not model.lm_head_mm]
+        assert all(mm.bf16_prefill == (name == "bfloat16") for mm in layers)
+        if name == "bfloat16":
+            assert engine.config.model.prefill_matmul_dtype == "bfloat16"
+            assert model.describe_prefill_matmuls().startswith(f"bfloat16 on AMX tiles for {len(layers) + 1} of ")
+        seen = []
+        compute = model.compute_logits
+        model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]
+        engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        first[name] = seen[0]
+    ref, scale = first["exact"], first["exact"].abs().max().item()
+    diffs = {name: (first[name] - ref).abs().max().item() for name in ("float32", "bfloat16")}
+    print(f"max |diff| from exact: {diffs} of {scale:.2f}")
+    assert diffs["bfloat16"] <= 0.05 * scale
+    assert not torch.equal(first["bfloat16"], first["float32"])
