@@ -73,13 +73,13 @@ class ModelConfig:
     # are in force already (activation_quant resolved to int8) and the CPU has AMX-BF16, else
     # float32 (the exact option)
     prefill_attention_dtype: str = "auto"
-    # "auto" | "float32" | "bfloat16": the dtype a prefill chunk's activations enter the K-quant
-    # block matmuls in (Q4_K, Q5_K, Q6_K; engine.model.linear.resolve_prefill_matmul_dtype).
-    # bfloat16: calls of BlockLinear.BF16_MIN_ROWS rows or more round x and the decoded weights to
-    # bf16 and multiply on AMX tiles (engine/kernels/cpu/prefill_linear.cpp), sums in fp32; float32:
-    # they run the decode kernels (int8 activations under activation_quant int8). auto: as
-    # prefill_attention_dtype's auto (bfloat16 where activation_quant resolved to int8 and the CPU
-    # has AMX-BF16), else float32
+    # "auto" | "float32" | "bfloat16": the dtype a prefill chunk's activations enter the block
+    # matmuls in (engine.model.linear.resolve_prefill_matmul_dtype). bfloat16: calls of
+    # BlockLinear.BF16_MIN_ROWS[format] rows or more (the K-quants from 128, Q4_1 / Q5_0 / Q8_0 from
+    # 384) round x and the decoded weights to bf16 and multiply on AMX tiles
+    # (engine/kernels/cpu/prefill_linear.cpp), sums in fp32; float32: they run the decode kernels
+    # (int8 activations under activation_quant int8). auto: as prefill_attention_dtype's auto
+    # (bfloat16 where activation_quant resolved to int8 and the CPU has AMX-BF16), else float32
     prefill_matmul_dtype: str = "auto"
     blocks_auto_file_gib: float = 0.25
     device: str = "auto"  # "auto" | "cpu" | "cuda"

@@ -45,9 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the dtype a float32 model's prefill chunks attend in on the CPU; default auto: bfloat16 "
                         "(AMX tiles) where activation_quant is int8 and the CPU has AMX-BF16, else float32")
     g.add_argument("--prefill-matmul-dtype", dest="prefill_matmul_dtype", choices=["auto", "float32", "bfloat16"],
-                   help="the dtype prefill chunks enter the K-quant (Q4_K, Q5_K, Q6_K) block matmuls in; bfloat16: "
-                        "AMX-BF16 tiles from 128 rows; default auto: bfloat16 where activation_quant is int8 and "
-                        "the CPU has AMX-BF16, else float32 (the decode kernels)")
+                   help="the dtype prefill chunks enter the block matmuls in; bfloat16: AMX-BF16 tiles (the "
+                        "K-quants from 128 rows, Q4_1 / Q5_0 / Q8_0 from 384); default auto: bfloat16 where "
+                        "activation_quant is int8 and the CPU has AMX-BF16, else float32 (the decode kernels)")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB")

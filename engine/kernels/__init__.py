@@ -19,7 +19,8 @@ Seven kernels, one library:
   tiles, one call a chunk (``NativeAttention._prefill``), where the CPU has AMX-BF16 and AVX512-BF16.
 * ``prefill_linear.cpp``: a prefill chunk's block matmuls (and the fused SiLU(gate) * up) on
   AMX-BF16 tiles, x and each panel of decoded weights rounded to bf16, fp32 sums
-  (``BlockLinear`` with ``prefill_matmul_dtype`` bfloat16, the K-quants from 128 rows).
+  (``BlockLinear`` with ``prefill_matmul_dtype`` bfloat16: the K-quants from 128 rows, the strip
+  formats from 384).
 * ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
   maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampling/sampler.py).
 

@@ -64,14 +64,17 @@ class BlockLinear:
                                           BlockFormat.Q5_K, BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill
     # prefill_matmul_dtype bfloat16 (engine.model.linear.resolve_prefill_matmul_dtype): calls of at
-    # least BF16_MIN_ROWS rows on a matrix whose parts are all K-quants run gguf_linear_bf16 (x and
-    # the decoded weights rounded to bf16, AMX-BF16 tiles, fp32 sums; no dense copy). The K-quants'
-    # int8 tile kernel applies a scale per 32 weights after each product, which bounds it at 512
-    # rows; the bf16 tiles measured 1.1-2.3x faster there on the 1B Q4_K_M's four matrices and
-    # 0.9-1.2x at 64 rows (2 threads, bench.probes.quant_linear --int8's bf16 column). The strip formats (Q4_1, Q5_0,
-    # Q8_0) measured about even with their int8 strip pairs at 512 rows and keep them.
-    BF16_MIN_ROWS = 128
-    BF16_FORMATS = frozenset({BlockFormat.Q4_K, BlockFormat.Q5_K, BlockFormat.Q6_K})
+    # least BF16_MIN_ROWS[format] rows (the largest of the matrix's parts; a format not listed never)
+    # run gguf_linear_bf16: x and the decoded weights rounded to bf16, AMX-BF16 tiles, fp32 sums, no
+    # dense copy. The K-quants' int8 tile kernel applies a scale per 32 weights after each product,
+    # which bounds it at 512 rows: the bf16 tiles measured 1.1-2.3x faster there on the 1B Q4_K_M's
+    # four matrices and 0.9-1.2x at 64 rows. The strip formats' int8 AMX strip pairs are faster
+    # below a few hundred rows (Q4_1 at 128 rows 0.6-0.86x) and even to 1.3x slower at 512
+    # (SmolLM2's matrices 0.93-1.32x; its 1,000-token prefill in process 7-16% faster alternated);
+    # 2 threads, bench.probes.quant_linear --int8's bf16 column. F16 / BF16 / Q4_0 / Q5_1 keep the
+    # fp32 activations llama.cpp gives them.
+    BF16_MIN_ROWS = {BlockFormat.Q4_K: 128, BlockFormat.Q5_K: 128, BlockFormat.Q6_K: 128,
+                     BlockFormat.Q4_1: 384, BlockFormat.Q5_0: 384, BlockFormat.Q8_0: 384}
 
     @classmethod
     def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:
@@ -97,12 +100,19 @@ class BlockLinear:
         self.use_bf16_prefill(False)
 
     def use_bf16_prefill(self, on: bool) -> None:
-        """Calls of ``BF16_MIN_ROWS`` rows or more on the AMX-BF16 kernel, where ``on`` and every
-        part is in ``BF16_FORMATS`` (``prefill_matmul_dtype`` bfloat16)."""
-        self.bf16_prefill = on and all(p.format in self.BF16_FORMATS for p in self.blocks.parts)
+        """Calls of ``bf16_min_rows`` rows or more on the AMX-BF16 kernel, where ``on`` and every
+        part's format is in ``BF16_MIN_ROWS`` (``prefill_matmul_dtype`` bfloat16); else never."""
+        formats = [p.format for p in self.blocks.parts]
+        listed = on and all(f in self.BF16_MIN_ROWS for f in formats)
+        self.bf16_min_rows = max(self.BF16_MIN_ROWS[f] for f in formats) if listed else sys.maxsize
         half = self.blocks.out_features // 2
         single = len(self.parts) == 1 and self.bias is None and half % 8 == 0
-        self.bf16_swiglu_args = (self.parts[0][0], half, self.parts[0][2]) if self.bf16_prefill and single else None
+        self.bf16_swiglu_args = (self.parts[0][0], half, self.parts[0][2]) if listed and single else None
+
+    @property
+    def bf16_prefill(self) -> bool:
+        """Whether some calls take the AMX-BF16 kernel (``use_bf16_prefill``)."""
+        return self.bf16_min_rows != sys.maxsize
 
     def use_int8_activations(self, on: bool) -> None:
         """Bind the kernel of each part: int8 activations where ``on`` and the part's format has
@@ -131,14 +141,14 @@ class BlockLinear:
         without the ``[rows, 2 * intermediate]`` tensor (32 MiB per 512-row prefill chunk of a
         1B model); on the bf16 tiles (``gguf_swiglu_bf16``) where ``__call__`` would take them. None
         where neither applies; the caller then splits ``self(x)``."""
-        if self.bf16_swiglu_args is not None and x.shape[0] >= self.BF16_MIN_ROWS:
+        if self.bf16_swiglu_args is not None and x.shape[0] >= self.bf16_min_rows:
             return torch.ops.kvserve.gguf_swiglu_bf16(x, *self.bf16_swiglu_args)
         if self.swiglu_args is None or x.shape[0] > self.max_rows:
             return None
         return torch.ops.kvserve.gguf_swiglu_q8(x, *self.swiglu_args)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16_prefill and x.shape[0] >= self.BF16_MIN_ROWS:
+        if x.shape[0] >= self.bf16_min_rows:
             ys = [torch.ops.kvserve.gguf_linear_bf16(x, d, n, f) for d, n, f in self.parts]
         elif x.shape[0] > self.max_rows:
             if self.dense is not None:

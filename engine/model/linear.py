@@ -1,7 +1,7 @@
 """The model's dense matmul kernels, and the policies that bind them: which linear backend runs
 (``choose_linear``), whether block matmuls take int8 activations (``resolve_activation_quant``,
 ``check_activation_quant``, ``describe_activation_quant``) and whether prefill chunks multiply the
-K-quants in bf16 (``resolve_prefill_matmul_dtype``, ``describe_prefill_matmuls``).
+block matrices in bf16 (``resolve_prefill_matmul_dtype``, ``describe_prefill_matmuls``).
 
 Backends (``ModelConfig.linear_backend``): ``aten`` (``F.linear``, MKL), ``onednn``
 (``PackedLinear``), ``gguf`` (``engine.model.block_linear.BlockLinear`` on the GGUF blocks, the
@@ -148,13 +148,17 @@ def resolve_prefill_matmul_dtype(mode: str, device: torch.device, dtype: torch.d
 
 
 def describe_prefill_matmuls(mode: str, block_linears: Sequence[BlockLinear]) -> str:
-    """The prefill matmul dtype as bound on ``block_linears``: which block matrices take bf16 tiles."""
+    """The prefill matmul dtype as bound on ``block_linears``: which block matrices take bf16 tiles, from
+    how many rows."""
     if mode != "bfloat16":
         return "float32 (prefill chunks run the decode kernels)"
     on = [mm for mm in block_linears if mm.bf16_prefill]
-    formats = sorted({BlockFormat(f).name for mm in on for _, _, f in mm.parts})
+    by_rows: dict[int, set[str]] = {}
+    for mm in on:
+        by_rows.setdefault(mm.bf16_min_rows, set()).update(BlockFormat(f).name for _, _, f in mm.parts)
+    where = "; ".join(f"{', '.join(sorted(names))} from {rows} rows" for rows, names in sorted(by_rows.items()))
     return (f"bfloat16 on AMX tiles for {len(on)} of {len(block_linears)} block matrices "
-            f"({', '.join(formats) or 'none: no K-quant matrix'}) from {BlockLinear.BF16_MIN_ROWS} rows")
+            f"({where or 'none: no format it takes'})")
 
 
 def check_activation_quant(mode: str, linear_backend: str) -> None:

@@ -10,7 +10,7 @@
 // ~120-190 GMAC/s a thread on this project's Sapphire Rapids VM; bf16 tiles take the scales inside
 // the decoded weights, so a panel's products run back to back (oneDNN's bf16 GEMM, on dense bf16
 // weights, measured ~1,000 GMAC/s on 2 threads here). The decode is once per call and output
-// feature, so it pays from a few dozen rows (BlockLinear.BF16_MIN_ROWS).
+// feature, so it pays from a few hundred rows at most (BlockLinear.BF16_MIN_ROWS).
 //
 // Layouts: the tiles multiply C[16 features][16 rows] += A[16 features][32 k] B[16 k pairs][16
 // rows][2]. A is the panel itself: bf16 rows of the features, [features][kc] (row stride
@@ -125,12 +125,12 @@ struct Problem {
 // One thread's scratch, reused across its panels.
 struct Scratch {
   std::vector<float> rows;      // [features][kc] fp32 decoded
-  std::vector<uint16_t> panel;  // [features][kc] bf16
+  std::vector<uint16_t> panel;  // [features][panel_stride(kc)] bf16
   std::vector<float> acc;       // [groups][row tiles][16][16]
 };
 
-// Decode panel features (their matrix rows `feature[i]`, -1 for padding) at k [k0, k0 + kc) into
-// s.panel as bf16 rows.
+// Decode the panel's groups (group g: the 16 matrix rows from first[g], those past the gate's or
+// the matrix's end as zeros) at k [k0, k0 + kc) into s.panel as bf16 rows.
 void decode_panel(const Problem& p, const std::vector<int64_t>& first, int64_t k0, int64_t kc, Scratch& s) {
   const int64_t features = static_cast<int64_t>(first.size()) * kTile;
   const int64_t ld = panel_stride(kc);
@@ -138,7 +138,8 @@ void decode_panel(const Problem& p, const std::vector<int64_t>& first, int64_t k
   s.panel.resize(features * ld);
   for (size_t g = 0; g < first.size(); ++g) {
     float* dst = s.rows.data() + g * kTile * kc;
-    const int64_t n0 = first[g], valid = std::max<int64_t>(0, std::min(kTile, (p.half ? p.half + (n0 >= p.half ? p.half : 0) : p.N) - n0));
+    const int64_t n0 = first[g], limit = p.half && n0 < p.half ? p.half : p.N;
+    const int64_t valid = std::max<int64_t>(0, std::min(kTile, limit - n0));
     if (valid > 0) kvserve::gguf_decode_range(p.w, p.K, p.format, n0, n0 + valid, k0, k0 + kc, dst, kc);
     std::memset(dst + valid * kc, 0, (kTile - valid) * kc * sizeof(float));
   }
@@ -212,7 +213,7 @@ void run_panel(const Problem& p, int64_t n0, int64_t groups, Scratch& s) {
   for (int64_t k0 = 0; k0 < p.K; k0 += kKBlock) {
     const int64_t kc = std::min(kKBlock, p.K - k0);
     decode_panel(p, first, k0, kc, s);
-    // a row tile pair's B tiles (32 rows x kc) stay in L1 while the panel's groups pass
+    // a row tile pair's B tiles (32 rows x kc) serve every group of the panel before the next pair
     for (int64_t t = 0; t < tiles; t += 2)
       for (int64_t g = 0; g < groups; g += 2)
         multiply(s, p.xb, chunks_total, kc, k0 / kChunk, g, t, t + 1 < tiles, tiles, s.acc.data(), k0 == 0);

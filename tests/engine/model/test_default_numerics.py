@@ -189,7 +189,9 @@ def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(de
     and within half a point of the same defaults with fp32 prefill attention; the two differ
     (the chunks really attend in bf16). Measured on an Emerald Rapids VM (AMX: the native bf16
     prefill kernel), 1 thread: bf16 1,931 of 1,999 (NLL -0.0009), fp32 1,928 (+0.0035); torch's
-    bf16 flash kernel before it, 1,934 (+0.0004)."""
+    bf16 flash kernel before it, 1,934 (+0.0004). Since the chunks' matmuls also run in bf16 on
+    AMX-BF16 CPUs (``prefill_matmul_dtype`` auto, the strip formats from 384 rows), a Sapphire
+    Rapids VM: 1,984 (NLL -0.0001), against 1,931 (-0.0009) with them on the int8 kernels."""
     from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
     from engine.llm_engine import LLMEngine
 

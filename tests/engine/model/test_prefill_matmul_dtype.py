@@ -49,25 +49,34 @@ def bf16_kernel() -> None:
         pytest.skip("the bf16 prefill kernel needs AMX-BF16 and AVX512-BF16 (Sapphire Rapids or later)")
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_1])
-def test_block_linear_takes_the_bf16_kernel_from_128_rows_for_k_quants(fmt):
-    """From BF16_MIN_ROWS rows a K-quant matrix returns gguf_linear_bf16's bits (bias added), below it
-    the int8 kernel's; a strip format (Q4_1) keeps its int8 kernels at every row count."""
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.F16])
+def test_block_linear_takes_the_bf16_kernel_from_its_formats_row_count(fmt):
+    """From BF16_MIN_ROWS[format] rows (128 for the K-quants, 384 for the strip formats) a matrix
+    returns gguf_linear_bf16's bits (bias added), below it the decode kernel's; a format not listed
+    (F16) never; with the flag off, none."""
     bf16_kernel()
     blocks, _ = blocks_and_reference(fmt, 48, 512, seed=1)
     bias = torch.randn(48)
     mm = BlockLinear(blocks.pack(), bias, None, int8_activations=True)
-    mm.use_bf16_prefill(True)
-    assert mm.bf16_prefill == (fmt in BlockLinear.BF16_FORMATS)
     data, n, f = mm.parts[0]
-    for rows in (BlockLinear.BF16_MIN_ROWS - 1, BlockLinear.BF16_MIN_ROWS):
+
+    def decode_path(x: torch.Tensor) -> torch.Tensor:  # without a dense copy: the kernel, or F16's panels
+        if x.shape[0] <= mm.max_rows:
+            return mm.kernels[0](x, data, n, f)
+        return torch.ops.kvserve.gguf_linear_panels(x, data, n, f, mm.tile_rows)
+
+    mm.use_bf16_prefill(True)
+    assert mm.bf16_prefill == (fmt in BlockLinear.BF16_MIN_ROWS)
+    first = BlockLinear.BF16_MIN_ROWS.get(fmt, 400)
+    for rows in (first - 1, first):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        on_bf16 = mm.bf16_prefill and rows >= BlockLinear.BF16_MIN_ROWS
-        op = torch.ops.kvserve.gguf_linear_bf16 if on_bf16 else torch.ops.kvserve.gguf_linear_q8
-        assert torch.equal(mm(x), op(x, data, n, f) + bias), (fmt, rows)
+        on_bf16 = mm.bf16_prefill and rows >= first
+        want = torch.ops.kvserve.gguf_linear_bf16(x, data, n, f) if on_bf16 else decode_path(x)
+        assert torch.equal(mm(x), want + bias), (fmt, rows)
     mm.use_bf16_prefill(False)
-    x = torch.randn(BlockLinear.BF16_MIN_ROWS, 512)
-    assert torch.equal(mm(x), torch.ops.kvserve.gguf_linear_q8(x, data, n, f) + bias)
+    assert not mm.bf16_prefill
+    x = torch.randn(first, 512)
+    assert torch.equal(mm(x), decode_path(x) + bias)
 
 
 def test_a_q4_k_m_prefill_in_bf16_tracks_the_exact_flags(tmp_path, monkeypatch):
@@ -103,7 +112,8 @@ def test_a_q4_k_m_prefill_in_bf16_tracks_the_exact_flags(tmp_path, monkeypatch):
         assert all(mm.bf16_prefill == (name == "bfloat16") for mm in layers)
         if name == "bfloat16":
             assert engine.config.model.prefill_matmul_dtype == "bfloat16"
-            assert model.describe_prefill_matmuls().startswith(f"bfloat16 on AMX tiles for {len(layers) + 1} of ")
+            assert model.describe_prefill_matmuls() == (f"bfloat16 on AMX tiles for {len(layers) + 1} of "
+                                                        f"{len(layers) + 1} block matrices (Q4_K, Q6_K from 128 rows)")
         seen = []
         compute = model.compute_logits
         model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]
