@@ -28,7 +28,9 @@ class BlockLinear:
     once. Larger calls (prefill, big batches) run ``dense`` (the same op on a dense fp32 copy
     of W, through oneDNN or MKL) when there is one; without one (``weights_resident:
     blocks``) they run ``gguf_linear_panels``: the blocks decoded tile by tile into a
-    cache-sized fp32 panel, one MKL GEMM per tile, so no dense copy is ever resident.
+    cache-sized fp32 panel, one MKL GEMM per tile, so no dense copy is ever resident. With
+    ``use_bf16_prefill`` (``prefill_matmul_dtype`` bfloat16), calls of ``bf16_min_rows`` rows or
+    more run ``gguf_linear_bf16`` instead, on AMX-BF16 tiles, whatever the other bounds say.
 
     ``MAX_ROWS``, measured per format on this project's 2-core CPU against oneDNN on packed
     fp32 weights (``bench/probes/quant_linear.py``): the kernel reads 3.8-7x fewer bytes, which wins

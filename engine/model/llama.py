@@ -132,7 +132,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_prefill_matmul_dtype(self, mode: str) -> None:
         """``float32`` or ``bfloat16`` (resolved, ``engine.model.linear.resolve_prefill_matmul_dtype``):
-        whether the K-quant block matmuls take prefill chunks on the AMX-BF16 kernel."""
+        whether the block matmuls take prefill chunks on the AMX-BF16 kernel (from each format's
+        ``BlockLinear.BF16_MIN_ROWS``)."""
         self.prefill_matmul_dtype = mode
         for mm in self.block_linears():
             mm.use_bf16_prefill(mode == "bfloat16")
