@@ -5,9 +5,9 @@
 // - cpu_has_avx2, cpu_has_avx512f, detect_vnni: the CPU's answer (cpuid, through the compiler's
 //   builtins) and the KVSERVE_* switches that turn a path off.
 // - cpu_has_amx: declared here, defined in quant_linear_amx.cpp (the detection also asks Linux for
-//   permission to use tile data).
+//   permission to use tile data); cpu_has_amx_bf16, defined in prefill_attention.cpp.
 // Included by every source and header that chooses a path or holds x86 code: argmax.cpp,
-// decode_layer.cpp, prefill_attention.cpp, quant_linear.cpp, quant_linear_q8.cpp,
+// decode_layer.cpp, prefill_attention.cpp, prefill_linear.cpp, quant_linear.cpp, quant_linear_q8.cpp,
 // quant_linear_amx.cpp, amx_tiles.h, block_codes.h,
 // paged_attention.h, quant_linear.h and vec_math.h.
 #pragma once
@@ -58,5 +58,9 @@ inline bool detect_vnni() {
 // Whether this CPU (and OS) runs AMX-INT8 tiles and KVSERVE_NO_AMX is unset (quant_linear_amx.cpp;
 // prefill_attention.cpp asks it too, before its own AMX-BF16 test).
 bool cpu_has_amx();
+
+// cpu_has_amx and AMX-BF16 and AVX512-BF16 (prefill_attention.cpp, which defines it, and
+// prefill_linear.cpp): the bf16 tile kernels' test, asked at first use.
+bool cpu_has_amx_bf16();
 
 }  // namespace kvserve

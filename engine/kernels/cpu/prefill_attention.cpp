@@ -47,7 +47,7 @@ namespace {
 // AMX-BF16 and AVX512-BF16 besides what cpu_has_amx asks (AMX tiles, the OS's permission,
 // KVSERVE_NO_AMX unset). Asked at first use, not at load: cpu_has_amx's answer is another
 // source's static constant.
-bool detect() {
+bool detect_amx_bf16() {
   if (!kvserve::cpu_has_amx()) return false;
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1)) return false;  // AMX-BF16
@@ -55,14 +55,20 @@ bool detect() {
 }
 #endif
 
-bool supported() {
+}  // namespace
+
+bool kvserve::cpu_has_amx_bf16() {
 #ifdef KVSERVE_AMX
-  static const bool yes = detect();
+  static const bool yes = detect_amx_bf16();
   return yes;
 #else
   return false;
 #endif
 }
+
+namespace {
+
+bool supported() { return kvserve::cpu_has_amx_bf16(); }
 
 #ifdef KVSERVE_AMX
 #pragma GCC push_options

@@ -30,34 +30,13 @@
 #include <vector>
 
 #include "amx_tiles.h"      // KVSERVE_AMX, configure_full_tiles
-#include "cpu_features.h"   // cpu_has_amx
+#include "cpu_features.h"   // cpu_has_amx_bf16
 #include "quant_linear.h"   // gguf_decode_range
 #include "vec_math.h"       // silu_mul
 
-#ifdef KVSERVE_AMX
-#include <cpuid.h>
-#endif
-
 namespace {
 
-#ifdef KVSERVE_AMX
-// AMX-BF16 and AVX512-BF16 besides what cpu_has_amx asks (as prefill_attention.cpp).
-bool detect() {
-  if (!kvserve::cpu_has_amx()) return false;
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1)) return false;  // AMX-BF16
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1);                 // AVX512-BF16
-}
-#endif
-
-bool supported() {
-#ifdef KVSERVE_AMX
-  static const bool yes = detect();
-  return yes;
-#else
-  return false;
-#endif
-}
+bool supported() { return kvserve::cpu_has_amx_bf16(); }
 
 #ifdef KVSERVE_AMX
 #pragma GCC push_options
