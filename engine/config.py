@@ -12,8 +12,7 @@ from cache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 
 ACTIVATION_QUANTS = ("auto", "none", "int8")
-PREFILL_ATTENTION_DTYPES = ("auto", "float32", "bfloat16")
-PREFILL_MATMUL_DTYPES = ("auto", "float32", "bfloat16")
+PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # prefill_attention_dtype and prefill_matmul_dtype
 # Every attention backend name the engine accepts; ``engine.attention.base`` registers exactly
 # these (``auto`` aside) and the CLI offers them.
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "native", "triton", "flash_attn")
@@ -108,10 +107,10 @@ class ModelConfig:
             raise ValueError(f"decode_path must be auto, native or python, got {self.decode_path!r}")
         if self.activation_quant not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant must be auto, none or int8, got {self.activation_quant!r}")
-        if self.prefill_attention_dtype not in PREFILL_ATTENTION_DTYPES:
+        if self.prefill_attention_dtype not in PREFILL_DTYPES:
             raise ValueError("prefill_attention_dtype must be auto, float32 or bfloat16, got "
                              f"{self.prefill_attention_dtype!r}")
-        if self.prefill_matmul_dtype not in PREFILL_MATMUL_DTYPES:
+        if self.prefill_matmul_dtype not in PREFILL_DTYPES:
             raise ValueError("prefill_matmul_dtype must be auto, float32 or bfloat16, got "
                              f"{self.prefill_matmul_dtype!r}")
         if self.weights_resident not in ("auto", "dense", "blocks"):

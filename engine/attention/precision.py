@@ -9,34 +9,27 @@ kernel, 2 threads, 9 heads of 64 over 3 KV heads): 512 queries over 512 / 1,000 
 prefill 0.68-0.79x / 0.56-0.61x the time. Decode rows keep the fp32 paged kernel, whose cost is
 reading the pool, not multiplying.
 
-Contract: ``auto`` is ``bfloat16`` only where the approximate numerics are in force already
-(``activation_quant`` resolved to ``int8``: llama.cpp's, whose own attention multiplies fp16 Q by
-fp16 K) and the CPU has AMX-BF16; everywhere else ``float32``, so the exact flags
-(``--activation-quant none``) attend exactly as before. ``bfloat16`` asked for explicitly is
-refused where it has no meaning (a model not in float32, a GPU) or is not implemented (tensor
-parallel ranks).
+Contract: ``engine.prefill_dtype``'s, shared with the prefill matmuls: ``auto`` is ``bfloat16``
+only where the approximate numerics are in force already (``activation_quant`` resolved to ``int8``:
+llama.cpp's, whose own attention multiplies fp16 Q by fp16 K) and the CPU has AMX-BF16; everywhere
+else ``float32``, so the exact flags (``--activation-quant none``) attend exactly as before.
+``bfloat16`` asked for explicitly is refused where it has no meaning (a model not in float32, a
+GPU) or is not implemented (tensor parallel ranks).
 """
 from __future__ import annotations
 
 import torch
 
 from engine.platform.cpu_features import has_amx_bf16
+from engine.prefill_dtype import resolve_prefill_dtype
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 def resolve_prefill_attention_dtype(mode: str, device: torch.device, dtype: torch.dtype, activation_quant: str,
                                     tensor_parallel_size: int = 1) -> str:
-    """``float32`` or ``bfloat16`` for ``mode`` (``auto`` resolved as the contract says);
-    ValueError where an explicit ``bfloat16`` cannot apply."""
-    if mode == "auto":
-        approximate = activation_quant == "int8" and tensor_parallel_size == 1
-        fits = device.type == "cpu" and dtype == torch.float32
-        return "bfloat16" if approximate and fits and has_amx_bf16() else "float32"
-    if mode == "bfloat16":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError("prefill_attention_dtype 'bfloat16' applies to a float32 model on the CPU (a "
-                             f"{str(dtype).removeprefix('torch.')} model on {device.type} attends in its own dtype)")
-        if tensor_parallel_size > 1:
-            raise ValueError("prefill_attention_dtype 'bfloat16' is not implemented with tensor_parallel_size > 1")
-    return mode
+    """``float32`` or ``bfloat16`` for ``mode`` (``auto`` resolved by ``engine.prefill_dtype``'s
+    rule); ValueError where an explicit ``bfloat16`` cannot apply. Without AMX-BF16 an explicit
+    ``bfloat16`` still runs, on torch's flash kernel."""
+    return resolve_prefill_dtype("prefill_attention_dtype", mode, device, dtype, activation_quant,
+                                 tensor_parallel_size, tiles=has_amx_bf16, without_tiles=None)

@@ -21,6 +21,7 @@ from engine.config import ACTIVATION_QUANTS
 from engine.kernels import load_kernels
 from engine.loader.gguf.blocks import BlockFormat
 from engine.model.block_linear import BlockLinear
+from engine.prefill_dtype import resolve_prefill_dtype
 
 LINEAR_BACKENDS = ("auto", "gguf", "onednn", "aten")
 
@@ -131,20 +132,14 @@ def bf16_matmul_runs() -> bool:
 
 def resolve_prefill_matmul_dtype(mode: str, device: torch.device, dtype: torch.dtype, activation_quant: str,
                                  tensor_parallel_size: int = 1) -> str:
-    """``float32`` or ``bfloat16`` for ``mode`` (``ModelConfig.prefill_matmul_dtype``).
-
-    Contract (as ``prefill_attention_dtype``'s, engine/attention/precision.py): ``auto`` is
-    ``bfloat16`` only where the approximate numerics are in force already (``activation_quant``
-    resolved to ``int8``), on a single rank, for a float32 model on a CPU whose kernels have
-    AMX-BF16 (``gguf_linear_bf16_supported``); else ``float32``, so the exact flags multiply exactly
-    as before. ``bfloat16`` asked for where it cannot run is a ValueError that says why."""
-    runs = device.type == "cpu" and dtype == torch.float32 and tensor_parallel_size == 1 and bf16_matmul_runs()
-    if mode == "auto":
-        return "bfloat16" if runs and activation_quant == "int8" else "float32"
-    if mode == "bfloat16" and not runs:
-        raise ValueError("prefill_matmul_dtype 'bfloat16' needs a float32 model on one CPU rank whose native "
-                         "kernels have AMX-BF16 and AVX512-BF16 (Sapphire Rapids or later)")
-    return mode
+    """``float32`` or ``bfloat16`` for ``mode`` (``ModelConfig.prefill_matmul_dtype``), by
+    ``engine.prefill_dtype``'s rule, shared with the prefill attention: the kernel that must run is
+    ``gguf_linear_bf16`` (AMX-BF16), and an explicit ``bfloat16`` without it is a ValueError, as the
+    matmuls have no other bf16 kernel."""
+    return resolve_prefill_dtype("prefill_matmul_dtype", mode, device, dtype, activation_quant, tensor_parallel_size,
+                                 tiles=bf16_matmul_runs,
+                                 without_tiles="needs the native kernels on a CPU with AMX-BF16 and AVX512-BF16 "
+                                               "(Sapphire Rapids or later)")
 
 
 def describe_prefill_matmuls(mode: str, block_linears: Sequence[BlockLinear]) -> str:

@@ -1,19 +1,15 @@
-"""``prefill_attention_dtype``: how ``auto`` resolves, what an explicit ``bfloat16`` is refused
-for, and that a bf16 prefill chunk attends to q, k and v rounded to bf16 (against a float64
-reference of those rounded values), with and without a cached prefix, while decode rows do not."""
+"""``prefill_attention_dtype``: which kernel a bf16 prefill chunk takes, and that it attends to q,
+k and v rounded to bf16 (against a float64 reference of those rounded values), with and without a
+cached prefix, while decode rows do not (how ``auto`` resolves: tests/engine/test_prefill_dtype.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, TorchAttention
-from engine.attention import precision
 from engine.attention.native import NativeAttention, native_prefill_runs
-from engine.attention.precision import resolve_prefill_attention_dtype
-from engine.config import ModelConfig
 from engine.platform.cpu_features import flags_of
 
-CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, BS = 9, 3, 64, 16  # SmolLM2's attention shape
 
 
@@ -21,32 +17,6 @@ def test_cpuinfo_flags_are_read_from_the_flags_line():
     text = "processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n\nprocessor\t: 1\n"
     assert flags_of(text) == {"fpu", "avx512f", "amx_bf16", "amx_tile", "amx_int8"}
     assert flags_of("model name\t: Graviton\nFeatures\t: fp asimd\n") == frozenset()
-
-
-@pytest.mark.parametrize("amx", [True, False])
-def test_auto_is_bfloat16_only_with_int8_activations_on_an_amx_cpu(monkeypatch, amx):
-    monkeypatch.setattr(precision, "has_amx_bf16", lambda: amx)
-    f32 = torch.float32
-    assert resolve_prefill_attention_dtype("auto", CPU, f32, "int8") == ("bfloat16" if amx else "float32")
-    # the exact flags attend exactly; so do tensor parallel ranks, a GPU and a model of another dtype
-    assert resolve_prefill_attention_dtype("auto", CPU, f32, "none") == "float32"
-    assert resolve_prefill_attention_dtype("auto", CPU, f32, "int8", tensor_parallel_size=2) == "float32"
-    assert resolve_prefill_attention_dtype("auto", CUDA, f32, "int8") == "float32"
-    assert resolve_prefill_attention_dtype("auto", CPU, torch.bfloat16, "int8") == "float32"
-    # explicit choices stand, whatever the CPU
-    assert resolve_prefill_attention_dtype("float32", CPU, f32, "int8") == "float32"
-    assert resolve_prefill_attention_dtype("bfloat16", CPU, f32, "none") == "bfloat16"
-
-
-def test_explicit_bfloat16_is_refused_where_it_has_no_meaning():
-    with pytest.raises(ValueError, match="float32 model on the CPU"):
-        resolve_prefill_attention_dtype("bfloat16", CUDA, torch.float32, "none")
-    with pytest.raises(ValueError, match="float32 model on the CPU"):
-        resolve_prefill_attention_dtype("bfloat16", CPU, torch.float16, "none")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        resolve_prefill_attention_dtype("bfloat16", CPU, torch.float32, "none", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="prefill_attention_dtype must be"):
-        ModelConfig(prefill_attention_dtype="float16")
 
 
 def test_the_startup_log_names_what_multiplies_bf16_prefill_chunks():

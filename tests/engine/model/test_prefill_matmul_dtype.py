@@ -1,6 +1,7 @@
-"""``prefill_matmul_dtype``: how ``auto`` resolves, what an explicit ``bfloat16`` is refused for,
-which calls ``BlockLinear`` sends to the bf16 kernel, and a Q4_K_M model's bf16 prefill against
-its float32 one (the kernel itself: tests/engine/kernels/test_prefill_linear_kernel.py)."""
+"""``prefill_matmul_dtype``: which calls ``BlockLinear`` sends to the bf16 kernel, and a Q4_K_M
+model's bf16 prefill against its float32 one (the kernel itself:
+tests/engine/kernels/test_prefill_linear_kernel.py; how ``auto`` resolves:
+tests/engine/test_prefill_dtype.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,39 +9,10 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader.gguf.blocks import BlockFormat
-from engine.model import linear
 from engine.model.block_linear import BlockLinear
-from engine.model.linear import resolve_prefill_matmul_dtype
 from tests.engine.loader.test_gguf_formats import blocks_and_reference
 from tests.helpers import require_native_kernel
 
-CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-
-
-@pytest.mark.parametrize("amx", [True, False])
-def test_auto_is_bfloat16_only_with_int8_activations_on_an_amx_cpu(monkeypatch, amx):
-    monkeypatch.setattr(linear, "bf16_matmul_runs", lambda: amx)
-    f32 = torch.float32
-    assert resolve_prefill_matmul_dtype("auto", CPU, f32, "int8") == ("bfloat16" if amx else "float32")
-    # the exact flags multiply exactly; so do tensor parallel ranks, a GPU and a model of another dtype
-    assert resolve_prefill_matmul_dtype("auto", CPU, f32, "none") == "float32"
-    assert resolve_prefill_matmul_dtype("auto", CPU, f32, "int8", tensor_parallel_size=2) == "float32"
-    assert resolve_prefill_matmul_dtype("auto", CUDA, f32, "int8") == "float32"
-    assert resolve_prefill_matmul_dtype("auto", CPU, torch.bfloat16, "int8") == "float32"
-    assert resolve_prefill_matmul_dtype("float32", CPU, f32, "int8") == "float32"
-
-
-def test_explicit_bfloat16_is_refused_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(linear, "bf16_matmul_runs", lambda: True)
-    assert resolve_prefill_matmul_dtype("bfloat16", CPU, torch.float32, "none") == "bfloat16"
-    for device, dtype, tp in ((CUDA, torch.float32, 1), (CPU, torch.float16, 1), (CPU, torch.float32, 2)):
-        with pytest.raises(ValueError, match="needs a float32 model on one CPU rank"):
-            resolve_prefill_matmul_dtype("bfloat16", device, dtype, "int8", tensor_parallel_size=tp)
-    monkeypatch.setattr(linear, "bf16_matmul_runs", lambda: False)
-    with pytest.raises(ValueError, match="AMX-BF16"):
-        resolve_prefill_matmul_dtype("bfloat16", CPU, torch.float32, "int8")
-    with pytest.raises(ValueError, match="prefill_matmul_dtype must be auto, float32 or bfloat16"):
-        ModelConfig(prefill_matmul_dtype="float16")
 
 
 def bf16_kernel() -> None:
