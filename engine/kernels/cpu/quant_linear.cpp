@@ -837,20 +837,13 @@ at::Tensor gguf_pack(const at::Tensor& gguf, int64_t K, int64_t format) {
   });
 }
 
-// Rows [n0, n1) of the matrix as fp32 into o ([n1 - n0, K], row stride K). For the strip formats
-// n0 must be a multiple of 8.
+// Fill panel[0 : n1 - n0] (row stride K) with rows [n0, n1), in parallel over groups of 8 rows.
 template <typename Format>
-void decode_rows(const uint8_t* src, int64_t K, int64_t n0, int64_t n1, float* o) {
-  decode_range<Format>(src, K, n0, n1, 0, K, o, K);
-}
-
-// Fill panel[0 : n1 - n0] with rows [n0, n1), in parallel over groups of 8 rows.
-template <typename Format>
-void decode_rows_parallel(const uint8_t* src, int64_t N, int64_t K, int64_t n0, int64_t n1, float* panel) {
+void decode_rows_parallel(const uint8_t* src, int64_t K, int64_t n0, int64_t n1, float* panel) {
   const int64_t groups = (n1 - n0 + kStrip - 1) / kStrip;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     const int64_t a = n0 + g0 * kStrip, b = std::min(n1, n0 + g1 * kStrip);
-    decode_rows<Format>(src, K, a, b, panel + (a - n0) * K);
+    decode_range<Format>(src, K, a, b, 0, K, panel + (a - n0) * K, K);
   });
 }
 
@@ -859,7 +852,7 @@ at::Tensor gguf_unpack(const at::Tensor& packed, int64_t N, int64_t K, int64_t f
   check_packed(packed, N, K, format);
   at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
   with_format(format, [&](auto f) {
-    decode_rows_parallel<decltype(f)>(packed.data_ptr<uint8_t>(), N, K, 0, N, out.data_ptr<float>());
+    decode_rows_parallel<decltype(f)>(packed.data_ptr<uint8_t>(), K, 0, N, out.data_ptr<float>());
     return 0;
   });
   return out;
@@ -884,10 +877,10 @@ at::Tensor gguf_rows(const at::Tensor& packed, int64_t N, int64_t K, int64_t for
         if constexpr (is_strip<Format>::value) {  // decode the row's strip of 8, keep its one row
           const int64_t n0 = id[t] / kStrip * kStrip, n1 = std::min(N, n0 + kStrip);
           strip.resize((n1 - n0) * K);
-          decode_rows<Format>(src, K, n0, n1, strip.data());
+          decode_range<Format>(src, K, n0, n1, 0, K, strip.data(), K);
           std::copy(strip.begin() + (id[t] - n0) * K, strip.begin() + (id[t] - n0 + 1) * K, o + t * K);
         } else {
-          decode_rows<Format>(src, K, id[t], id[t] + 1, o + t * K);
+          decode_range<Format>(src, K, id[t], id[t] + 1, 0, K, o + t * K, K);
         }
       }
     });
@@ -944,7 +937,7 @@ at::Tensor gguf_linear_panels(const at::Tensor& x, const at::Tensor& packed, int
     using Format = decltype(f);
     for (int64_t n0 = 0; n0 < N; n0 += tile) {
       const int64_t n1 = std::min(N, n0 + tile);
-      decode_rows_parallel<Format>(packed.data_ptr<uint8_t>(), N, K, n0, n1, panel.data_ptr<float>());
+      decode_rows_parallel<Format>(packed.data_ptr<uint8_t>(), K, n0, n1, panel.data_ptr<float>());
       out.narrow(1, n0, n1 - n0).copy_(at::mm(xc, panel.narrow(0, 0, n1 - n0).t()));
     }
     return 0;
