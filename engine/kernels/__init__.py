@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-Seven kernels, one library:
+Eight kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
@@ -21,6 +21,9 @@ Seven kernels, one library:
   AMX-BF16 tiles, x and each panel of decoded weights rounded to bf16, fp32 sums
   (``BlockLinear`` with ``prefill_matmul_dtype`` bfloat16: the K-quants from 128 rows, the strip
   formats from 384).
+* ``prefill_rows.cpp``: a prefill chunk's row ops in one pass each (``rms_norm``, the residual
+  add fused with the norm after it, ``add_rms_norm_``, and RoPE in place, ``rope_``), where torch's
+  CPU composites take four to six (``DecoderLayer.native_rows``), with the decode layer's numerics.
 * ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
   maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampling/sampler.py).
 
@@ -33,7 +36,7 @@ part of the build's cache key):
   ``cpu_has_amx``) and the ``KVSERVE_X86`` build test; the vector paths are compiled for their
   own targets whatever the flags and chosen at run time by these.
 * ``vec_math.h``: small vector math more than one kernel computes (``exp_nonpositive``,
-  ``silu_mul``, ``hsum8``), so all compute the same numbers.
+  ``silu_mul``, ``rms_norm_row``, ``rope_row``, ``hsum8``), so all compute the same numbers.
 * ``block_codes.h``: the GGUF block formats' codes and sizes, and the unpacking of their codes.
 * ``paged_attention.h``: the per-sequence attention routine (``attend``).
 * ``kv_int4.h``: int4 (KIVI) pools: their block quantization and attention routine

@@ -23,6 +23,13 @@ from engine.model.parallel_linear import ModelShard
 from engine.model.rope import apply_rope_signed
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
+    """F.rms_norm over the last dimension; ``native``: on the kernels' ``rms_norm`` (CPU, fp32)."""
+    if native:
+        return torch.ops.kvserve.rms_norm(x.contiguous(), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, shard: ModelShard | None = None) -> None:
         super().__init__()
@@ -41,6 +48,10 @@ class DecoderLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(h, arch.intermediate_size))
         self.blocks: dict[str, BlockMatrix] = {}  # weight name -> the same matrix as GGUF blocks
         self.blocks_only: set[str] = set()  # weights whose dense copy was dropped (weights_resident: blocks)
+        # RMSNorm, the residual add before the second one and RoPE on the native kernels
+        # (engine/kernels/cpu/prefill_rows.cpp: one pass each, the native decode layer's numerics)
+        # instead of torch's composites; LlamaForCausalLM.select_linear_backend sets it
+        self.native_rows = False
         self.use_linear("aten", use_blocks=False)
 
     # (matmul attribute, weight parameter, bias parameter) of the layer's four matmuls
@@ -71,15 +82,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        """``sin`` is the sign-adjusted table of :func:`engine.model.rope.signed_sin`.
+        """``cos`` and ``sin`` are ``[T, head_dim]``, ``sin`` the sign-adjusted table of
+        :func:`engine.model.rope.signed_sin`.
 
         Each stage is a method that takes its input as a temporary, so a prefill chunk's
         intermediates (qkv, the normed rows, the MLP's ``[T, 2 * intermediate]``) are freed as
         soon as the stage ends rather than when this frame returns: the step's peak memory is
         one stage's, not the layer's sum."""
-        x = x + self.o_mm(self._attention(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps),
-                                          cos, sin, k_cache, v_cache, meta, attn))
-        return x + self._mlp(F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps))
+        h = self.o_mm(self._attention(self._rms_norm(x, self.input_norm), cos, sin, k_cache, v_cache, meta, attn))
+        x, y = self._add_rms_norm(h, x, self.post_attn_norm)
+        return x + self._mlp(y)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps, self.native_rows)
+
+    def _add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, its RMSNorm); natively in one pass, the sum written over ``h`` (a temporary)."""
+        if self.native_rows:
+            return h, torch.ops.kvserve.add_rms_norm_(h, x.contiguous(), weight, self.eps)
+        x = x + h
+        return x, F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def _attention(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
@@ -87,8 +109,13 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_mm(y)
         del y
         # RoPE on q and k together: they are adjacent columns of qkv, so one view covers both.
-        qk = apply_rope_signed(qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
-                                                                           self.head_dim), cos, sin)
+        rotated = self.num_heads + self.num_kv_heads
+        if self.native_rows:  # in place
+            torch.ops.kvserve.rope_(qkv, cos, sin, rotated)
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, rotated, self.head_dim)
+        else:
+            qk = apply_rope_signed(qkv[:, :self.q_size + self.kv_size].view(t, rotated, self.head_dim),
+                                   cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         return attn.forward(q, k, v, k_cache, v_cache, meta)

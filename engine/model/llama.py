@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.kernels import load_kernels
+from engine.kernels import has_op, load_kernels
 from engine.kv.int4 import Int4KV
 from engine.kv.transfer import BlockCopier
 from engine.loader import LoadedModel
@@ -27,7 +27,7 @@ from engine.loader.gguf.blocks import BlockMatrix, GGUFMatrix
 from engine.loader.gguf.tensors import read_gguf_blocks
 from engine.model.arch import ModelArch
 from engine.model.block_linear import BlockLinear
-from engine.model.decoder_layer import DecoderLayer
+from engine.model.decoder_layer import DecoderLayer, rms_norm
 from engine.model.linear import (check_activation_quant, choose_linear, dense_linear, describe_activation_quant,
                                  describe_prefill_matmuls, resolve_activation_quant)
 from engine.model.native_decode import NativeDecoder, decide_decode_path, rebind_native_decoder
@@ -61,6 +61,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_blocks_only = False
         self.embed_blocks: BlockMatrix | None = None  # blocks-only embedding: lookups decode rows
         self.linear_backend = "aten"
+        # RMSNorm, the residual add before a layer's second one, and RoPE on the native kernels
+        # (CPU, fp32; DecoderLayer.native_rows), bound by select_linear_backend
+        self.native_rows = False
         self.native: NativeDecoder | None = None  # the native decode path when it runs (select_decode_path)
         # "auto" | "none" | "int8" (ModelConfig.activation_quant): select_linear_backend resolves
         # auto to none or int8 (linear.resolve_activation_quant)
@@ -85,7 +88,8 @@ class LlamaForCausalLM(nn.Module):
     # ---- kernels (engine/model/linear.py, engine/model/native_decode.py) -------------------
     def select_linear_backend(self, backend: str = "auto", batch_hint: int = 16) -> str:
         """Bind the matmul kernels once the weights are loaded (``linear.choose_linear`` decides
-        which); return the backend in use. Call it again after reloading weights."""
+        which), and the row ops (``native_rows``); return the backend in use. Call it again after
+        reloading weights."""
         has_blocks = self.lm_head_blocks is not None or any(layer.blocks for layer in self.layers)
         auto_choice = choose_linear(backend, has_blocks, self.holds_blocks_only(), self.embed.device,
                                     self.embed.dtype)
@@ -105,6 +109,10 @@ class LlamaForCausalLM(nn.Module):
         if self.shard is not None:
             self.lm_head_mm = self.shard.lm_head(self.lm_head_mm)
         self.linear_backend = choice.backend
+        self.native_rows = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32 and has_op(
+            "add_rms_norm_")
+        for layer in self.layers:
+            layer.native_rows = self.native_rows
         self.set_prefill_matmul_dtype(self.prefill_matmul_dtype)  # onto the matmuls just bound
         rebind_native_decoder(self)  # its arguments name the matmuls just bound
         return choice.backend
@@ -290,15 +298,14 @@ class LlamaForCausalLM(nn.Module):
             decode_meta, meta = meta.split_decodes()
             head = self.native_decode(x[:decodes].contiguous(), positions[:decodes], decode_meta, kv_caches)
             x, positions = x[decodes:], positions[decodes:]
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin_signed[positions].unsqueeze(1)
+        cos, sin = self.rope_cos[positions], self.rope_sin_signed[positions]
         int4 = kv_caches[0][0].state if decodes and isinstance(kv_caches[0][0], Int4KV) else None
         with int4.rows_from(decodes) if int4 is not None else nullcontext():  # the decode rows wrote theirs
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 x = layer.forward(x, cos, sin, k_cache, v_cache, meta, self.attn)
         if decodes:
             x = torch.cat([head, x])
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_norm_eps)
+        return rms_norm(x, self.norm, self.arch.rms_norm_eps, self.native_rows)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@
 #include "kv_int4.h"
 #include "paged_attention.h"
 #include "quant_linear.h"
-#include "vec_math.h"      // silu_mul
+#include "vec_math.h"      // silu_mul, rms_norm_row, rope_row
 
 namespace {
 
@@ -145,23 +145,9 @@ void matmul(const Matrix& m, const float* x, int64_t M, float* y, Epilogue&& epi
   }
 }
 
-// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, as F.rms_norm in fp32.
+// Rows [0, M) of x, K each, normed into y (vec_math.h's rms_norm_row).
 void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = x + r * K;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + eps);
-    for (int64_t k = 0; k < K; ++k) y[r * K + k] = xr[k] * inv * w[k];
-  }
-}
-
-// v[D] <- v * cos + [v2, v1] * sin_signed (engine/model/llama.py apply_rope_signed).
-void rope(float* v, const float* cos, const float* sin, int64_t D, float* tmp) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * cos[i] + v[i < half ? i + half : i - half] * sin[i];
-  std::copy(tmp, tmp + D, v);
+  for (int64_t r = 0; r < M; ++r) kvserve::rms_norm_row(x + r * K, w, K, eps, y + r * K);
 }
 
 const float* optional_data(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
@@ -420,7 +406,7 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
     float* v = s.qkv + b * l.qkv.N + h * D;
     if (l.qkv_bias)
       for (int64_t i = 0; i < D; ++i) v[i] += l.qkv_bias[h * D + i];
-    if (h < H + KVH) rope(v, in.cos + b * D, in.sin + b * D, D, ts.head.data());
+    if (h < H + KVH) kvserve::rope_row(v, in.cos + b * D, in.sin + b * D, D, ts.head.data());
     return v;
   };
 

@@ -3,6 +3,8 @@
 // - exp_nonpositive: paged_attention.h's softmax and silu_mul;
 // - silu_mul (SiLU(gate) * up): the native decode layer (decode_layer.cpp) and the fused gate/up
 //   matmul (quant_linear_q8.cpp's gguf_swiglu_q8);
+// - rms_norm_row and rope_row: the native decode layer (decode_layer.cpp) and a prefill chunk's
+//   rows (prefill_rows.cpp), so decode rows and prefill rows are normed and rotated alike;
 // - hsum8 (x86): the horizontal sums of paged_attention.h, quant_linear.cpp and quant_linear_q8.cpp.
 #pragma once
 
@@ -42,6 +44,23 @@ inline void silu_mul(const float* gate, const float* up, int64_t n, float* act) 
     const float g = gate[j], e = exp_nonpositive(-std::fabs(g));
     act[j] = g * (g >= 0.f ? 1.f : e) / (1.f + e) * up[j];
   }
+}
+
+// y[0:K] = x / sqrt(mean(x^2) + eps) * w, as F.rms_norm in fp32 (its sum in another order). y may be x.
+inline void rms_norm_row(const float* x, const float* w, int64_t K, float eps, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < K; ++k) ss += x[k] * x[k];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + eps);
+  for (int64_t k = 0; k < K; ++k) y[k] = x[k] * inv * w[k];
+}
+
+// v[0:D] <- v * cos + [v2, v1] * sin_signed (engine/model/rope.py apply_rope_signed); tmp holds D.
+inline void rope_row(float* v, const float* cos, const float* sin, int64_t D, float* tmp) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * cos[i] + v[i + half] * sin[i];
+  for (int64_t i = half; i < D; ++i) tmp[i] = v[i] * cos[i] + v[i - half] * sin[i];
+  std::copy(tmp, tmp + D, v);
 }
 
 #ifdef KVSERVE_X86
