@@ -1,6 +1,7 @@
 // A prefill chunk's block matmuls on AMX-BF16 tiles (Sapphire Rapids and later Xeons): y[M, N] =
 // x[M, K] @ W^T with W packed GGUF blocks (any format gguf_linear takes), and the fused
-// SiLU(gate) * up of a gate/up matrix. x and the weights are rounded to bf16 (to nearest, ties to
+// SiLU(gate) * up of a gate/up matrix; gguf_linear_bf16_out writes y into a column slice of a wider
+// output. x and the weights are rounded to bf16 (to nearest, ties to
 // even, as torch's `.to(torch.bfloat16)`); the products and their sums are fp32 (TDPBF16PS); the
 // output is fp32. No dense copy of W is kept: each thread decodes a panel of output features at a
 // time (gguf_decode_range, exact fp32, then bf16) into a buffer that stays in its L2.
@@ -262,6 +263,23 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64
   return out;
 }
 
+// The same into out [M, N] with unit column stride, any row stride: a column slice of a wider
+// output, so that a matrix stored in parts (q / k in one format, v in another) fills one tensor.
+void gguf_linear_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t format, at::Tensor& out) {
+  check(x, packed, N, format);
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.device().is_cpu() && out.size(0) == M &&
+              out.size(1) == N && out.stride(1) == 1 && out.stride(0) >= N,
+              "out must be a [", M, ", ", N, "] float32 CPU tensor with unit column stride");
+#ifdef KVSERVE_AMX
+  if (M == 0) return;
+  Problem p{xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), M, K, N, format, 0, nullptr, out.data_ptr<float>(),
+            out.stride(0)};
+  run(p, N);
+#endif
+}
+
 // SiLU(x @ gate^T) * (x @ up^T) for a gate/up matrix of 2 half features (gate's first) -> [M, half].
 at::Tensor gguf_swiglu_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t half, int64_t format) {
   TORCH_CHECK(half > 0 && half % 8 == 0, "half must be a positive multiple of 8");
@@ -284,10 +302,12 @@ bool gguf_linear_bf16_supported() { return supported(); }
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gguf_linear_bf16(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("gguf_linear_bf16_out(Tensor x, Tensor packed, int out_features, int format, Tensor(a!) out) -> ()");
   m.def("gguf_swiglu_bf16(Tensor x, Tensor packed, int half, int format) -> Tensor");
   m.def("gguf_linear_bf16_supported() -> bool", &gguf_linear_bf16_supported);
 }
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("gguf_linear_bf16", &gguf_linear_bf16);
+  m.impl("gguf_linear_bf16_out", &gguf_linear_bf16_out);
   m.impl("gguf_swiglu_bf16", &gguf_swiglu_bf16);
 }

@@ -80,6 +80,22 @@ def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(fmt):
                            full[r:r + 1])
 
 
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q8_0])
+def test_out_writes_the_same_bits_into_a_column_slice_and_nothing_else(fmt):
+    """gguf_linear_bf16_out into columns [8, 48) of a wider tensor: gguf_linear_bf16's bits there,
+    the other columns as they were."""
+    blocks, _ = blocks_and_reference(fmt, 40, 512, seed=4)
+    packed = own_layout(blocks)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(4))
+    wide = torch.randn(33, 64)
+    before = wide.clone()
+    torch.ops.kvserve.gguf_linear_bf16_out(x, packed, 40, int(fmt), wide[:, 8:48])
+    assert torch.equal(wide[:, 8:48], torch.ops.kvserve.gguf_linear_bf16(x, packed, 40, int(fmt)))
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 48:], before[:, 48:])
+    with pytest.raises(RuntimeError, match=r"out must be a \[33, 40\] float32 CPU tensor with unit column stride"):
+        torch.ops.kvserve.gguf_linear_bf16_out(x, packed, 40, int(fmt), wide[:, 8:48].t().contiguous().t())
+
+
 def test_bad_shapes_are_clear_errors():
     blocks, _ = blocks_and_reference(BlockFormat.Q4_K, 32, 256)
     with pytest.raises(RuntimeError, match="do not hold 32 x 512"):

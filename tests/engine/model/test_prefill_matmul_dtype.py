@@ -51,6 +51,21 @@ def test_block_linear_takes_the_bf16_kernel_from_its_formats_row_count(fmt):
     assert torch.equal(mm(x), decode_path(x) + bias)
 
 
+def test_a_matrix_in_two_formats_fills_one_output_on_the_bf16_kernel():
+    """q / k in Q4_K and v in Q6_K, as Q4_K_M files store qkv: each part's gguf_linear_bf16 bits in
+    its own columns, bias added."""
+    bf16_kernel()
+    from engine.loader.gguf.blocks import BlockMatrix
+    qk, _ = blocks_and_reference(BlockFormat.Q4_K, 48, 512, seed=5)
+    v, _ = blocks_and_reference(BlockFormat.Q6_K, 16, 512, seed=6)
+    bias = torch.randn(64)
+    mm = BlockLinear(BlockMatrix([qk.pack(), v.pack()]), bias, None, int8_activations=True)
+    mm.use_bf16_prefill(True)
+    x = torch.randn(mm.bf16_min_rows, 512, generator=torch.Generator().manual_seed(5))
+    want = torch.cat([torch.ops.kvserve.gguf_linear_bf16(x, d, n, f) for d, n, f in mm.parts], dim=1) + bias
+    assert len(mm.parts) == 2 and torch.equal(mm(x), want)
+
+
 def test_a_q4_k_m_prefill_in_bf16_tracks_the_exact_flags(tmp_path, monkeypatch):
     """A Q4_K_M file (Q4_K, Q6_K) prefilling 150 tokens in one chunk, at the defaults with
     ``prefill_matmul_dtype`` float32 (int8 activations) and bfloat16, against the exact flags: with
