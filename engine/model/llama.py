@@ -109,13 +109,19 @@ class LlamaForCausalLM(nn.Module):
         if self.shard is not None:
             self.lm_head_mm = self.shard.lm_head(self.lm_head_mm)
         self.linear_backend = choice.backend
-        self.native_rows = self.norm.device.type == "cpu" and self.norm.dtype == torch.float32 and has_op(
-            "add_rms_norm_")
-        for layer in self.layers:
-            layer.native_rows = self.native_rows
+        self.use_native_rows(self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
+                             and has_op("add_rms_norm_"))
         self.set_prefill_matmul_dtype(self.prefill_matmul_dtype)  # onto the matmuls just bound
         rebind_native_decoder(self)  # its arguments name the matmuls just bound
         return choice.backend
+
+    def use_native_rows(self, on: bool) -> None:
+        """The row ops (RMSNorm, the residual add before a layer's second one, RoPE) on the native
+        kernels where ``on`` (a float32 model on the CPU: ``select_linear_backend`` decides), else on
+        torch's composites; cheap, so the benches alternate prompts between the two."""
+        self.native_rows = on
+        for layer in self.layers:
+            layer.native_rows = on
 
     def block_formats(self) -> set[int]:
         """The GGUF block formats (``BlockFormat`` codes) of the attached block matrices."""

@@ -173,3 +173,20 @@ def test_prefill_attention_probe_smoke():
     rounding = 0.0005 / r["kvserve_ms"] + 0.0005 / r["torch_ms"]
     assert r["speedup"] == pytest.approx(r["torch_ms"] / r["kvserve_ms"], rel=rounding + 0.002, abs=0.005)
     assert r["max_abs_diff"] < 2e-2
+
+
+def test_prefill_rows_probe_smoke():
+    """The row-ops probe times both bindings of each op on the same inputs, which agree within fp32
+    rounding; its prefill A/B leaves the engine's binding as it found it."""
+    from tests.helpers import require_native_kernel
+
+    require_native_kernel()
+    from bench.probes.prefill_rows import run_prefill_ab, run_row_ops
+
+    r = run_row_ops(rows=9, hidden=128, heads=3, rounds=5)
+    for op in ("rms_norm", "add_rms_norm", "rope"):
+        assert r[op]["native_us"] > 0 and r[op]["torch_us"] > 0 and r[op]["max_abs_diff"] < 1e-4, (op, r[op])
+    engine = tiny_engine(tiny_hf_model(), num_blocks=64)
+    ab = run_prefill_ab(engine, tokens=20, rounds=2)
+    assert len(ab["native"]["runs_ms"]) == len(ab["torch"]["runs_ms"]) == 2
+    assert engine.runner.model.native_rows and not engine.has_unfinished()

@@ -19,9 +19,7 @@ def test_both_bindings_prefill_to_transformers_logits(native):
     engine = tiny_engine(hf, max_num_batched_tokens=16)  # 40-token prompts: three chunks
     model = engine.runner.model
     assert model.native_rows and all(layer.native_rows for layer in model.layers)  # CPU, fp32, kernels built
-    model.native_rows = native
-    for layer in model.layers:
-        layer.native_rows = native
+    model.use_native_rows(native)
     seen: list[torch.Tensor] = []
     compute = model.compute_logits
     model.compute_logits = lambda h: seen.append(compute(h).clone()) or seen[-1]
