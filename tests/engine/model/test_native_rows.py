@@ -30,5 +30,6 @@ def test_both_bindings_prefill_to_transformers_logits(native):
     assert cached == [0, 24]
     with torch.no_grad():
         want = [hf(torch.tensor([p])).logits[0, -1] for p in (prompt, second)]
+    assert len(seen) == 2  # logits once per prompt, at its last chunk
     for got, ref in zip(seen, want):
         torch.testing.assert_close(got[-1], ref, rtol=1e-4, atol=1e-4)
