@@ -24,7 +24,7 @@ from cache import CacheConfig, KVCacheManager, KVCapacity
 from cache.eviction import EvictionConfig, build_policy
 from cache.tiers import DiskTier, HostTier, KVTier, TierChain
 from engine.attention import resolve_backend, select_attention
-from engine.attention.precision import DTYPES as PREFILL_DTYPES, resolve_prefill_attention_dtype
+from engine.attention.precision import DTYPES as PREFILL_TORCH_DTYPES, resolve_prefill_attention_dtype
 from engine.config import EngineConfig, ModelConfig
 from engine.core.protocol import EngineInfo
 from engine.kernels import load_kernels
@@ -360,7 +360,7 @@ class _EngineBuild:
         activation_quant = getattr(model, "activation_quant", "none")
         prefill_attention = resolve_prefill_attention_dtype(
             config.model.prefill_attention_dtype, device, dtype, activation_quant, config.model.tensor_parallel_size)
-        model.attn.prefill_dtype = PREFILL_DTYPES[prefill_attention]
+        model.attn.prefill_dtype = PREFILL_TORCH_DTYPES[prefill_attention]
         prefill_matmul = resolve_prefill_matmul_dtype(
             config.model.prefill_matmul_dtype, device, dtype, activation_quant, config.model.tensor_parallel_size)
         model.set_prefill_matmul_dtype(prefill_matmul)

@@ -12,6 +12,7 @@ from cache.eviction import EVICTION_POLICIES
 from cache.config import KV_CACHE_DTYPES
 from configs import build_section, check_sections, read_profile
 from engine.attention.base import ATTENTION_BACKENDS
+from engine.config import ACTIVATION_QUANTS, PREFILL_DTYPES
 from engine.log_format import LOG_FORMATS, TEXT_FORMAT
 
 
@@ -36,15 +37,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-path", dest="decode_path", choices=["auto", "native", "python"],
                    help="all-decode steps as one C++ call over every layer (native) or torch ops (python); "
                         "auto: native on the CPU in float32 with the native attention backend")
-    g.add_argument("--activation-quant", dest="activation_quant", choices=["auto", "none", "int8"],
+    g.add_argument("--activation-quant", dest="activation_quant", choices=ACTIVATION_QUANTS,
                    help="int8: quantize the activations of the matmuls on GGUF blocks (llama.cpp's Q8 "
                         "activations; faster, approximate: see docs/configuration.md). Default auto: int8 on "
                         "GGUF block weights where the CPU has the int8 kernels, else none; none is exact fp32")
     g.add_argument("--prefill-attention-dtype", dest="prefill_attention_dtype",
-                   choices=["auto", "float32", "bfloat16"],
+                   choices=PREFILL_DTYPES,
                    help="the dtype a float32 model's prefill chunks attend in on the CPU; default auto: bfloat16 "
                         "(AMX tiles) where activation_quant is int8 and the CPU has AMX-BF16, else float32")
-    g.add_argument("--prefill-matmul-dtype", dest="prefill_matmul_dtype", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--prefill-matmul-dtype", dest="prefill_matmul_dtype", choices=PREFILL_DTYPES,
                    help="the dtype prefill chunks enter the block matmuls in; bfloat16: AMX-BF16 tiles (the "
                         "K-quants from 128 rows, Q4_1 / Q5_0 / Q8_0 from 384); default auto: bfloat16 where "
                         "activation_quant is int8 and the CPU has AMX-BF16, else float32 (the decode kernels)")

@@ -16,25 +16,16 @@ import argparse
 import random
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bench.ipc_echo import median_round_trip_us as median_us
 from bench.machine import set_threads
 
 HEAD_DIM = 64
 EPS = 1e-5
-
-
-def _median_us(fn: Callable[[], Any], calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
 
 
 def run_row_ops(rows: int, hidden: int, heads: int, rounds: int = 30) -> dict[str, Any]:
@@ -72,8 +63,8 @@ def run_row_ops(rows: int, hidden: int, heads: int, rounds: int = 30) -> dict[st
         diff = (fresh() - reference()).abs().max().item()
         native_us, torch_us = [], []
         for _ in range(max(1, rounds // 5)):
-            native_us.append(_median_us(native, 5))
-            torch_us.append(_median_us(reference, 5))
+            native_us.append(median_us(native, 5))
+            torch_us.append(median_us(reference, 5))
         result[name] = {"native_us": round(min(native_us), 1), "torch_us": round(min(torch_us), 1),
                         "max_abs_diff": diff}
     return result

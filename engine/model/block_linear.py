@@ -164,12 +164,13 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.bf16_min_rows:
-            ys = [self._bf16_parts(x)]
-        elif x.shape[0] > self.max_rows:
-            if self.dense is not None:
-                return self.dense(x)
-            ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
+            y = self._bf16_parts(x)
         else:
-            ys = [op(x, d, n, f) for op, (d, n, f) in zip(self.kernels, self.parts)]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+            if x.shape[0] > self.max_rows:
+                if self.dense is not None:
+                    return self.dense(x)
+                ys = [torch.ops.kvserve.gguf_linear_panels(x, d, n, f, self.tile_rows) for d, n, f in self.parts]
+            else:
+                ys = [op(x, d, n, f) for op, (d, n, f) in zip(self.kernels, self.parts)]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if self.bias is None else y.add_(self.bias)

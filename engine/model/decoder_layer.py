@@ -89,19 +89,14 @@ class DecoderLayer(nn.Module):
         intermediates (qkv, the normed rows, the MLP's ``[T, 2 * intermediate]``) are freed as
         soon as the stage ends rather than when this frame returns: the step's peak memory is
         one stage's, not the layer's sum."""
-        h = self.o_mm(self._attention(self._rms_norm(x, self.input_norm), cos, sin, k_cache, v_cache, meta, attn))
-        x, y = self._add_rms_norm(h, x, self.post_attn_norm)
-        return x + self._mlp(y)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps, self.native_rows)
-
-    def _add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + h, its RMSNorm); natively in one pass, the sum written over ``h`` (a temporary)."""
-        if self.native_rows:
-            return h, torch.ops.kvserve.add_rms_norm_(h, x.contiguous(), weight, self.eps)
+        h = self.o_mm(self._attention(rms_norm(x, self.input_norm, self.eps, self.native_rows), cos, sin, k_cache,
+                                      v_cache, meta, attn))
+        if self.native_rows:  # x + h written over h and its norm in one pass; the norm goes to the MLP as a temporary
+            mlp = self._mlp(torch.ops.kvserve.add_rms_norm_(h, x.contiguous(), self.post_attn_norm, self.eps))
+            return h + mlp
         x = x + h
-        return x, F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        del h
+        return x + self._mlp(rms_norm(x, self.post_attn_norm, self.eps, native=False))
 
     def _attention(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
