@@ -437,7 +437,8 @@ def _blocks_only(cfg: ModelConfig, dtype: torch.dtype) -> bool:
     if gguf.stat().st_size > cfg.blocks_auto_file_gib * 2**30:
         return True
     # a small file keeps a dense copy for a faster prefill, unless int8 activations run every
-    # call of its matrices on the blocks anyway (AVX512-VNNI CPUs): the copy would never be read
+    # call of its matrices on the blocks anyway (an int8 prefill kernel for each format): the copy
+    # would never be read
     return cfg.activation_quant != "none" and BlockLinear.dense_copy_unread(_matrix_formats(gguf))
 
 

@@ -51,7 +51,8 @@ class ModelConfig:
     # the file, memory about the file size; prefill decodes cache-sized tiles). auto: blocks
     # for GGUF files above ``blocks_auto_file_gib`` (their fp32 copy would take >= 4x, above
     # 1 GiB), and for smaller ones whose every call runs on the blocks anyway (int8 activations
-    # on AVX512-VNNI, BlockLinear.dense_copy_unread); else dense, for the faster prefill.
+    # with an int8 kernel for each format, BlockLinear.dense_copy_unread); else dense, for the
+    # faster prefill.
     weights_resident: str = "auto"
     # "auto" | "native" | "python": how decode rows run (LlamaForCausalLM.select_decode_path).
     # native: every layer in one C++ call (engine/kernels/cpu/decode_layer.cpp DecodeStack); auto: native where it can

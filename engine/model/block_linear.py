@@ -45,22 +45,23 @@ class BlockLinear:
                 BlockFormat.F16: 16, BlockFormat.BF16: 16}
     # int8 activations: integer dot products keep the block kernel ahead of dense fp32 GEMM up to
     # 16 rows for every format that has one (bench.probes.activation_quant speed, 16 streams). Beyond
-    # that (prefill) the int8 kernel stays on, as llama.cpp's does, where it measured faster at
-    # every row count (17-1,024): on AVX512-VNNI CPUs for Q4_1 and Q8_0 (strip pairs in 512-bit
-    # registers: 1.6-2.3x oneDNN fp32 on Zen 5, SmolLM2's seven layer matmuls) and for Q4_K and
-    # Q6_K (their 512-bit lane kernels, on AMX CPUs tiles: on a Zen 4, 2 threads, 2.4-2.8x oneDNN
-    # fp32 at 64 and 512 rows on the 1B Q4_K_M's matrices, bench.probes.quant_linear --int8; before
-    # the lane kernels 1.29-1.42x at 64 and 256 rows, 1.38 / 1.10x at 64 / 512 rows on
-    # SmolLM2 Q4_K_M's 576 x 1536 Q6_K down; a 1,000-token prefill of that file in process 1.10 -> 1.00 s), and when there is
-    # no dense copy for the formats whose int8 kernel beats the fp32 panels (8192 x 2048 Q4_K at 64
-    # / 256 rows 6.9 / 28 ms vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51). Q4_0 / Q5_0 / Q5_1's
-    # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
+    # that (prefill) the int8 kernel stays on, as llama.cpp's does, for INT8_PREFILL_FORMATS on every
+    # CPU with an int8 kernel, so a row's numerics never depend on how many rows share its call:
+    # - AVX512-VNNI (strip pairs in 512-bit registers, the K-quants' 512-bit lanes, on AMX CPUs tiles):
+    #   1.6-2.3x oneDNN fp32 on Zen 5 for SmolLM2's seven layer matmuls; 2.4-2.8x at 64 and 512 rows
+    #   for the 1B Q4_K_M's on a Zen 4, 2 threads, bench.probes.quant_linear --int8.
+    # - AVX2 only (a Zen 3, 2 threads, the same probe): Q4_1 1.3-2.5x oneDNN fp32 at 17-512 rows,
+    #   Q5_0 1.5-3.4x, Q8_0 (the LM head) 1.0-1.5x, Q4_K 1.1-1.6x (the 1B's), Q6_K 0.92-1.03x at 64
+    #   and 512 rows: a few percent of one matrix traded for no dense copy and batch-invariant rows.
     # Without a dense copy the alternative is the panels, which every format's kernel beats up to
     # 24 rows (bench.probes.quant_linear on SmolLM2 Q4_K_M: Q5_0 / Q6_K / Q8_0 at 16 rows 1.2-1.7x;
-    # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16)
+    # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16), and which
+    # INT8_OVER_PANELS_FORMATS beat at every row count (8192 x 2048 Q4_K at 64 / 256 rows 6.9 / 28 ms
+    # vs 14.5 / 51 ms, Q6_K 8.5 / 35 vs 15.6 / 51; Q5_K besides INT8_PREFILL_FORMATS). Q4_0 / Q5_1's
+    # row kernel only matches the panels at 128 rows (4096 x 2048, one thread: 21-28 vs 22 ms).
     BLOCKS_ONLY_MAX_ROWS = 16
     INT8_MAX_ROWS = 16
-    INT8_VNNI_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
+    INT8_PREFILL_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
                                    BlockFormat.Q6_K})
     INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
                                           BlockFormat.Q5_K, BlockFormat.Q6_K})
@@ -81,11 +82,11 @@ class BlockLinear:
     @classmethod
     def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:
         """Whether, with int8 activations on this CPU, matrices of ``formats`` run every call on
-        their blocks with or without a dense copy (AVX512-VNNI and every format in
-        ``INT8_VNNI_FORMATS``; None, a format without a kernel, is not): a dense fp32 copy would
-        then never be read."""
-        return (torch.ops.kvserve.gguf_q8_isa() == "vnni"
-                and all(f in cls.INT8_VNNI_FORMATS for f in formats))
+        their blocks with or without a dense copy (an int8 kernel, AVX2 or better, and every format
+        in ``INT8_PREFILL_FORMATS``; None, a format without a kernel, is not): a dense fp32 copy
+        would then never be read."""
+        return (torch.ops.kvserve.gguf_q8_isa() != "none"
+                and all(f in cls.INT8_PREFILL_FORMATS for f in formats))
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
                  dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
@@ -122,14 +123,12 @@ class BlockLinear:
         self.int8_activations = on
         int8 = [on and torch.ops.kvserve.gguf_q8_supported(f) for _, _, f in self.parts]
         self.kernels = [torch.ops.kvserve.gguf_linear_q8 if q else torch.ops.kvserve.gguf_linear for q in int8]
-        vnni = on and torch.ops.kvserve.gguf_q8_isa() == "vnni"
 
         def rows(q: bool, fmt: BlockFormat) -> int:
             if not q:
                 return self.MAX_ROWS[fmt] if self.dense is not None else max(self.MAX_ROWS[fmt],
                                                                              self.BLOCKS_ONLY_MAX_ROWS)
-            unbounded = ((self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS)
-                         or (vnni and fmt in self.INT8_VNNI_FORMATS))
+            unbounded = fmt in self.INT8_PREFILL_FORMATS or (self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS)
             return sys.maxsize if unbounded else self.INT8_MAX_ROWS
         self.max_rows = min(rows(q, p.format) for q, p in zip(int8, self.blocks.parts))
         # swiglu's fused kernel: one part, no bias, an int8 kernel, gate and up halves of whole strips
