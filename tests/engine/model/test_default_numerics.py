@@ -172,7 +172,18 @@ def test_default_fp16_pool_attention_equals_a_float64_reference(rows):
         torch.testing.assert_close(got[r].double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
+@pytest.fixture(scope="module")
+def exact_reference(default_engine):
+    """The fixed text's first 2,000 tokens and the exact engine's logits after each (fp32: its
+    500-token chunks change only summation order), shared by the two agreement tests."""
+    from bench.probes.kv_int8 import FIXED_TEXT, teacher_forced
+
+    tokens = default_engine.tokenizer(FIXED_TEXT.read_text() * 4)["input_ids"][:2000]
+    assert len(tokens) == 2000
+    return tokens, teacher_forced(default_engine, tokens, 500)
+
+
+def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine, exact_reference):
     """The default model over the fixed text (bench/probes/fixed_text.txt, 2,000 tokens) one token
     per step, as llama-server's agreement is measured (one request per position) and as decode
     runs (every matmul on the int8 kernel's one-row path, attention over the fp16 pool), the
@@ -180,7 +191,7 @@ def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
     transformers): top-1 agreement at or above ``AGREEMENT_FLOOR`` (llama-server's own,
     ``LLAMA_SERVER_AGREEMENT``, less the spread between CPUs) and the NLL within
     ``NLL_DELTA_CEILING`` nats; and not equal (the defaults really round)."""
-    from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
+    from bench.probes.kv_int8 import compare, teacher_forced
     from engine.llm_engine import LLMEngine
 
     defaults = LLMEngine(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
@@ -190,9 +201,7 @@ def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
                                                       else "none")
     assert defaults.info.kv_cache_dtype == "float16" and default_engine.info.kv_cache_dtype == "auto"
     assert default_engine.runner.model.activation_quant == "none"
-    tokens = default_engine.tokenizer(FIXED_TEXT.read_text() * 4)["input_ids"][:2000]
-    assert len(tokens) == 2000
-    exact = teacher_forced(default_engine, tokens, 500)  # fp32: chunking changes only summation order
+    tokens, exact = exact_reference
     got = teacher_forced(defaults, tokens, 1)
     result = compare(exact, got, tokens)
     print(f"defaults vs exact over {len(tokens)} tokens: {result} (llama-server: {LLAMA_SERVER_AGREEMENT:.4f})")
@@ -201,7 +210,7 @@ def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine):
     assert (exact - got).abs().max() > 0
 
 
-def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(default_engine):
+def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(default_engine, exact_reference):
     """The same text in 512-token prefill chunks (the default step budget), at the defaults as this
     CPU resolves them: the chunks' matmuls on the int8 kernels (every CPU with AVX2, as llama.cpp's
     prefill) or, on AMX-BF16 CPUs, the strip formats' on bf16 tiles from 384 rows, and their
@@ -212,7 +221,7 @@ def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(de
     1,931 of 1,999 (NLL -0.0009), fp32 1,928 (+0.0035); a Sapphire Rapids VM with the bf16 matmuls,
     1,984 (NLL -0.0001); an AMD EPYC Zen 3 (AVX2, int8 matmuls, fp32 attention), 1,936 (-0.0003).
     (Forcing bf16 attention there runs torch's flash kernel, which no CPU defaults to: 1,920.)"""
-    from bench.probes.kv_int8 import FIXED_TEXT, compare, teacher_forced
+    from bench.probes.kv_int8 import compare, teacher_forced
     from engine.llm_engine import LLMEngine
 
     defaults = LLMEngine(EngineConfig(model=ModelConfig(num_threads=1, max_model_len=2048),
@@ -220,8 +229,7 @@ def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(de
     bf16_attention = defaults.config.model.prefill_attention_dtype == "bfloat16"
     assert (defaults.runner.model.attn.prefill_dtype == torch.bfloat16) == bf16_attention
     assert default_engine.runner.model.attn.prefill_dtype is None  # the exact flags: fp32 (auto)
-    tokens = default_engine.tokenizer(FIXED_TEXT.read_text() * 4)["input_ids"][:2000]
-    exact = teacher_forced(default_engine, tokens, 500)
+    tokens, exact = exact_reference
     got = teacher_forced(defaults, tokens, 512)
     result = compare(exact, got, tokens)
     print(f"defaults in 512-token chunks vs exact ({defaults.config.model.prefill_attention_dtype} prefill "
