@@ -61,8 +61,9 @@ WORKDIR /
 # so the runtime finds this build instead of compiling for its own CPU); the GGUF block matmul
 # still takes its AVX2 path on CPUs that have it (chosen at run time).
 # Both forms of the default model, since which one a start loads depends on the CPU it runs on
-# (weights_resident auto: blocks only where the int8 kernels run every call, AVX512-VNNI): the
-# dense fp32 copy, and the config and tokenizer the blocks-only load reads beside the GGUF.
+# (weights_resident auto: blocks only where the int8 kernels run every call, any x86 CPU with
+# AVX2; the copy for --activation-quant none and CPUs without them): the dense fp32 copy, and the
+# config and tokenizer the blocks-only load reads beside the GGUF.
 RUN python3 -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
     && python3 -c "from engine.loader import default_gguf_path; from engine.loader.gguf.tensors import gguf_config_dir; print(gguf_config_dir(default_gguf_path()))" \
     && python3 -c "from engine.kernels import load_kernels as load; print('native kernels:', load())" \
