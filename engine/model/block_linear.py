@@ -62,7 +62,7 @@ class BlockLinear:
     BLOCKS_ONLY_MAX_ROWS = 16
     INT8_MAX_ROWS = 16
     INT8_PREFILL_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
-                                   BlockFormat.Q6_K})
+                                      BlockFormat.Q6_K})
     INT8_OVER_PANELS_FORMATS = frozenset({BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0, BlockFormat.Q4_K,
                                           BlockFormat.Q5_K, BlockFormat.Q6_K})
     PANEL_BYTES = 4 << 20  # fp32 bytes of one decoded tile in block-only prefill

@@ -433,6 +433,12 @@ def test_block_linear_fuses_the_gate_up_only_where_one_int8_kernel_runs():
     with_dense = BlockLinear(matrix.pack(), None, lambda t: F.linear(t, dense), int8_activations=True)
     assert with_dense.swiglu(x[:16]) is not None
     assert with_dense.swiglu(x) is not None  # 20 rows: Q4_K's int8 kernel beats dense GEMM
+    q5_k = random_blocks(BlockFormat.Q5_K, 2 * intermediate, 256, np.random.default_rng(6))
+    q5_k_dense = torch.from_numpy(gguf.quants.dequantize(q5_k, BlockFormat.Q5_K.ggml_type).reshape(-1, 256)).float()
+    q5_k_linear = BlockLinear(GGUFMatrix(torch.from_numpy(q5_k.copy()), BlockFormat.Q5_K, 256).pack(), None,
+                              lambda t: F.linear(t, q5_k_dense), int8_activations=True)
+    assert q5_k_linear.swiglu(x[:16]) is not None
+    assert q5_k_linear.swiglu(x) is None  # 20 rows: Q5_K's prefill runs on the dense copy
     assert BlockLinear(matrix.pack(), None, None, int8_activations=False).swiglu(x) is None  # fp32 panels
     halves = [GGUFMatrix(torch.from_numpy(raw[i * intermediate:(i + 1) * intermediate].copy()), fmt, 256).pack()
               for i in range(2)]
