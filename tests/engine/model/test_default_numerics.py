@@ -6,10 +6,13 @@
 - the default path against a float64 reference of the same numerics, per block format and row
   count 1-33: each block matmul as the defaults bind it (int8 activations where the kernel takes
   them, the dense fp32 copy beyond its rows) and fp16-pool decode attention;
+- a row's result at the defaults does not depend on how many rows share its call (the formats whose
+  prefill stays on the int8 kernel, ``BlockLinear.INT8_PREFILL_FORMATS``);
 - teacher-forced top-1 agreement of the defaults with the exact flags on the default model over
-  a fixed ~2,000-token text, one token per step, at or above llama-server's own over the same
-  text within the spread of CPUs (``AGREEMENT_FLOOR``, 1.25 points under llama-server's own,
-  measured by bench.probes.llama_server_agreement; printed beside it).
+  a fixed ~2,000-token text, one token per step and in 512-token prefill chunks, at or above
+  llama-server's own over the same text within the spread of CPUs (``AGREEMENT_FLOOR``, 1.25
+  points under llama-server's own, measured by bench.probes.llama_server_agreement; printed beside
+  it).
 """
 from __future__ import annotations
 
