@@ -82,11 +82,10 @@ class BlockLinear:
     @classmethod
     def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:
         """Whether, with int8 activations on this CPU, matrices of ``formats`` run every call on
-        their blocks with or without a dense copy (an int8 kernel, AVX2 or better, and every format
-        in ``INT8_PREFILL_FORMATS``; None, a format without a kernel, is not): a dense fp32 copy
-        would then never be read."""
-        return (torch.ops.kvserve.gguf_q8_isa() != "none"
-                and all(f in cls.INT8_PREFILL_FORMATS for f in formats))
+        their blocks with or without a dense copy (every format in ``INT8_PREFILL_FORMATS`` with an
+        int8 kernel here, the rule ``use_int8_activations`` binds; None, a format without a kernel,
+        is not): a dense fp32 copy would then never be read."""
+        return all(f in cls.INT8_PREFILL_FORMATS and torch.ops.kvserve.gguf_q8_supported(int(f)) for f in formats)
 
     def __init__(self, blocks: PackedMatrix | BlockMatrix, bias: torch.Tensor | None,
                  dense: Callable[[torch.Tensor], torch.Tensor] | None, int8_activations: bool = False) -> None:
@@ -128,7 +127,8 @@ class BlockLinear:
             if not q:
                 return self.MAX_ROWS[fmt] if self.dense is not None else max(self.MAX_ROWS[fmt],
                                                                              self.BLOCKS_ONLY_MAX_ROWS)
-            unbounded = fmt in self.INT8_PREFILL_FORMATS or (self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS)
+            unbounded = (fmt in self.INT8_PREFILL_FORMATS
+                         or (self.dense is None and fmt in self.INT8_OVER_PANELS_FORMATS))
             return sys.maxsize if unbounded else self.INT8_MAX_ROWS
         self.max_rows = min(rows(q, p.format) for q, p in zip(int8, self.blocks.parts))
         # swiglu's fused kernel: one part, no bias, an int8 kernel, gate and up halves of whole strips
