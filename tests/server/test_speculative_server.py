@@ -7,6 +7,7 @@ token are a near tie (a k+1-row matmul sums in another order than a 1-row one).
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -107,6 +108,10 @@ def test_greedy_chat_with_speculation_equals_plain(spec_server, http, live_serve
         if spec_text == plain_text:
             assert (spec_n, spec_finish) == (plain_n, plain_finish)
         assert streamed(spec_http, payload) == spec_text  # the multi-token steps stream the same text
+    # A response's stream closes after its last bytes reach the client, so the count is polled.
+    deadline = time.monotonic() + 10
+    while spec_engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert spec_engine.num_in_flight == 0
 
 
