@@ -372,8 +372,8 @@ class _EngineBuild:
         self.config = config
         logger.info("Attention: %s on %s (%s%s%s)", model.attn.describe(), device, config.model.dtype,
                     "" if cache_cfg.kv_cache_dtype == "auto" else f", {cache_cfg.kv_cache_dtype} KV blocks",
-                    f", prefill chunks attend in bfloat16 on {model.attn.prefill_kernel(arch.head_dim)}"
-                    if prefill_attention == "bfloat16" else "")
+                    f", prefill chunks attend in {prefill_attention} on {model.attn.prefill_kernel(arch.head_dim)}"
+                    if device.type == "cpu" else "")
         _select_decode_path(model, config.model.decode_path, cache_cfg.kv_cache_dtype)
 
         per_token = pool_bytes_per_token(config, arch, model, dtype, device)

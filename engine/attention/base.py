@@ -65,8 +65,8 @@ class AttentionBackend(ABC):
         return self.name
 
     def prefill_kernel(self, head_dim: int) -> str:
-        """What multiplies prefill chunks that attend in ``prefill_dtype`` (the CPU's bf16
-        chunks) at this head size, for the startup log."""
+        """What multiplies the CPU's prefill chunks (in ``prefill_dtype``, else the model's dtype) at
+        this head size, for the startup log."""
         return "torch SDPA"
 
 

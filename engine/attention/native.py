@@ -1,8 +1,9 @@
-"""``native``: the compiled CPU paged decode kernel (engine/kernels) for decode; for prefill, the AMX-BF16
-kernel where bf16 chunks can take it, else SDPA."""
+"""``native``: the compiled CPU paged decode kernel (engine/kernels) for decode; for prefill, kvserve's own
+kernels where the CPU has them (AMX-BF16 tiles for bf16 chunks, AVX2 vectors for fp32 ones), else SDPA."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -22,8 +23,8 @@ class NativeAttention(TorchAttention):
     (``Int8KV``, engine/kv/int8.py) go to ``paged_decode_attention_int8``, which folds the
     per-token-per-head (step, minimum) into the dot products instead of dequantizing rows; int4
     pools (``Int4KV``, engine/kv/int4.py) to ``paged_decode_attention_int4`` (quantized blocks read
-    as codes, open blocks from the residual). Prefill chunks attending in bf16 go to
-    ``prefill_attention`` (AMX-BF16 tiles) where the CPU has them (``_prefill``)."""
+    as codes, open blocks from the residual). Prefill chunks go to kvserve's own kernel for the dtype
+    they attend in where the CPU runs it (``_prefill``, ``PREFILL_KERNELS``)."""
 
     name = "native"
     reads_lengths_in_place = True
@@ -58,11 +59,14 @@ class NativeAttention(TorchAttention):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        """bf16 prefill chunks (``prefill_dtype``) on the AMX-BF16 tiles where the CPU has them:
-        one ``prefill_attention`` call a chunk, over the chunk's own keys or its whole context as
-        the pool holds it (gathered, rounded to bf16 in the kernel), fp32 out; else SDPA's."""
-        if self.prefill_dtype != torch.bfloat16 or not native_prefill_runs(q.shape[-1]):
+        """Prefill chunks on kvserve's kernel for the dtype they attend in (``PREFILL_KERNELS``: bf16
+        chunks on the AMX-BF16 tiles, fp32 ones in AVX2 vectors) where the CPU runs it: one call a
+        chunk, over the chunk's own keys or its whole context as the pool holds it (gathered, and
+        widened or rounded in the kernel), fp32 out; else SDPA's."""
+        dtype = self.prefill_dtype or q.dtype
+        if not native_prefill_runs(q.shape[-1], dtype):
             return super()._prefill(q, k, v, k_cache, v_cache, meta, out)
+        op = getattr(torch.ops.kvserve, PREFILL_KERNELS[dtype].op)
         scale = q.shape[-1] ** -0.5
         for chunk in meta.prefills:
             n = chunk.end - chunk.start
@@ -72,8 +76,7 @@ class NativeAttention(TorchAttention):
                 keys = gather_kv(k_cache, chunk.block_ids, 1, chunk.context_len)[0].transpose(0, 1)
                 values = gather_kv(v_cache, chunk.block_ids, 1, chunk.context_len)[0].transpose(0, 1)
                 prefix = chunk.context_len - n
-            out[chunk.start:chunk.end] = torch.ops.kvserve.prefill_attention(
-                q[chunk.start:chunk.end], keys, values, prefix, scale)
+            out[chunk.start:chunk.end] = op(q[chunk.start:chunk.end], keys, values, prefix, scale)
 
     def _decode_with_mass(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
                           mass: torch.Tensor) -> torch.Tensor:
@@ -88,19 +91,41 @@ class NativeAttention(TorchAttention):
                                                         mass)
 
     def describe(self) -> str:
-        return "native paged decode kernel + SDPA prefill"
+        return "native paged decode kernel"
 
     def prefill_kernel(self, head_dim: int) -> str:
-        if native_prefill_runs(head_dim):
-            return "kvserve's AMX-BF16 kernel"
-        return ("torch SDPA (kvserve's AMX-BF16 kernel needs AMX-BF16, AVX512-BF16 and a head size that is a "
-                "multiple of 32, at most 256)")
+        kernel = PREFILL_KERNELS[self.prefill_dtype or torch.float32]
+        return kernel.name if native_prefill_runs(head_dim, self.prefill_dtype or torch.float32) \
+            else f"torch SDPA ({kernel.name} needs {kernel.needs})"
+
+
+@dataclass(frozen=True)
+class PrefillKernel:
+    """One of kvserve's prefill attention kernels (engine/kernels/cpu): the same contract, q
+    ``[n, heads, d]`` at positions ``prefix ..`` over keys / values ``[prefix + n, kv_heads, d]``
+    -> fp32 ``[n, heads, d]``, for chunks that attend in one dtype."""
+
+    op: str            # torch.ops.kvserve.<op>(q, keys, values, prefix, scale)
+    name: str          # for the startup log
+    needs: str         # what it needs, for the log where it does not run
+    head_dim_multiple: int
+
+
+PREFILL_KERNELS = {
+    # 1.9-3x torch's bf16 flash kernel at a 1,000-token prompt's chunks (prefill_attention.cpp)
+    torch.bfloat16: PrefillKernel("prefill_attention", "kvserve's AMX-BF16 kernel",
+                                  "AMX-BF16, AVX512-BF16 and a head size that is a multiple of 32, at most 256", 32),
+    # torch's fp32 flash kernel was a third of a 1,000-token prefill on AVX2 CPUs (prefill_attention_f32.cpp)
+    torch.float32: PrefillKernel("prefill_attention_f32", "kvserve's AVX2 fp32 kernel",
+                                 "AVX2, FMA, F16C and a head size that is a multiple of 16, at most 256", 16),
+}
 
 
 @functools.cache
-def native_prefill_runs(head_dim: int) -> bool:
-    """Whether ``torch.ops.kvserve.prefill_attention`` (prefill_attention.cpp) runs here for this
-    head size: a CPU with AMX-BF16 and AVX512-BF16, and ``head_dim`` a multiple of 32 up to 256.
-    Asked once per head size (every layer's prefill asks)."""
-    return (head_dim % 32 == 0 and head_dim <= 256 and has_op("prefill_attention_supported")
-            and torch.ops.kvserve.prefill_attention_supported())
+def native_prefill_runs(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether kvserve's prefill kernel for chunks attending in ``dtype`` (``PREFILL_KERNELS``) runs
+    here for this head size: the CPU's answer, asked of the kernel library, and the head size the
+    kernel takes. Asked once per (head size, dtype) (every layer's prefill asks)."""
+    kernel = PREFILL_KERNELS.get(dtype)
+    return (kernel is not None and head_dim % kernel.head_dim_multiple == 0 and head_dim <= 256
+            and has_op(f"{kernel.op}_supported") and getattr(torch.ops.kvserve, f"{kernel.op}_supported")())

@@ -19,16 +19,24 @@ def test_cpuinfo_flags_are_read_from_the_flags_line():
     assert flags_of("model name\t: Graviton\nFeatures\t: fp asimd\n") == frozenset()
 
 
-def test_the_startup_log_names_what_multiplies_bf16_prefill_chunks():
-    """The ``Attention:`` line says which kernel bf16 chunks take: the native backend's own AMX-BF16
-    kernel where it runs for the head size (this CPU's answer, asked of the kernel library), else
-    torch SDPA with the reason; the torch backend always SDPA."""
+def test_the_startup_log_names_what_multiplies_prefill_chunks():
+    """The ``Attention:`` line says which kernel prefill chunks take in the dtype they attend in: the
+    native backend's own (AMX-BF16 tiles for bf16 chunks, AVX2 vectors for fp32 ones) where it runs
+    for the head size (this CPU's answer, asked of the kernel library), else torch SDPA with the
+    reason; the torch backend always SDPA."""
     native = NativeAttention()
+    native.prefill_dtype = torch.bfloat16
     if native_prefill_runs(64):
         assert native.prefill_kernel(64) == "kvserve's AMX-BF16 kernel"
     else:
         assert native.prefill_kernel(64).startswith("torch SDPA (kvserve's AMX-BF16 kernel needs")
     assert native.prefill_kernel(48).startswith("torch SDPA (")  # no multiple of 32: never the kernel
+    native.prefill_dtype = None  # the model's: float32
+    if native_prefill_runs(64, torch.float32):
+        assert native.prefill_kernel(64) == native.prefill_kernel(48) == "kvserve's AVX2 fp32 kernel"
+    else:
+        assert native.prefill_kernel(64).startswith("torch SDPA (kvserve's AVX2 fp32 kernel needs")
+    assert native.prefill_kernel(40).startswith("torch SDPA (")  # no multiple of 16: never the kernel
     assert TorchAttention().prefill_kernel(64) == "torch SDPA"
 
 
