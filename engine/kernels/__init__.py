@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-Eight kernels, one library:
+Nine kernels, one library:
 
 * ``paged_attention.cpp``: paged decode attention. It reads each sequence's keys and values
   in place from the block pool instead of gathering them into a contiguous copy first,
@@ -17,6 +17,8 @@ Eight kernels, one library:
   kernels above through ``paged_attention.h`` and ``quant_linear.h``.
 * ``prefill_attention.cpp``: a bf16 prefill chunk's attention over its whole context on AMX-BF16
   tiles, one call a chunk (``NativeAttention._prefill``), where the CPU has AMX-BF16 and AVX512-BF16.
+* ``prefill_attention_f32.cpp``: the same for an fp32 chunk in AVX2 + FMA vectors (every x86 CPU
+  the int8 kernels run on), where torch's fp32 flash kernel ran before.
 * ``prefill_linear.cpp``: a prefill chunk's block matmuls (and the fused SiLU(gate) * up) on
   AMX-BF16 tiles, x and each panel of decoded weights rounded to bf16, fp32 sums
   (``BlockLinear`` with ``prefill_matmul_dtype`` bfloat16: the K-quants from 128 rows, the strip
