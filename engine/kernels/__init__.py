@@ -41,6 +41,7 @@ part of the build's cache key):
   ``silu_mul``, ``rms_norm_row``, ``rope_row``, ``hsum8``), so all compute the same numbers.
 * ``block_codes.h``: the GGUF block formats' codes and sizes, and the unpacking of their codes.
 * ``paged_attention.h``: the per-sequence attention routine (``attend``).
+* ``prefill_attention.h``: the two prefill attention kernels' contract and its argument checks.
 * ``kv_int4.h``: int4 (KIVI) pools: their block quantization and attention routine
   (``attend_int4``), for ``paged_attention_int4.cpp`` and ``decode_layer.cpp``.
 * ``quant_linear.h``: the block matmuls as plain functions (``gguf_linear_range``,

@@ -7,8 +7,8 @@
 // - cpu_has_amx: declared here, defined in quant_linear_amx.cpp (the detection also asks Linux for
 //   permission to use tile data); cpu_has_amx_bf16, defined in prefill_attention.cpp.
 // Included by every source and header that chooses a path or holds x86 code: argmax.cpp,
-// decode_layer.cpp, prefill_attention.cpp, prefill_linear.cpp, quant_linear.cpp, quant_linear_q8.cpp,
-// quant_linear_amx.cpp, amx_tiles.h, block_codes.h,
+// decode_layer.cpp, prefill_attention.cpp, prefill_attention_f32.cpp, prefill_linear.cpp,
+// quant_linear.cpp, quant_linear_q8.cpp, quant_linear_amx.cpp, amx_tiles.h, block_codes.h,
 // paged_attention.h, quant_linear.h and vec_math.h.
 #pragma once
 

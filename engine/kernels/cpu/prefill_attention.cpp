@@ -34,8 +34,9 @@
 #include <cstring>
 #include <vector>
 
-#include "amx_tiles.h"     // KVSERVE_AMX (the compiler has the AMX intrinsics), configure_full_tiles
-#include "cpu_features.h"  // cpu_has_amx
+#include "amx_tiles.h"          // KVSERVE_AMX (the compiler has the AMX intrinsics), configure_full_tiles
+#include "cpu_features.h"       // cpu_has_amx
+#include "prefill_attention.h"  // the contract, check_prefill_attention_args
 
 #ifdef KVSERVE_AMX
 #include <cpuid.h>
@@ -323,24 +324,11 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, co
 #pragma GCC pop_options
 #endif  // KVSERVE_AMX
 
-// q [n, heads, d] (float32, float16 or bfloat16), keys / values [prefix + n, kv_heads, d] (any
-// strides but a contiguous last dim) -> fp32 [n, heads, d]: query i at position prefix + i
-// attends keys 0 .. prefix + i, softmax(scale q k) v.
+// prefill_attention.h's contract.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t prefix,
                              double scale) {
   TORCH_CHECK(supported(), "prefill_attention needs AMX-BF16 and AVX512-BF16 (prefill_attention_supported)");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q [n, heads, d], keys / values [L, kv_heads, d]");
-  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = keys.size(1);
-  TORCH_CHECK(n > 0 && prefix >= 0 && keys.size(0) >= prefix + n && values.size(0) >= prefix + n,
-              "keys and values must hold prefix + n rows");
-  TORCH_CHECK(values.size(1) == kv_heads && keys.size(2) == d && values.size(2) == d, "keys and values shape mismatch");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK(d % 32 == 0 && d <= 256, "head_dim must be a multiple of 32, at most 256");
-  for (const at::Tensor* t : {&q, &keys, &values}) {
-    TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1, "CPU tensors with a contiguous last dim");
-    const auto dt = t->scalar_type();
-    TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "float32, float16 or bfloat16 tensors");
-  }
+  kvserve::check_prefill_attention_args(q, keys, values, prefix, 32);
 #ifdef KVSERVE_AMX
   return prefill_attention_amx(q, keys, values, prefix, scale);
 #else
