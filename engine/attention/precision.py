@@ -5,9 +5,9 @@ engine/kernels/cpu/prefill_attention_f32.cpp) unless this says ``bfloat16``: the
 q, k and v are rounded to bf16 and multiplied on the AMX tiles of CPUs that have them, by the
 ``native`` backend's own kernel (engine/kernels/cpu/prefill_attention.cpp) or else torch's flash
 kernel; the softmax and its sums stay fp32, and the output returns to fp32. Measured on a Sapphire
-Rapids VM (torch's kernel, 2 threads, 9 heads of 64 over 3 KV heads): 512 queries over 512 / 1,000 / 4,000 keys
-4.2 / 7.4 / 28.5 ms in fp32 against 1.5 / 3.8 / 12.0 in bf16; a 1,000 / 4,000-token prompt's
-prefill 0.68-0.79x / 0.56-0.61x the time. Decode rows keep the fp32 paged kernel, whose cost is
+Rapids VM (torch's kernel, 2 threads, 9 heads of 64 over 3 KV heads): 512 queries over 512 / 1,000 /
+4,000 keys 4.2 / 7.4 / 28.5 ms in fp32 against 1.5 / 3.8 / 12.0 in bf16; a 1,000 / 4,000-token
+prompt's prefill 0.68-0.79x / 0.56-0.61x the time. Decode rows keep the fp32 paged kernel, whose cost is
 reading the pool, not multiplying.
 
 Contract: ``engine.prefill_dtype``'s, shared with the prefill matmuls: ``auto`` is ``bfloat16``
