@@ -182,11 +182,12 @@ def test_repeated_core_failures_make_the_server_exit_non_zero(server):
         if server.proc.poll() is not None:
             break
         wait_healthy(server.base_url, 120, server.proc)
-        os.kill(core_pid(server), signal.SIGKILL)
-        try:
-            server.proc.wait(20)
-        except Exception:  # noqa: BLE001 - still restarting: kill the next core
-            pass
+        killed = core_pid(server)
+        os.kill(killed, signal.SIGKILL)
+        # until the server exits or has started the next core (then kill that one)
+        deadline = time.monotonic() + 20
+        while server.proc.poll() is None and core_pid(server) == killed and time.monotonic() < deadline:
+            time.sleep(0.1)
     code = server.proc.wait(60)
     assert code not in (0, None), code
     log = server.log()
