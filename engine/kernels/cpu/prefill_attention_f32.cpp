@@ -7,12 +7,12 @@
 // flash calls and a log-sum-exp merge after a cached prefix), a third of a 1,000-token prompt's
 // prefill on an AVX2-only Zen 3. Here each item (12 query rows of one head) runs three passes over
 // a buffer of its scores (12 x 4 bytes a key, in L2): S = Q K^T in 6-row x 16-key register tiles
-// (12 accumulators), then each row's maximum and exp2 probabilities in place (masking only the
-// steps that reach past a row's position), then P V in 6-row x 16-dim register tiles, 64 keys a
-// pass over every tile (so the pass's V rows stay in L1). The whole row is in the buffer, so there
+// (12 accumulators), then each row's maximum and probabilities in place over the keys it sees
+// (paged_attention.h's exp_row, the decode kernel's softmax), then P V in 6-row x 16-dim register
+// tiles, 64 keys a pass over every tile (so the pass's V rows stay in L1). The whole row is in the buffer, so there
 // is no running maximum and no rescaling of the output. Measured (bench.probes.prefill_attention
-// --dtype float32, 2 threads, Zen 3): 1.8-2.2x the torch path at a 1,000-token prompt's chunks,
-// 1.15-1.25x at 4,000 and 8,000 keys, where both near the CPU's fp32 peak (~135 of 177 GFLOP/s).
+// --dtype float32, 2 threads, Zen 3): 1.6-2.0x the torch path at a 1,000-token prompt's chunks,
+// 1.03-1.2x at 4,000 and 8,000 keys, where both near the CPU's fp32 peak (~130 of 177 GFLOP/s).
 //
 // Layouts (per KV head, built once per call, zero-padded to whole blocks of 16 keys):
 //   Kt: [16-key block][dim][16 keys]: one dim of 16 keys in two vectors (the B side of S = Q K^T);
@@ -31,7 +31,7 @@
 
 #include "cpu_features.h"      // KVSERVE_X86, cpu_has_avx2
 #include "prefill_attention.h"  // the contract, check_prefill_attention_args
-#include "vec_math.h"           // hsum8
+#include "paged_attention.h"    // exp_row: the decode kernel's softmax
 
 namespace {
 
@@ -43,29 +43,6 @@ constexpr int kRows = 12;   // query rows (positions of one head) per item
 constexpr int kMicro = 6;   // rows per register tile: 12 accumulators of 8 lanes
 constexpr int kBlock = 16;  // keys per S register tile (two vectors), and the packing's block
 constexpr int kChunk = 64;  // keys per P V pass over the item's tiles (their V rows stay in L1)
-
-// 2^x for x <= 0 in every lane (up to rounding), x >= -126 after the clamp (no denormals): x = n + f,
-// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n in the exponent.
-inline __m256 exp2_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
 
 // 8 values of `dtype` at src as fp32 (fp16 and bf16 widen exactly).
 inline __m256 load8(const uint8_t* src, at::ScalarType dtype) {
@@ -129,36 +106,16 @@ inline void value_tile(const float* p, int64_t ld, const float* v, int64_t d, in
   }
 }
 
-// Row r's scores (log2 units) s[0 .. ld) -> probabilities exp2(s - max) for keys 0 .. pos, zeros
+// Row r's scores s[0 .. ld) -> probabilities exp(s - max) for keys 0 .. pos (paged_attention.h's
+// exp_row: the decode kernel's softmax, so decode and prefill rows exponentiate alike), zeros
 // after; returns their sum. Key 0 is visible to every row, so the maximum is finite.
 inline float softmax_row(float* s, int64_t ld, int64_t pos) {
-  const int64_t whole = (pos + 1) / 8 * 8;  // 8-key steps every lane of which is visible
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  for (int64_t k = 0; k < whole; k += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + k));
-  if (whole <= pos) {  // the step holding pos: lanes past it masked
-    const __m256 keep = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(pos - whole + 1)), lane));
-    top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + whole), keep));
-  }
-  const __m256 m = _mm256_set1_ps(hmax8(top));
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t k = 0; k < whole; k += 8) {
-    const __m256 p = exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + k), m));
-    sum = _mm256_add_ps(sum, p);
-    _mm256_storeu_ps(s + k, p);
-  }
-  for (int64_t k = whole; k < ld; k += 8) {
-    const __m256 keep = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(pos - k + 1)), lane));
-    const __m256 p = _mm256_and_ps(keep, exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + k), m)));
-    sum = _mm256_add_ps(sum, p);
-    _mm256_storeu_ps(s + k, p);
-  }
-  return kvserve::hsum8(sum);
+  const float sum = kvserve::exp_row(s, pos + 1).second;
+  std::fill(s + pos + 1, s + ld, 0.f);
+  return sum;
 }
 
-// One item: query rows [i0, i0 + rows) of head qh (q: their rows, pre-scaled by scale log2(e),
+// One item: query rows [i0, i0 + rows) of head qh (q: their rows, pre-scaled by scale,
 // kRows x d, zeros past rows) at positions first = prefix + i0 .. over their keys, into out (row
 // stride out_stride floats).
 void attend_rows(const float* q, const KVPanels& kv, int64_t d, int64_t first, int64_t rows, float* out,
@@ -205,7 +162,6 @@ at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& keys, c
   std::vector<KVPanels> kv(kv_heads);
   at::Tensor out = at::empty({n, heads, d}, q.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  const float scale_log2e = static_cast<float>(scale * 1.4426950408889634);
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
   {
@@ -221,7 +177,7 @@ at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& keys, c
       std::memset(qs, 0, sizeof(float) * kRows * d);
       for (int64_t r = 0; r < rows; ++r) {
         row_f32(q, i0 + r, qh, d, qs + r * d);
-        for (int64_t j = 0; j < d; ++j) qs[r * d + j] *= scale_log2e;
+        for (int64_t j = 0; j < d; ++j) qs[r * d + j] *= static_cast<float>(scale);
       }
       attend_rows(qs, kv[h], d, prefix + i0, rows, op + (i0 * heads + qh) * d, heads * d);
     }
