@@ -77,6 +77,16 @@ def require_native_kernel() -> None:
     assert load_kernels(), "the native paged attention kernel failed to build (see the log)"
 
 
+def wait_until(predicate, timeout: float = 30.0, what: str = "the condition") -> None:
+    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 def serve_inprocess(engine: LLMEngine):
     """``engine`` served as ``kvserve serve`` would serve it (the composition root, thread mode),
     under uvicorn in a thread: a ``bench.server.Server`` (close it)."""

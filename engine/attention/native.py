@@ -94,9 +94,9 @@ class NativeAttention(TorchAttention):
         return "native paged decode kernel"
 
     def prefill_kernel(self, head_dim: int) -> str:
-        kernel = PREFILL_KERNELS[self.prefill_dtype or torch.float32]
-        return kernel.name if native_prefill_runs(head_dim, self.prefill_dtype or torch.float32) \
-            else f"torch SDPA ({kernel.name} needs {kernel.needs})"
+        dtype = self.prefill_dtype or torch.float32
+        kernel = PREFILL_KERNELS[dtype]
+        return kernel.name if native_prefill_runs(head_dim, dtype) else f"torch SDPA ({kernel.name} needs {kernel.needs})"
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ PREFILL_KERNELS = {
 
 
 @functools.cache
-def native_prefill_runs(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+def native_prefill_runs(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether kvserve's prefill kernel for chunks attending in ``dtype`` (``PREFILL_KERNELS``) runs
     here for this head size: the CPU's answer, asked of the kernel library, and the head size the
     kernel takes. Asked once per (head size, dtype) (every layer's prefill asks)."""

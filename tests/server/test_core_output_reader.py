@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import pytest
 
 from engine.core.process_client import MPEngineClient
 from kvtypes.sampling_params import SamplingParams
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +45,6 @@ def test_the_servers_event_loop_reads_the_outputs(live_server):
     finally:
         engine.observer = recorder.inner
     assert recorder.threads and set(recorder.threads) == {"test-uvicorn"}  # the thread running the server's loop
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_reading_moves_to_a_bound_loop_and_back_when_it_closes():

@@ -7,12 +7,12 @@ token are a near tie (a k+1-row matmul sums in another order than a 1-row one).
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from bench.workload import CHAT_QUESTIONS
+from tests.helpers import wait_until
 from tests.server.conftest import API_KEY, SERVER_START_TIMEOUT_S, free_port, parse_sse, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -109,10 +109,7 @@ def test_greedy_chat_with_speculation_equals_plain(spec_server, http, live_serve
             assert (spec_n, spec_finish) == (plain_n, plain_finish)
         assert streamed(spec_http, payload) == spec_text  # the multi-token steps stream the same text
     # A response's stream closes after its last bytes reach the client, so the count is polled.
-    deadline = time.monotonic() + 10
-    while spec_engine.num_in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert spec_engine.num_in_flight == 0
+    wait_until(lambda: spec_engine.num_in_flight == 0, 10, "no request in flight")
 
 
 def test_copy_prompt_accepts_drafts(spec_server, live_server):

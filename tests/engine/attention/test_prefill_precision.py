@@ -26,7 +26,7 @@ def test_the_startup_log_names_what_multiplies_prefill_chunks():
     reason; the torch backend always SDPA."""
     native = NativeAttention()
     native.prefill_dtype = torch.bfloat16
-    if native_prefill_runs(64):
+    if native_prefill_runs(64, torch.bfloat16):
         assert native.prefill_kernel(64) == "kvserve's AMX-BF16 kernel"
     else:
         assert native.prefill_kernel(64).startswith("torch SDPA (kvserve's AMX-BF16 kernel needs")
@@ -65,7 +65,7 @@ def test_a_bf16_prefill_chunk_attends_to_its_inputs_rounded_to_bf16(prefix, back
     the output; the same step in float32 is nearer the unrounded reference; the decode row is
     the same in both (it does not take the prefill dtype). ``native``: the same through the
     AMX-BF16 prefill kernel (engine/kernels/cpu/prefill_attention.cpp), where the CPU has it."""
-    if backend == "native" and not native_prefill_runs(HEAD_DIM):
+    if backend == "native" and not native_prefill_runs(HEAD_DIM, torch.bfloat16):
         pytest.skip("no AMX-BF16 prefill kernel on this CPU")
     gen = torch.Generator().manual_seed(prefix)
     n, blocks = 37, 16
