@@ -51,8 +51,8 @@ class BlockLinear:
     #   1.6-2.3x oneDNN fp32 on Zen 5 for SmolLM2's seven layer matmuls; 2.4-2.8x at 64 and 512 rows
     #   for the 1B Q4_K_M's on a Zen 4, 2 threads, bench.probes.quant_linear --int8.
     # - AVX2 only (a Zen 3, 2 threads, the same probe): Q4_1 1.3-2.5x oneDNN fp32 at 17-512 rows,
-    #   Q5_0 1.5-3.4x, Q8_0 (the LM head) 1.0-1.5x, Q4_K 1.1-1.6x (the 1B's), Q6_K 0.92-1.03x at 64
-    #   and 512 rows: a few percent of one matrix traded for no dense copy and batch-invariant rows.
+    #   Q5_0 1.5-3.4x, Q8_0 (the LM head) 1.0-1.5x; the 1B's Q4_K 1.7-2.2x and Q6_K 1.5-2.0x at 64
+    #   and 512 rows (the K-quants' ymm lanes; before them 1.1-1.6x and 0.92-1.03x).
     # Without a dense copy the alternative is the panels, which every format's kernel beats up to
     # 24 rows (bench.probes.quant_linear on SmolLM2 Q4_K_M: Q5_0 / Q6_K / Q8_0 at 16 rows 1.2-1.7x;
     # the 1B Q4_K_M's 16-stream step 360 -> 317 ms with Q6_K's bound 8 -> 16), and which

@@ -36,7 +36,7 @@
 //     signed, so on AVX2 maddubs takes |w| and the row's codes with w's sign (strip_q8_0), and
 //     vpdpbusd the row's codes offset by 128 (pair_q8_0).
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
-// (The K-quants' many-row kernels are below: pair_rows, lanes_q8.) On AMX CPUs, from 32 rows
+// (The K-quants' many-row kernels are below: pair_rows, lanes_q8, lanes8_q8.) On AMX CPUs, from 32 rows
 // (kAmxStripMinRows), the whole 16-row tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
 // the same results.
 #include <ATen/ATen.h>
@@ -909,6 +909,209 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
 }
 #endif
 
+// ---- Many rows, 8 features per instruction (AVX2; Q4_K and Q6_K, from kLane8MinRows rows, where
+// the 16-feature zmm lanes above do not run): lane_rows' scheme in ymm registers. Each dword lane
+// is one output feature; code quad Q of 8 features is one ymm (transposed from the GGUF rows by
+// 8 x 8 dword transposes) and a row's 4 activation codes at quad Q are broadcast to every lane.
+// Without vpdpbusd a quad's products take maddubs (two int16 sums of two products per lane) and
+// are summed in int16 before one madd by the sub-block's scale, duplicated in both int16 halves
+// of the lane, reaches int32: Q4_K 8 quads (<= 8 * 2 * 15 * 127 = 30480), Q6_K's 6-bit codes 2
+// (<= 2 * 2 * 63 * 127 = 32004), so no sum saturates. Per lane the integers A and B are those of
+// the other K-quant kernels, exact in int32, and they reach fp32 by the same operations in the
+// same order, so every output equals theirs bit for bit. The transposed many-row path it replaces
+// (KRows' `t`) spent ~40 instructions per row, feature and super-block, a third of them on the
+// horizontal sums; here ~19. On a Zen 3, 2 threads, the 1B Q4_K_M's matrices from DRAM
+// (bench.probes.quant_linear --int8): 16 rows 146-160 -> 169-180 GFLOP/s (Q4_K), 124-127 ->
+// 171-179 (Q6_K); 64 rows 139-143 -> 184-264 (Q4_K), 121-128 -> 161-234 (Q6_K); the Q4_K from 4
+// rows, Q6_K (whose unpack costs ~2.5 rows' products) from 8, as for the zmm lanes.
+
+// a[f] (f < 8) -> a[i] whose dword f is the old a[f]'s dword i.
+inline void transpose8(__m256i* a) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(a[i], a[i + 1]);
+  for (int i = 0; i < 8; i += 4) {  // u[i + e]: rows i .. i + 3 at dwords e (low 128 bits) and 4 + e (high)
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e)
+    a[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20), a[4 + e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+}
+
+// One super-block of 8 features, unpacked for lane8_rows.
+struct LaneBlock8 {
+  __m256i q[64];    // code quad Q: dword f = feature f's codes at k = 4Q .. 4Q + 3 (unsigned)
+  __m256i sc[16];   // the scale (s, s) as int16 pairs: Q4_K sub-block j's (j < 8), Q6_K sub-block i's (signed)
+  __m256i side[8];  // LaneBlock's side: Q4_K (m_j, m_j), Q6_K (sc_2p, sc_2p+1)
+  __m256 d, dmin;   // Q6_K: dmin unused
+};
+
+// The dwords at b + f * stride + offset (f < 8) as lanes.
+inline __m256i dword_lanes8(const uint8_t* b, int64_t stride, int64_t offset) {
+  const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(stride)));
+  return _mm256_i32gather_epi32(reinterpret_cast<const int*>(b + offset), at, 1);
+}
+
+// 8 fp16 values, one in the low (hi: the high) half of each dword of v, as fp32 lanes.
+inline __m256 halves8_ps(__m256i v, bool hi) {
+  const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                          : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08);  // qwords 0, 2 -> low 128 bits
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+// Both int16 halves of each dword = its low half (hi: its high half).
+inline __m256i twice16(__m256i v, bool hi) {
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  return hi ? _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_andnot_si256(low, v))
+            : _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi32(v, 16));
+}
+
+// Q4_K: lanes_q4_k's scales and mins (s0 s1 s2, byte i of each) for features b + f * stride (f < 8).
+inline void lanes8_q4_k(const uint8_t* b, int64_t stride, LaneBlock8& L) {
+  const __m256i s0 = dword_lanes8(b, stride, 4), s1 = dword_lanes8(b, stride, 8), s2 = dword_lanes8(b, stride, 12);
+  const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30);
+  for (int i = 0; i < 4; ++i) {
+    const int sh = 8 * i;
+    const __m256i m_lo = _mm256_and_si256(_mm256_srli_epi32(s1, sh), m6);
+    const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, sh + 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi32(s1, sh + 2), top));
+    L.sc[i] = twice16(_mm256_and_si256(_mm256_srli_epi32(s0, sh), m6), false);
+    L.sc[4 + i] = twice16(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, sh), m4),
+                                          _mm256_and_si256(_mm256_srli_epi32(s0, sh + 2), top)), false);
+    L.side[i] = twice16(m_lo, false), L.side[4 + i] = twice16(m_hi, false);
+  }
+  const __m256i dd = dword_lanes8(b, stride, 0);  // [d, dmin] fp16
+  L.d = halves8_ps(dd, false), L.dmin = halves8_ps(dd, true);
+  const __m256i m15 = _mm256_set1_epi8(15);
+  __m256i t[8];
+  for (int cc = 0; cc < 4; ++cc) {  // 32-byte chunk cc: low nibbles sub-block 2 cc, high 2 cc + 1, quad q = dword q
+    for (int f = 0; f < 8; ++f) t[f] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + f * stride + 16 + 32 * cc));
+    transpose8(t);
+    for (int q = 0; q < 8; ++q) {
+      L.q[16 * cc + q] = _mm256_and_si256(t[q], m15);
+      L.q[16 * cc + 8 + q] = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), m15);
+    }
+  }
+}
+
+inline void lanes8_q6_k(const uint8_t* b, int64_t stride, LaneBlock8& L) {
+  __m256i t[8], ql[32], qh[16];
+  // feature f's 16 scales as int16: dword p = (sc_2p, sc_2p+1), transposed to lanes: side[p]
+  for (int f = 0; f < 8; ++f) t[f] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + f * stride + 192)));
+  transpose8(t);
+  for (int p = 0; p < 8; ++p) L.side[p] = t[p], L.sc[2 * p] = twice16(t[p], false), L.sc[2 * p + 1] = twice16(t[p], true);
+  L.d = halves8_ps(dword_lanes8(b, stride, 206), true), L.dmin = _mm256_setzero_ps();  // d: bytes 208-209 (the block's last)
+  for (int c = 0; c < 4; ++c) {  // ql dword 8c + q -> ql[8c + q]
+    for (int f = 0; f < 8; ++f) ql[8 * c + f] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + f * stride + 32 * c));
+    transpose8(ql + 8 * c);
+  }
+  for (int c = 0; c < 2; ++c) {
+    for (int f = 0; f < 8; ++f) qh[8 * c + f] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + f * stride + 128 + 32 * c));
+    transpose8(qh + 8 * c);
+  }
+  // lanes_q6_k's order: quad 32h + 8c + q is ql dword 16h + 8(c & 1) + q's low (c < 2) or high
+  // nibbles | qh dword 8h + q's bits 2c, 2c + 1 at bits 4, 5
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c)
+      for (int q = 0; q < 8; ++q) {
+        const __m256i l = ql[16 * h + 8 * (c & 1) + q], t2 = qh[8 * h + q];
+        const __m256i lo4 = _mm256_and_si256(c < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+        const __m256i high = c == 0 ? _mm256_slli_epi16(t2, 4) : c == 1 ? _mm256_slli_epi16(t2, 2)
+                             : c == 2 ? t2 : _mm256_srli_epi16(t2, 2);
+        L.q[32 * h + 8 * c + q] = _mm256_or_si256(lo4, _mm256_and_si256(high, m30));
+      }
+}
+
+// Row code quad q of the 32 codes at xq, broadcast to every lane.
+inline __m256i quad8(const int8_t* xq, int q) {
+  int32_t v;
+  std::memcpy(&v, xq + 4 * q, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [r0, r0 + R) against a group's LaneBlock8s: out[r * ldo + f] for f < 8.
+template <bool kQ6, int R>
+void lane8_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock8* panel, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 256;
+  __m256 acc[R], corr[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const LaneBlock8& L = panel[sb];
+    const int8_t* xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = x.k8.data() + (r0 + r) * x.K + 256 * sb;
+    __m256i A[R];
+    for (int r = 0; r < R; ++r) A[r] = _mm256_setzero_si256();
+    // int16 sums of kRun quads, each then scaled by its sub-block's scale (Q6_K: two runs a sub-block of 16)
+    constexpr int kRun = kQ6 ? 2 : 8;
+    for (int blk = 0; blk < 8; ++blk) {
+      const int64_t at = 32 * k8_order(blk);  // Q8Act::k8's 32-blocks are in k8_order
+#pragma GCC unroll 4
+      for (int q0 = 0; q0 < 8; q0 += kRun) {
+        const __m256i scale = L.sc[kQ6 ? 2 * blk + q0 / 4 : blk];
+        __m256i I[R];
+        for (int r = 0; r < R; ++r) I[r] = _mm256_maddubs_epi16(L.q[8 * blk + q0], quad8(xs[r] + at, q0));
+#pragma GCC unroll 8
+        for (int q = q0 + 1; q < q0 + kRun; ++q) {
+          const __m256i w = L.q[8 * blk + q];
+          for (int r = 0; r < R; ++r) {
+            I[r] = _mm256_add_epi16(I[r], _mm256_maddubs_epi16(w, quad8(xs[r] + at, q)));
+            asm("" : "+x"(I[r]));  // keeps the sums a chain: GCC's reassociation computed every product first and spilled them
+          }
+        }
+        for (int r = 0; r < R; ++r) A[r] = _mm256_add_epi32(A[r], _mm256_madd_epi16(I[r], scale));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* s16 = reinterpret_cast<const int8_t*>(x.ksum16.data() + ((r0 + r) * nb + sb) * 16);
+      __m256i side = _mm256_madd_epi16(L.side[0], quad8(s16, 0));  // the pair (s16[2p], s16[2p + 1]) is dword p
+      for (int p = 1; p < 8; ++p) side = _mm256_add_epi32(side, _mm256_madd_epi16(L.side[p], quad8(s16, p)));
+      const __m256 dx = _mm256_set1_ps(x.kd[(r0 + r) * nb + sb]);
+      if (kQ6) {
+        A[r] = _mm256_sub_epi32(A[r], _mm256_slli_epi32(side, 5));
+      } else {
+        corr[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(side), _mm256_mul_ps(L.dmin, dx), corr[r]);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r]), _mm256_mul_ps(L.d, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], corr[r]));
+}
+
+template <bool kQ6>
+constexpr int kLane8MinRows = kQ6 ? 8 : 4;
+constexpr int kLane8Rows = 4;  // rows per pass over a group's LaneBlock8s (6: no faster, within this host's noise)
+
+// Whole groups of 8 features from n0 for every row, on the ymm lanes kernel: returns where they end.
+template <bool kQ6>
+int64_t lanes8_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  constexpr int64_t kBytes = kQ6 ? kQ6_KBytes : kQ4_KBytes;
+  const int64_t nb = x.K / 256;
+  thread_local std::vector<LaneBlock8> panel;
+  panel.resize(nb);
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    for (int64_t sb = 0; sb < nb; ++sb) {
+      const uint8_t* b = w + (n * nb + sb) * kBytes;  // feature n + f's at b + f * nb * kBytes
+      if (n + 16 <= n1)  // the next group's same super-blocks (lanes_q8: the prefetcher does not follow 8 streams)
+        for (int f = 8; f < 16; ++f) prefetch_range(b + f * nb * kBytes, kBytes);
+      if (kQ6) lanes8_q6_k(b, nb * kBytes, panel[sb]); else lanes8_q4_k(b, nb * kBytes, panel[sb]);
+    }
+    for (int64_t r = 0; r < x.M;) {
+      float* o = out + r * ldo + n;
+      const int64_t left = x.M - r;
+      if (left >= kLane8Rows) lane8_rows<kQ6, kLane8Rows>(x, r, panel.data(), o, ldo), r += kLane8Rows;
+      else if (left >= 4) lane8_rows<kQ6, 4>(x, r, panel.data(), o, ldo), r += 4;
+      else if (left >= 2) lane8_rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
+      else lane8_rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
+    }
+  }
+  return n;
+}
+
 // Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
 // or 0): out[r * ldo + n]. Feature n's row of super-blocks (<= a few KB) is read once from
 // memory and each super-block serves every row.
@@ -943,6 +1146,8 @@ void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
   if (Format::kCode != kQ5_K && x.M >= kLaneMinRows<Format::kCode == kQ6_K> && cpu_has_vnni())  // whole groups of 16 in zmm lanes
     n0 = lanes_q8<Format::kCode == kQ6_K>(x, w, n0, n1, out, ldo);
 #endif
+  if (Format::kCode != kQ5_K && x.M >= kLane8MinRows<Format::kCode == kQ6_K>)  // whole groups of 8 in ymm lanes
+    n0 = lanes8_q8<Format::kCode == kQ6_K>(x, w, n0, n1, out, ldo);
   if (n0 >= n1) return;
   for (int64_t r = 0; r < x.M; r += kKRows) {
     float* o = out + r * ldo;
