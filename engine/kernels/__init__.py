@@ -27,7 +27,7 @@ Nine kernels, one library:
   add fused with the norm after it, ``add_rms_norm_``, and RoPE in place, ``rope_``), where torch's
   CPU composites take four to six (``DecoderLayer.native_rows``), with the decode layer's numerics.
 * ``argmax.cpp``: greedy sampling's per-row arg-max over fp32 logits (torch's ids: the first
-  maximum, the first NaN), in 512-bit lanes where the CPU has them (engine/sampling/sampler.py).
+  maximum, the first NaN), in 512-bit lanes where the CPU has them, else 256-bit (engine/sampling/sampler.py).
 
 The headers they share, each source including the ones it uses (``cpu/`` is package data, not
 a package: no ``__init__.py``; pyproject ships its ``*.cpp`` and ``*.h``, and every header is

@@ -1,6 +1,6 @@
 """The native greedy arg-max (``argmax_rows``, engine/kernels/cpu/argmax.cpp) gives torch's ids exactly:
 the first index of each row's maximum, the first NaN where a row has one, at every row width
-around its 16-lane vectors."""
+around its 16-lane (AVX-512) or 8-lane (AVX2) vectors."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +20,23 @@ def want(logits: torch.Tensor) -> list[int]:
     return expected.tolist()
 
 
-@pytest.mark.parametrize("width", [1, 15, 16, 17, 31, 48, 1000, 49152])
+def test_the_scan_is_native_wherever_the_cpu_has_avx2():
+    """Without this the tests below would pass on torch's max alone (the fallback gives the same ids)."""
+    import platform
+    from pathlib import Path
+
+    lanes = torch.ops.kvserve.argmax_lanes()
+    if platform.machine() != "x86_64":
+        assert lanes == 0
+        return
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split()
+    assert lanes == (16 if "avx512f" in flags else 8 if "avx2" in flags else 0)
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 15, 16, 17, 31, 48, 1000, 49152])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_random_and_tied_logits(width, rows):
     gen = torch.Generator().manual_seed(width * 10 + rows)
