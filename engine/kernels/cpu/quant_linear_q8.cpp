@@ -36,7 +36,7 @@
 //     signed, so on AVX2 maddubs takes |w| and the row's codes with w's sign (strip_q8_0), and
 //     vpdpbusd the row's codes offset by 128 (pair_q8_0).
 // Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
-// (The K-quants' many-row kernels are below: pair_rows, lanes_q8, lanes8_q8.) On AMX CPUs, from 32 rows
+// (The K-quants' many-row kernels are below: pair_rows, lanes_q8 in zmm or ymm lanes.) On AMX CPUs, from 32 rows
 // (kAmxStripMinRows), the whole 16-row tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
 // the same results.
 #include <ATen/ATen.h>
@@ -870,46 +870,22 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_sub_ps(acc[r], corr[r]));
 }
 
-// Where the lanes beat pair_rows (python -m bench.probes.quant_linear --gguf <the 1B Q4_K_M> --int8,
-// 2 threads, each matrix from DRAM): Q4_K from 4 rows (4 rows 1.2-1.3x, 16 rows 1.6-1.8x), Q6_K
-// from 8 (its unpack costs more: at 4 rows the 49152 x 2048 LM head ran 1.25x slower, at 8 rows
-// 2048 x 8192 1.25x faster; 16 rows 1.2-1.5x). Fewer rows: unpacking a group costs more than
-// pair_rows' reductions.
-template <bool kQ6>
-constexpr int kLaneMinRows = kQ6 ? 8 : 4;
-constexpr int kLaneRows = 4;  // rows per pass over a group's LaneBlocks (6 spilled registers and ran slower)
-
-// Whole groups of 16 features from n0 for every row, on the lanes kernel: returns where they end.
-template <bool kQ6>
-int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  constexpr int64_t kBytes = kQ6 ? kQ6_KBytes : kQ4_KBytes;
-  const int64_t nb = x.K / 256;
-  thread_local std::vector<LaneBlock> panel;
-  panel.resize(nb);
-  int64_t n = n0;
-  for (; n + 16 <= n1; n += 16) {
-    for (int64_t sb = 0; sb < nb; ++sb) {
-      const uint8_t* b = w + (n * nb + sb) * kBytes;  // feature n + f's at b + f * nb * kBytes
-      // the next group's same super-blocks into L2: below ~16 rows a call waits on DRAM, and the
-      // hardware prefetcher does not follow 16 interleaved streams (prefetch_ahead's 8 KB lands
-      // inside this group, ~20% slower at 16 rows of the 1B's LM head)
-      if (n + 32 <= n1)
-        for (int f = 16; f < 32; ++f) prefetch_range(b + f * nb * kBytes, kBytes);
-      if (kQ6) lanes_q6_k(b, nb * kBytes, panel[sb]); else lanes_q4_k(b, nb * kBytes, panel[sb]);
-    }
-    for (int64_t r = 0; r < x.M;) {
-      float* o = out + r * ldo + n;
-      const int64_t left = x.M - r;
-      if (left >= kLaneRows) lane_rows<kQ6, kLaneRows>(x, r, panel.data(), o, ldo), r += kLaneRows;
-      else if (left >= 2) lane_rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
-      else lane_rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
-    }
+// The zmm lanes for lanes_q8 (below): 16 features a group.
+struct ZmmLanes {
+  static constexpr int64_t kWidth = 16;
+  using Block = LaneBlock;
+  template <bool kQ6>
+  static void unpack(const uint8_t* b, int64_t stride, Block& L) {
+    if (kQ6) lanes_q6_k(b, stride, L); else lanes_q4_k(b, stride, L);
   }
-  return n;
-}
+  template <bool kQ6, int R>
+  static void rows(const kvserve::Q8Act& x, int64_t r0, const Block* panel, float* out, int64_t ldo) {
+    lane_rows<kQ6, R>(x, r0, panel, out, ldo);
+  }
+};
 #endif
 
-// ---- Many rows, 8 features per instruction (AVX2; Q4_K and Q6_K, from kLane8MinRows rows, where
+// ---- Many rows, 8 features per instruction (AVX2; Q4_K and Q6_K, from kLaneMinRows rows, where
 // the 16-feature zmm lanes above do not run): lane_rows' scheme in ymm registers. Each dword lane
 // is one output feature; code quad Q of 8 features is one ymm (transposed from the GGUF rows by
 // 8 x 8 dword transposes) and a row's 4 activation codes at quad Q are broadcast to every lane.
@@ -1081,32 +1057,55 @@ void lane8_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock8* panel, fl
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], corr[r]));
 }
 
-template <bool kQ6>
-constexpr int kLane8MinRows = kQ6 ? 8 : 4;
-constexpr int kLane8Rows = 4;  // rows per pass over a group's LaneBlock8s (6: no faster, within this host's noise)
+// The ymm lanes for lanes_q8: 8 features a group.
+struct YmmLanes {
+  static constexpr int64_t kWidth = 8;
+  using Block = LaneBlock8;
+  template <bool kQ6>
+  static void unpack(const uint8_t* b, int64_t stride, Block& L) {
+    if (kQ6) lanes8_q6_k(b, stride, L); else lanes8_q4_k(b, stride, L);
+  }
+  template <bool kQ6, int R>
+  static void rows(const kvserve::Q8Act& x, int64_t r0, const Block* panel, float* out, int64_t ldo) {
+    lane8_rows<kQ6, R>(x, r0, panel, out, ldo);
+  }
+};
 
-// Whole groups of 8 features from n0 for every row, on the ymm lanes kernel: returns where they end.
+// Where the zmm lanes beat pair_rows (python -m bench.probes.quant_linear --gguf <the 1B Q4_K_M> --int8,
+// 2 threads, each matrix from DRAM): Q4_K from 4 rows (4 rows 1.2-1.3x, 16 rows 1.6-1.8x), Q6_K
+// from 8 (its unpack costs more: at 4 rows the 49152 x 2048 LM head ran 1.25x slower, at 8 rows
+// 2048 x 8192 1.25x faster; 16 rows 1.2-1.5x). Fewer rows: unpacking a group costs more than
+// pair_rows' reductions.
+// The ymm lanes start at the same row counts (the Q6_K unpack costs ~2.5 rows' products there).
 template <bool kQ6>
-int64_t lanes8_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  constexpr int64_t kBytes = kQ6 ? kQ6_KBytes : kQ4_KBytes;
+constexpr int kLaneMinRows = kQ6 ? 8 : 4;
+constexpr int kLaneRows = 4;  // rows per pass over a group's blocks (zmm: 6 spilled registers and ran slower; ymm: 6 no faster)
+
+// Whole groups of Lanes::kWidth features from n0 for every row, on the lanes kernel of that
+// width (ZmmLanes, YmmLanes): returns where they end.
+template <typename Lanes, bool kQ6>
+int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  constexpr int64_t kBytes = kQ6 ? kQ6_KBytes : kQ4_KBytes, kWidth = Lanes::kWidth;
   const int64_t nb = x.K / 256;
-  thread_local std::vector<LaneBlock8> panel;
+  thread_local std::vector<typename Lanes::Block> panel;
   panel.resize(nb);
   int64_t n = n0;
-  for (; n + 8 <= n1; n += 8) {
+  for (; n + kWidth <= n1; n += kWidth) {
     for (int64_t sb = 0; sb < nb; ++sb) {
       const uint8_t* b = w + (n * nb + sb) * kBytes;  // feature n + f's at b + f * nb * kBytes
-      if (n + 16 <= n1)  // the next group's same super-blocks (lanes_q8: the prefetcher does not follow 8 streams)
-        for (int f = 8; f < 16; ++f) prefetch_range(b + f * nb * kBytes, kBytes);
-      if (kQ6) lanes8_q6_k(b, nb * kBytes, panel[sb]); else lanes8_q4_k(b, nb * kBytes, panel[sb]);
+      // the next group's same super-blocks into L2: below ~16 rows a call waits on DRAM, and the
+      // hardware prefetcher does not follow 16 interleaved streams (prefetch_ahead's 8 KB lands
+      // inside this group, ~20% slower at 16 rows of the 1B's LM head in zmm lanes)
+      if (n + 2 * kWidth <= n1)
+        for (int64_t f = kWidth; f < 2 * kWidth; ++f) prefetch_range(b + f * nb * kBytes, kBytes);
+      Lanes::template unpack<kQ6>(b, nb * kBytes, panel[sb]);
     }
     for (int64_t r = 0; r < x.M;) {
       float* o = out + r * ldo + n;
       const int64_t left = x.M - r;
-      if (left >= kLane8Rows) lane8_rows<kQ6, kLane8Rows>(x, r, panel.data(), o, ldo), r += kLane8Rows;
-      else if (left >= 4) lane8_rows<kQ6, 4>(x, r, panel.data(), o, ldo), r += 4;
-      else if (left >= 2) lane8_rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
-      else lane8_rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
+      if (left >= kLaneRows) Lanes::template rows<kQ6, kLaneRows>(x, r, panel.data(), o, ldo), r += kLaneRows;
+      else if (left >= 2) Lanes::template rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
+      else Lanes::template rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
     }
   }
   return n;
@@ -1142,12 +1141,13 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
 template <typename Format>
 void rows_q8_all(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   n0 = kvserve::kquant_rows_amx(x, w, Format::kCode, n0, n1, out, ldo);  // whole groups of 16 on AMX tiles, where it runs
+  constexpr bool kQ6 = Format::kCode == kQ6_K;
 #ifdef KVSERVE_ZMM_ROWS
-  if (Format::kCode != kQ5_K && x.M >= kLaneMinRows<Format::kCode == kQ6_K> && cpu_has_vnni())  // whole groups of 16 in zmm lanes
-    n0 = lanes_q8<Format::kCode == kQ6_K>(x, w, n0, n1, out, ldo);
+  if (Format::kCode != kQ5_K && x.M >= kLaneMinRows<kQ6> && cpu_has_vnni())  // whole groups of 16 in zmm lanes
+    n0 = lanes_q8<ZmmLanes, kQ6>(x, w, n0, n1, out, ldo);
 #endif
-  if (Format::kCode != kQ5_K && x.M >= kLane8MinRows<Format::kCode == kQ6_K>)  // whole groups of 8 in ymm lanes
-    n0 = lanes8_q8<Format::kCode == kQ6_K>(x, w, n0, n1, out, ldo);
+  if (Format::kCode != kQ5_K && x.M >= kLaneMinRows<kQ6>)  // whole groups of 8 in ymm lanes (all of them on AVX2 CPUs)
+    n0 = lanes_q8<YmmLanes, kQ6>(x, w, n0, n1, out, ldo);
   if (n0 >= n1) return;
   for (int64_t r = 0; r < x.M; r += kKRows) {
     float* o = out + r * ldo;

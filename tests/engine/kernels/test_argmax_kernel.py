@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.platform.cpu_features import cpu_flags
 from tests.helpers import require_native_kernel
 
 
@@ -22,18 +23,10 @@ def want(logits: torch.Tensor) -> list[int]:
 
 def test_the_scan_is_native_wherever_the_cpu_has_avx2():
     """Without this the tests below would pass on torch's max alone (the fallback gives the same ids)."""
-    import platform
-    from pathlib import Path
-
-    lanes = torch.ops.kvserve.argmax_lanes()
-    if platform.machine() != "x86_64":
-        assert lanes == 0
-        return
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
-    flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split()
-    assert lanes == (16 if "avx512f" in flags else 8 if "avx2" in flags else 0)
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to read the CPU's instruction sets from")
+    assert torch.ops.kvserve.argmax_lanes() == (16 if "avx512f" in flags else 8 if "avx2" in flags else 0)
 
 
 @pytest.mark.parametrize("width", [1, 7, 8, 9, 15, 16, 17, 31, 48, 1000, 49152])
