@@ -873,13 +873,18 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
 // The zmm lanes for lanes_q8 (below): 16 features a group.
 struct ZmmLanes {
   static constexpr int64_t kWidth = 16;
+  template <bool kQ6>
+  static constexpr int kGroups = 1;  // vpdpbusd takes the broadcast as a memory operand
+  template <bool kQ6>
+  static constexpr int kRows = 4;  // 6 spilled registers and ran slower
   using Block = LaneBlock;
   template <bool kQ6>
   static void unpack(const uint8_t* b, int64_t stride, Block& L) {
     if (kQ6) lanes_q6_k(b, stride, L); else lanes_q4_k(b, stride, L);
   }
-  template <bool kQ6, int R>
+  template <bool kQ6, int R, int G>
   static void rows(const kvserve::Q8Act& x, int64_t r0, const Block* panel, float* out, int64_t ldo) {
+    static_assert(G == 1);
     lane_rows<kQ6, R>(x, r0, panel, out, ldo);
   }
 };
@@ -912,6 +917,23 @@ inline void transpose8(__m256i* a) {
   }
   for (int e = 0; e < 4; ++e)
     a[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20), a[4 + e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+}
+
+// a[i] (i < 8): dword f = dword i of the 32 bytes at b + f * stride (f < 8). Features f and f + 4
+// share a register (a 128-bit load and an insert), so each half is a 4 x 4 transpose inside the
+// 128-bit lanes: 16 in-lane shuffles, where transpose8 of whole rows takes 24, 8 of them lane-crossing.
+inline void load_transposed8(const uint8_t* b, int64_t stride, __m256i* a) {
+  for (int h = 0; h < 2; ++h) {  // dwords 4h .. 4h + 3
+    __m256i r[4];
+    for (int f = 0; f < 4; ++f)
+      r[f] = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + f * stride + 16 * h))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (f + 4) * stride + 16 * h)), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    a[4 * h] = _mm256_unpacklo_epi64(t0, t2), a[4 * h + 1] = _mm256_unpackhi_epi64(t0, t2);
+    a[4 * h + 2] = _mm256_unpacklo_epi64(t1, t3), a[4 * h + 3] = _mm256_unpackhi_epi64(t1, t3);
+  }
 }
 
 // One super-block of 8 features, unpacked for lane8_rows.
@@ -964,8 +986,7 @@ inline void lanes8_q4_k(const uint8_t* b, int64_t stride, LaneBlock8& L) {
   const __m256i m15 = _mm256_set1_epi8(15);
   __m256i t[8];
   for (int cc = 0; cc < 4; ++cc) {  // 32-byte chunk cc: low nibbles sub-block 2 cc, high 2 cc + 1, quad q = dword q
-    for (int f = 0; f < 8; ++f) t[f] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + f * stride + 16 + 32 * cc));
-    transpose8(t);
+    load_transposed8(b + 16 + 32 * cc, stride, t);
     for (int q = 0; q < 8; ++q) {
       L.q[16 * cc + q] = _mm256_and_si256(t[q], m15);
       L.q[16 * cc + 8 + q] = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), m15);
@@ -980,14 +1001,8 @@ inline void lanes8_q6_k(const uint8_t* b, int64_t stride, LaneBlock8& L) {
   transpose8(t);
   for (int p = 0; p < 8; ++p) L.side[p] = t[p], L.sc[2 * p] = twice16(t[p], false), L.sc[2 * p + 1] = twice16(t[p], true);
   L.d = halves8_ps(dword_lanes8(b, stride, 206), true), L.dmin = _mm256_setzero_ps();  // d: bytes 208-209 (the block's last)
-  for (int c = 0; c < 4; ++c) {  // ql dword 8c + q -> ql[8c + q]
-    for (int f = 0; f < 8; ++f) ql[8 * c + f] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + f * stride + 32 * c));
-    transpose8(ql + 8 * c);
-  }
-  for (int c = 0; c < 2; ++c) {
-    for (int f = 0; f < 8; ++f) qh[8 * c + f] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + f * stride + 128 + 32 * c));
-    transpose8(qh + 8 * c);
-  }
+  for (int c = 0; c < 4; ++c) load_transposed8(b + 32 * c, stride, ql + 8 * c);  // ql dword 8c + q -> ql[8c + q]
+  for (int c = 0; c < 2; ++c) load_transposed8(b + 128 + 32 * c, stride, qh + 8 * c);
   // lanes_q6_k's order: quad 32h + 8c + q is ql dword 16h + 8(c & 1) + q's low (c < 2) or high
   // nibbles | qh dword 8h + q's bits 2c, 2c + 1 at bits 4, 5
   const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
@@ -1009,65 +1024,95 @@ inline __m256i quad8(const int8_t* xq, int q) {
   return _mm256_set1_epi32(v);
 }
 
-// Rows [r0, r0 + R) against a group's LaneBlock8s: out[r * ldo + f] for f < 8.
-template <bool kQ6, int R>
+// Rows [r0, r0 + R) against G groups' LaneBlock8s (super-block sb of group g at panel[sb * G + g]):
+// out[r * ldo + 8 g + f] for f < 8. Each broadcast row quad serves the G groups' maddubs: on a
+// Zen 3 the broadcasts, not the products, bound one group (a register loop of Q4_K's runs: one
+// group of 4 rows 105 G multiply-adds a second a core, two groups 141). In the kernel, with the
+// unpack and the per-super-block sums, two groups of Q4_K ran 1.06-1.11x at 16-64 rows (one
+// thread, cache-resident matrices); Q6_K, whose sums A take a madd every 2 quads, ran no faster
+// (YmmLanes::kGroups).
+template <bool kQ6, int R, int G>
 void lane8_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock8* panel, float* out, int64_t ldo) {
   const int64_t nb = x.K / 256;
-  __m256 acc[R], corr[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = _mm256_setzero_ps();
+  // With two groups the sums kept across runs and super-blocks stay in memory (a laundered
+  // pointer, so GCC does not keep them in registers): the run's sums, the weights and the
+  // broadcast fill the 16 ymm registers, and GCC otherwise reloaded the weights for every row.
+  alignas(32) __m256 acc_at[G][R], corr_at[G][R];
+  alignas(32) __m256i A_at[G][R];
+  __m256 (*acc)[R] = acc_at, (*corr)[R] = corr_at;
+  __m256i (*A)[R] = A_at;
+  if constexpr (G > 1) asm("" : "+r"(acc), "+r"(corr), "+r"(A));
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps(), corr[g][r] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nb; ++sb) {
-    const LaneBlock8& L = panel[sb];
+    const LaneBlock8* L = panel + sb * G;
     const int8_t* xs[R];
     for (int r = 0; r < R; ++r) xs[r] = x.k8.data() + (r0 + r) * x.K + 256 * sb;
-    __m256i A[R];
-    for (int r = 0; r < R; ++r) A[r] = _mm256_setzero_si256();
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) A[g][r] = _mm256_setzero_si256();
     // int16 sums of kRun quads, each then scaled by its sub-block's scale (Q6_K: two runs a sub-block of 16)
     constexpr int kRun = kQ6 ? 2 : 8;
     for (int blk = 0; blk < 8; ++blk) {
       const int64_t at = 32 * k8_order(blk);  // Q8Act::k8's 32-blocks are in k8_order
 #pragma GCC unroll 4
       for (int q0 = 0; q0 < 8; q0 += kRun) {
-        const __m256i scale = L.sc[kQ6 ? 2 * blk + q0 / 4 : blk];
-        __m256i I[R];
-        for (int r = 0; r < R; ++r) I[r] = _mm256_maddubs_epi16(L.q[8 * blk + q0], quad8(xs[r] + at, q0));
+        __m256i I[G][R];
+        for (int r = 0; r < R; ++r) {
+          const __m256i b = quad8(xs[r] + at, q0);
+          for (int g = 0; g < G; ++g) I[g][r] = _mm256_maddubs_epi16(L[g].q[8 * blk + q0], b);
+        }
 #pragma GCC unroll 8
         for (int q = q0 + 1; q < q0 + kRun; ++q) {
-          const __m256i w = L.q[8 * blk + q];
+          __m256i w[G];
+          for (int g = 0; g < G; ++g) w[g] = L[g].q[8 * blk + q];
           for (int r = 0; r < R; ++r) {
-            I[r] = _mm256_add_epi16(I[r], _mm256_maddubs_epi16(w, quad8(xs[r] + at, q)));
-            asm("" : "+x"(I[r]));  // keeps the sums a chain: GCC's reassociation computed every product first and spilled them
+            const __m256i b = quad8(xs[r] + at, q);
+            for (int g = 0; g < G; ++g) {
+              I[g][r] = _mm256_add_epi16(I[g][r], _mm256_maddubs_epi16(w[g], b));
+              asm("" : "+x"(I[g][r]));  // keeps the sums a chain: GCC's reassociation computed every product first and spilled them
+            }
           }
         }
-        for (int r = 0; r < R; ++r) A[r] = _mm256_add_epi32(A[r], _mm256_madd_epi16(I[r], scale));
+        for (int g = 0; g < G; ++g) {
+          const __m256i scale = L[g].sc[kQ6 ? 2 * blk + q0 / 4 : blk];
+          for (int r = 0; r < R; ++r) A[g][r] = _mm256_add_epi32(A[g][r], _mm256_madd_epi16(I[g][r], scale));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* s16 = reinterpret_cast<const int8_t*>(x.ksum16.data() + ((r0 + r) * nb + sb) * 16);
-      __m256i side = _mm256_madd_epi16(L.side[0], quad8(s16, 0));  // the pair (s16[2p], s16[2p + 1]) is dword p
-      for (int p = 1; p < 8; ++p) side = _mm256_add_epi32(side, _mm256_madd_epi16(L.side[p], quad8(s16, p)));
       const __m256 dx = _mm256_set1_ps(x.kd[(r0 + r) * nb + sb]);
-      if (kQ6) {
-        A[r] = _mm256_sub_epi32(A[r], _mm256_slli_epi32(side, 5));
-      } else {
-        corr[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(side), _mm256_mul_ps(L.dmin, dx), corr[r]);
+      for (int g = 0; g < G; ++g) {
+        __m256i side = _mm256_madd_epi16(L[g].side[0], quad8(s16, 0));  // the pair (s16[2p], s16[2p + 1]) is dword p
+        for (int p = 1; p < 8; ++p) side = _mm256_add_epi32(side, _mm256_madd_epi16(L[g].side[p], quad8(s16, p)));
+        if (kQ6) {
+          A[g][r] = _mm256_sub_epi32(A[g][r], _mm256_slli_epi32(side, 5));
+        } else {
+          corr[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(side), _mm256_mul_ps(L[g].dmin, dx), corr[g][r]);
+        }
+        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[g][r]), _mm256_mul_ps(L[g].d, dx), acc[g][r]);
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[r]), _mm256_mul_ps(L.d, dx), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], corr[r]));
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * g, _mm256_sub_ps(acc[g][r], corr[g][r]));
 }
 
 // The ymm lanes for lanes_q8: 8 features a group.
 struct YmmLanes {
   static constexpr int64_t kWidth = 8;
+  template <bool kQ6>
+  static constexpr int kGroups = kQ6 ? 1 : 2;  // groups a pass shares its broadcasts among (lane8_rows)
+  template <bool kQ6>
+  static constexpr int kRows = 4;
   using Block = LaneBlock8;
   template <bool kQ6>
   static void unpack(const uint8_t* b, int64_t stride, Block& L) {
     if (kQ6) lanes8_q6_k(b, stride, L); else lanes8_q4_k(b, stride, L);
   }
-  template <bool kQ6, int R>
+  template <bool kQ6, int R, int G>
   static void rows(const kvserve::Q8Act& x, int64_t r0, const Block* panel, float* out, int64_t ldo) {
-    lane8_rows<kQ6, R>(x, r0, panel, out, ldo);
+    lane8_rows<kQ6, R, G>(x, r0, panel, out, ldo);
   }
 };
 
@@ -1079,34 +1124,45 @@ struct YmmLanes {
 // The ymm lanes start at the same row counts (the Q6_K unpack costs ~2.5 rows' products there).
 template <bool kQ6>
 constexpr int kLaneMinRows = kQ6 ? 8 : 4;
-constexpr int kLaneRows = 4;  // rows per pass over a group's blocks (zmm: 6 spilled registers and ran slower; ymm: 6 no faster)
+
+// Every row against G groups unpacked in panel (panel[sb * G + g]), Lanes::kRows a pass.
+template <typename Lanes, bool kQ6, int G>
+void lanes_rows(const kvserve::Q8Act& x, const typename Lanes::Block* panel, float* out, int64_t ldo) {
+  constexpr int kR = Lanes::template kRows<kQ6>;
+  for (int64_t r = 0; r < x.M;) {
+    float* o = out + r * ldo;
+    const int64_t left = x.M - r;
+    if (left >= kR) Lanes::template rows<kQ6, kR, G>(x, r, panel, o, ldo), r += kR;
+    else if (left >= 2) Lanes::template rows<kQ6, 2, G>(x, r, panel, o, ldo), r += 2;
+    else Lanes::template rows<kQ6, 1, G>(x, r, panel, o, ldo), r += 1;
+  }
+}
 
 // Whole groups of Lanes::kWidth features from n0 for every row, on the lanes kernel of that
-// width (ZmmLanes, YmmLanes): returns where they end.
+// width (ZmmLanes, YmmLanes), Lanes::kGroups groups a pass where as many are left: returns where
+// they end.
 template <typename Lanes, bool kQ6>
 int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   constexpr int64_t kBytes = kQ6 ? kQ6_KBytes : kQ4_KBytes, kWidth = Lanes::kWidth;
+  constexpr int kG = Lanes::template kGroups<kQ6>;
   const int64_t nb = x.K / 256;
   thread_local std::vector<typename Lanes::Block> panel;
-  panel.resize(nb);
+  panel.resize(nb * kG);
   int64_t n = n0;
-  for (; n + kWidth <= n1; n += kWidth) {
+  while (n + kWidth <= n1) {
+    const int g = n + kG * kWidth <= n1 ? kG : 1;
+    const int64_t next = n + g * kWidth, ahead = std::min(n1, next + g * kWidth);
     for (int64_t sb = 0; sb < nb; ++sb) {
-      const uint8_t* b = w + (n * nb + sb) * kBytes;  // feature n + f's at b + f * nb * kBytes
-      // the next group's same super-blocks into L2: below ~16 rows a call waits on DRAM, and the
+      // the next pass's same super-blocks into L2: below ~16 rows a call waits on DRAM, and the
       // hardware prefetcher does not follow 16 interleaved streams (prefetch_ahead's 8 KB lands
       // inside this group, ~20% slower at 16 rows of the 1B's LM head in zmm lanes)
-      if (n + 2 * kWidth <= n1)
-        for (int64_t f = kWidth; f < 2 * kWidth; ++f) prefetch_range(b + f * nb * kBytes, kBytes);
-      Lanes::template unpack<kQ6>(b, nb * kBytes, panel[sb]);
+      for (int64_t f = next; f < ahead; ++f) prefetch_range(w + (f * nb + sb) * kBytes, kBytes);
+      for (int gi = 0; gi < g; ++gi)  // feature n + gi kWidth + f's at b + f * nb * kBytes
+        Lanes::template unpack<kQ6>(w + ((n + gi * kWidth) * nb + sb) * kBytes, nb * kBytes, panel[sb * g + gi]);
     }
-    for (int64_t r = 0; r < x.M;) {
-      float* o = out + r * ldo + n;
-      const int64_t left = x.M - r;
-      if (left >= kLaneRows) Lanes::template rows<kQ6, kLaneRows>(x, r, panel.data(), o, ldo), r += kLaneRows;
-      else if (left >= 2) Lanes::template rows<kQ6, 2>(x, r, panel.data(), o, ldo), r += 2;
-      else Lanes::template rows<kQ6, 1>(x, r, panel.data(), o, ldo), r += 1;
-    }
+    if (g == kG) lanes_rows<Lanes, kQ6, kG>(x, panel.data(), out + n, ldo);
+    else lanes_rows<Lanes, kQ6, 1>(x, panel.data(), out + n, ldo);
+    n = next;
   }
   return n;
 }
