@@ -1122,6 +1122,9 @@ struct YmmLanes {
 // 2048 x 8192 1.25x faster; 16 rows 1.2-1.5x). Fewer rows: unpacking a group costs more than
 // pair_rows' reductions.
 // The ymm lanes start at the same row counts (the Q6_K unpack costs ~2.5 rows' products there).
+// Measured again with the in-lane transposes (one thread, cache-resident): Q4_K lanes at 1 row
+// ran 0.75x the row kernel, at 2-3 rows even; Q6_K lanes at 4-7 rows 1.05-1.2x, but the LM head
+// from DRAM at 4 and 6 rows 1.2x slower, so the thresholds stay.
 template <bool kQ6>
 constexpr int kLaneMinRows = kQ6 ? 8 : 4;
 
