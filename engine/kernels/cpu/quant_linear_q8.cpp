@@ -1104,7 +1104,7 @@ struct YmmLanes {
   template <bool kQ6>
   static constexpr int kGroups = kQ6 ? 1 : 2;  // groups a pass shares its broadcasts among (lane8_rows)
   template <bool kQ6>
-  static constexpr int kRows = 4;
+  static constexpr int kRows = 4;  // one group: 6 no faster; two: 5 or 6 no faster in the register loop
   using Block = LaneBlock8;
   template <bool kQ6>
   static void unpack(const uint8_t* b, int64_t stride, Block& L) {
@@ -1160,7 +1160,7 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
       // hardware prefetcher does not follow 16 interleaved streams (prefetch_ahead's 8 KB lands
       // inside this group, ~20% slower at 16 rows of the 1B's LM head in zmm lanes)
       for (int64_t f = next; f < ahead; ++f) prefetch_range(w + (f * nb + sb) * kBytes, kBytes);
-      for (int gi = 0; gi < g; ++gi)  // feature n + gi kWidth + f's at b + f * nb * kBytes
+      for (int gi = 0; gi < g; ++gi)  // group gi's feature f: super-block sb at w + ((n + gi kWidth + f) nb + sb) kBytes
         Lanes::template unpack<kQ6>(w + ((n + gi * kWidth) * nb + sb) * kBytes, nb * kBytes, panel[sb * g + gi]);
     }
     if (g == kG) lanes_rows<Lanes, kQ6, kG>(x, panel.data(), out + n, ldo);
