@@ -875,8 +875,6 @@ struct ZmmLanes {
   static constexpr int64_t kWidth = 16;
   template <bool kQ6>
   static constexpr int kGroups = 1;  // vpdpbusd takes the broadcast as a memory operand
-  template <bool kQ6>
-  static constexpr int kRows = 4;  // 6 spilled registers and ran slower
   using Block = LaneBlock;
   template <bool kQ6>
   static void unpack(const uint8_t* b, int64_t stride, Block& L) {
@@ -1103,8 +1101,6 @@ struct YmmLanes {
   static constexpr int64_t kWidth = 8;
   template <bool kQ6>
   static constexpr int kGroups = kQ6 ? 1 : 2;  // groups a pass shares its broadcasts among (lane8_rows)
-  template <bool kQ6>
-  static constexpr int kRows = 4;  // one group: 6 no faster; two: 5 or 6 no faster in the register loop
   using Block = LaneBlock8;
   template <bool kQ6>
   static void unpack(const uint8_t* b, int64_t stride, Block& L) {
@@ -1127,15 +1123,17 @@ struct YmmLanes {
 // from DRAM at 4 and 6 rows 1.2x slower, so the thresholds stay.
 template <bool kQ6>
 constexpr int kLaneMinRows = kQ6 ? 8 : 4;
+// Rows a pass, both widths: zmm, 6 spilled registers and ran slower; ymm, one group 6 no faster,
+// two groups 5 or 6 no faster in the register loop.
+constexpr int kLaneRows = 4;
 
-// Every row against G groups unpacked in panel (panel[sb * G + g]), Lanes::kRows a pass.
+// Every row against G groups unpacked in panel (panel[sb * G + g]), kLaneRows a pass.
 template <typename Lanes, bool kQ6, int G>
 void lanes_rows(const kvserve::Q8Act& x, const typename Lanes::Block* panel, float* out, int64_t ldo) {
-  constexpr int kR = Lanes::template kRows<kQ6>;
   for (int64_t r = 0; r < x.M;) {
     float* o = out + r * ldo;
     const int64_t left = x.M - r;
-    if (left >= kR) Lanes::template rows<kQ6, kR, G>(x, r, panel, o, ldo), r += kR;
+    if (left >= kLaneRows) Lanes::template rows<kQ6, kLaneRows, G>(x, r, panel, o, ldo), r += kLaneRows;
     else if (left >= 2) Lanes::template rows<kQ6, 2, G>(x, r, panel, o, ldo), r += 2;
     else Lanes::template rows<kQ6, 1, G>(x, r, panel, o, ldo), r += 1;
   }

@@ -59,7 +59,7 @@ def activation_block(fmt: BlockFormat) -> int:
 # strips (8, 4, 2, 1), Q4_K / Q5_K / Q6_K rows (16 per pass; two features at a time on AVX512-VNNI,
 # and there Q4_K from 4 rows and Q6_K from 8 16 features at a time, passes of 4, 2, 1 rows, the rest of a
 # thread's features two or one at a time; on AVX2 alone the same from the same row counts 8 features at a
-# time, two groups of 8 a pass where two are left, passes of 4 (Q6_K: 3), 2, 1 rows, the rest one at a
+# time (Q4_K: two groups of 8 a pass where two are left), passes of 4, 2, 1 rows, the rest one at a
 # time: the 40 features of the row-independence test below end on a lone group), Q4_0 / Q5_1 rows (16 per pass)
 INT8_FORMATS = [BlockFormat.Q4_1, BlockFormat.Q8_0, BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_0,
                 BlockFormat.Q5_0, BlockFormat.Q5_1, BlockFormat.Q5_K]
