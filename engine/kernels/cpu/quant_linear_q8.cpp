@@ -35,7 +35,8 @@
 //   Q8_0 (272 bytes): d[8] fp16, then 8 k-quads of 32 bytes, one dword a column: signed by
 //     signed, so on AVX2 maddubs takes |w| and the row's codes with w's sign (strip_q8_0), and
 //     vpdpbusd the row's codes offset by 128 (pair_q8_0).
-// Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows.
+// Many rows: each strip-block is unpacked once and dotted with up to 16 (Q4_1, Q5_0) or 8 (Q8_0) rows;
+// on AVX2 CPUs without VNNI, prefill-sized calls run Q4_1 / Q5_0 strips in pairs (pair8_nibbles).
 // (The K-quants' many-row kernels are below: pair_rows, lanes_q8 in zmm or ymm lanes.) On AMX CPUs, from 32 rows
 // (kAmxStripMinRows), the whole 16-row tiles of the strip pairs take tile products instead (quant_linear_amx.cpp strip_pairs_amx), with
 // the same results.
@@ -145,6 +146,87 @@ void strip_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, fl
     }
   }
   for (int r = 0; r < R; ++r) store_cols(acc[r], out + r * ldo, cols);
+}
+
+// ---- Strip pairs in ymm (AVX2 CPUs without VNNI, prefill-sized calls: kPair8MinRows): two
+// adjacent full Q4_1 or Q5_0 strips (16 columns) share each broadcast row quad, as the K-quants'
+// two lane groups do (lane8_rows): per row and k-quad one broadcast feeds two maddubs, where
+// strip_nibbles' one feeds one. The pair is re-laid once per call (relay_pair8: per strip-block
+// strip a's 8 k-quads, strip b's 8, then d and m of both as fp32, 640 bytes) and the rows go 4 at
+// a time. Per row and column the integers (Q4_1's 8 quads, Q5_0's two runs of 4, summed in int16;
+// madd by 1) and the fp32 operations (fmadd by d dx, then by m s, block by block) are
+// strip_nibbles' own, so every output is the same float.
+struct PairBlock8 {
+  __m256i q[2][8];  // strip g's k-quad j
+  __m256 d[2], m[2];
+};
+
+template <bool kQ5>
+void relay_pair8(const uint8_t* strip, int64_t strip_bytes, int64_t nb, std::vector<PairBlock8>& out) {
+  constexpr int64_t kBytes = strip_block_bytes(kQ5 ? kQ5_0 : kQ4_1);
+  out.resize(nb);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int g = 0; g < 2; ++g) {
+      const uint8_t* sb = strip + g * strip_bytes + b * kBytes;
+      prefetch_ahead(sb, kBytes);
+      relay_nibbles<kQ5>(sb, out[b].q[g]);
+      out[b].d[g] = halves8(sb);
+      out[b].m[g] = kQ5 ? _mm256_mul_ps(out[b].d[g], _mm256_set1_ps(-16.f)) : halves8(sb + 16);
+    }
+}
+
+template <bool kQ5, int R>
+void pair8_nibbles(const kvserve::Q8Act& x, int64_t r0, const PairBlock8* blocks, float* out, int64_t ldo) {
+  const int64_t nb = x.K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  // the sums kept across blocks (and Q5_0's first 4 quads' int32 sums) in memory, laundered as
+  // in lane8_rows: the 8 int16 sums, two weight vectors and the broadcast then fit the 16 ymm registers
+  alignas(32) __m256 acc_at[2][R];
+  alignas(32) __m256i half_at[2][R];
+  __m256 (*acc)[R] = acc_at;
+  __m256i (*half)[R] = half_at;
+  asm("" : "+r"(acc), "+r"(half));
+  for (int g = 0; g < 2; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
+  // Q4_1's codes sum all 8 quads in int16, Q5_0's 5-bit codes 4 (strip_nibbles' bounds)
+  constexpr int kRun = kQ5 ? 4 : 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    const PairBlock8& P = blocks[b];
+    const int8_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.q8.data() + ((r0 + r) * nb + b) * kBlock;
+    __m256i I[2][R];
+    for (int j0 = 0; j0 < 8; j0 += kRun) {
+      for (int r = 0; r < R; ++r) {
+        const __m256i bq = quad_at(xq[r], j0);
+        for (int g = 0; g < 2; ++g) I[g][r] = _mm256_maddubs_epi16(P.q[g][j0], bq);
+      }
+#pragma GCC unroll 8
+      for (int j = j0 + 1; j < j0 + kRun; ++j) {
+        const __m256i w0 = P.q[0][j], w1 = P.q[1][j];
+        for (int r = 0; r < R; ++r) {
+          const __m256i bq = quad_at(xq[r], j);
+          I[0][r] = _mm256_add_epi16(I[0][r], _mm256_maddubs_epi16(w0, bq));
+          I[1][r] = _mm256_add_epi16(I[1][r], _mm256_maddubs_epi16(w1, bq));
+          asm("" : "+x"(I[0][r]), "+x"(I[1][r]));  // keeps the sums chains (see lane8_rows)
+        }
+      }
+      if (kQ5 && j0 == 0)
+        for (int g = 0; g < 2; ++g)
+          for (int r = 0; r < R; ++r) half[g][r] = _mm256_madd_epi16(I[g][r], ones);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nb + b;
+      const __m256 dx = _mm256_set1_ps(x.d[rb]), sx = _mm256_set1_ps(x.s[rb]);
+      for (int g = 0; g < 2; ++g) {
+        const __m256i sum = _mm256_madd_epi16(I[g][r], ones);
+        const __m256 dot = _mm256_cvtepi32_ps(kQ5 ? _mm256_add_epi32(half[g][r], sum) : sum);
+        acc[g][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(P.d[g], dx), acc[g][r]);
+        acc[g][r] = _mm256_fmadd_ps(P.m[g], sx, acc[g][r]);
+      }
+    }
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + kStrip * g, acc[g][r]);
 }
 
 // Rows [r0, r0 + R) against one Q8_0 strip: signed by signed bytes through maddubs's unsigned
@@ -1364,9 +1446,18 @@ inline void codes32_avx2(const float* xb, float id, int8_t* q8, int32_t* sums) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(sums), hsum2_epi32(_mm256_madd_epi16(w0, ones), _mm256_madd_epi16(w1, ones)));
 }
 
+// From how many rows AVX2-only CPUs run Q4_1 / Q5_0 strip pairs in ymm (pair8_nibbles), against
+// strip_nibbles' passes of 16 rows (one thread, SmolLM2's matrices, interleaved min-of-24 on a Zen
+// 3): Q4_1 at 512 rows 1.08-1.28x, at 64 1.07-1.12x, but at 16 rows 1.00-1.07x and Q5_0 there
+// 0.94-1.00x, at 4 rows both 0.90-0.97x (the re-lay's stores and loads). So prefill only: decode
+// steps (up to 16 rows) keep strip_nibbles.
+constexpr int64_t kPair8MinRows = 17;
+
 // Strips [s0, s1): strip s writes columns s * 8 .. of out. Rows go in passes of Kernel::kMaxRows,
 // then 8, 4, 2, 1 (each row's result does not depend on the pass it is in). On AVX512-VNNI
 // CPUs two adjacent full strips go together (Kernel::run_pair, passes of 8 rows, then 4, 2, 1).
+// On AVX2 alone, from kPair8MinRows rows, Q4_1 / Q5_0's full strip pairs go together in ymm
+// (pair8_nibbles, passes of 4 rows, then 2, 1).
 template <template <int> class Kernel>
 void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, int64_t s0, int64_t s1, int64_t N,
                float* out, int64_t ldo) {
@@ -1378,8 +1469,26 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   const int64_t pair_end = pairs ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
   // AMX CPUs, from kAmxStripMinRows rows: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
   const int64_t tiled = pair_end > s0 ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, pair_end, out, ldo) : 0;
+  // AVX2 without VNNI, prefill-sized calls: Q4_1 / Q5_0's full strip pairs in ymm (pair8_nibbles)
+  constexpr bool kNibbles = Kernel<1>::kFormat == kQ4_1 || Kernel<1>::kFormat == kQ5_0;
+  constexpr bool kQ5 = Kernel<1>::kFormat == kQ5_0;
+  const bool pairs8 = kNibbles && !pairs && x.M >= kPair8MinRows;
+  const int64_t pair8_end = pairs8 ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
+    if (s < pair8_end) {
+      thread_local std::vector<PairBlock8> relaid8;
+      relay_pair8<kQ5>(strip, strip_bytes, x.K / kBlock, relaid8);
+      for (int64_t r = 0; r < x.M;) {
+        float* o = out + r * ldo + s * kStrip;
+        const int64_t left = x.M - r;
+        if (left >= 4) pair8_nibbles<kQ5, 4>(x, r, relaid8.data(), o, ldo), r += 4;
+        else if (left >= 2) pair8_nibbles<kQ5, 2>(x, r, relaid8.data(), o, ldo), r += 2;
+        else pair8_nibbles<kQ5, 1>(x, r, relaid8.data(), o, ldo), r += 1;
+      }
+      s += 2;
+      continue;
+    }
     if (s < pair_end) {
       // nibble formats, more than two passes: the pair re-laid once for all of them (relay_all;
       // for two, storing and loading the re-laid blocks measured slower than re-laying them: Q4_1
