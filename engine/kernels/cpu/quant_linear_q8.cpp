@@ -151,18 +151,18 @@ void strip_nibbles(const kvserve::Q8Act& x, int64_t r0, const uint8_t* strip, fl
 // ---- Strip pairs in ymm (AVX2 CPUs without VNNI, prefill-sized calls: kPair8MinRows): two
 // adjacent full Q4_1 or Q5_0 strips (16 columns) share each broadcast row quad, as the K-quants'
 // two lane groups do (lane8_rows): per row and k-quad one broadcast feeds two maddubs, where
-// strip_nibbles' one feeds one. The pair is re-laid once per call (relay_pair8: per strip-block
+// strip_nibbles' one feeds one. The pair is re-laid once per call (relay_strip_pair8: per strip-block
 // strip a's 8 k-quads, strip b's 8, then d and m of both as fp32, 640 bytes) and the rows go 4 at
 // a time. Per row and column the integers (Q4_1's 8 quads, Q5_0's two runs of 4, summed in int16;
 // madd by 1) and the fp32 operations (fmadd by d dx, then by m s, block by block) are
 // strip_nibbles' own, so every output is the same float.
-struct PairBlock8 {
+struct StripPair8 {
   __m256i q[2][8];  // strip g's k-quad j
   __m256 d[2], m[2];
 };
 
 template <bool kQ5>
-void relay_pair8(const uint8_t* strip, int64_t strip_bytes, int64_t nb, std::vector<PairBlock8>& out) {
+void relay_strip_pair8(const uint8_t* strip, int64_t strip_bytes, int64_t nb, std::vector<StripPair8>& out) {
   constexpr int64_t kBytes = strip_block_bytes(kQ5 ? kQ5_0 : kQ4_1);
   out.resize(nb);
   for (int64_t b = 0; b < nb; ++b)
@@ -176,7 +176,7 @@ void relay_pair8(const uint8_t* strip, int64_t strip_bytes, int64_t nb, std::vec
 }
 
 template <bool kQ5, int R>
-void pair8_nibbles(const kvserve::Q8Act& x, int64_t r0, const PairBlock8* blocks, float* out, int64_t ldo) {
+void pair8_nibbles(const kvserve::Q8Act& x, int64_t r0, const StripPair8* blocks, float* out, int64_t ldo) {
   const int64_t nb = x.K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   // the sums kept across blocks (and Q5_0's first 4 quads' int32 sums) in memory, laundered as
@@ -191,7 +191,7 @@ void pair8_nibbles(const kvserve::Q8Act& x, int64_t r0, const PairBlock8* blocks
   // Q4_1's codes sum all 8 quads in int16, Q5_0's 5-bit codes 4 (strip_nibbles' bounds)
   constexpr int kRun = kQ5 ? 4 : 8;
   for (int64_t b = 0; b < nb; ++b) {
-    const PairBlock8& P = blocks[b];
+    const StripPair8& P = blocks[b];
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = x.q8.data() + ((r0 + r) * nb + b) * kBlock;
     __m256i I[2][R];
@@ -1387,6 +1387,13 @@ struct NibbleKernel {
   static void relay_pair(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<uint8_t>& out) {
     relay_all(a, bytes, strip_block_bytes(kFormat), nb, kQ5 ? relay_q5_0_pair : relay_q4_1_pair, out);
   }
+  static constexpr bool kPairs8 = true;  // AVX2 alone: full strip pairs in ymm from kPair8MinRows rows
+  static void relay_pair8(const uint8_t* a, int64_t bytes, int64_t nb, std::vector<StripPair8>& out) {
+    relay_strip_pair8<kQ5>(a, bytes, nb, out);
+  }
+  static void run_pair8(const kvserve::Q8Act& x, int64_t r0, const StripPair8* relaid, float* o, int64_t ldo) {
+    pair8_nibbles<kQ5, R>(x, r0, relaid, o, ldo);
+  }
 };
 template <int R>
 using Q4_1Kernel = NibbleKernel<false, R>;
@@ -1397,6 +1404,7 @@ struct Q8_0Kernel {
   static constexpr int64_t kFormat = kQ8_0;
   static constexpr int kMaxRows = 8;
   static constexpr bool kRelays = false;  // its k-quads are loaded as they are: a copy would only add stores
+  static constexpr bool kPairs8 = false;  // AVX2 alone: one strip a pass (no run_pair8)
   static void run(const kvserve::Q8Act& x, int64_t r0, const uint8_t* s, float* o, int64_t ldo, int64_t cols) {
     strip_q8_0<R>(x, r0, s, o, ldo, cols);
   }
@@ -1464,30 +1472,29 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
   constexpr int kMax = Kernel<1>::kMaxRows;
   static_assert(kMax == 8 || kMax == 16, "passes of 16 or 8 rows, then halving");
   const bool pairs = cpu_has_vnni();
+  // AVX2 alone, prefill-sized calls: the full strip pairs in ymm (Kernel::run_pair8)
+  const bool pairs8 = Kernel<1>::kPairs8 && !pairs && x.M >= kPair8MinRows;
   // the paired strips [s0, pair_end): the full ones (only the matrix's last strip can be
   // partial), an even count
-  const int64_t pair_end = pairs ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
+  const int64_t pair_end = pairs || pairs8 ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
   // AMX CPUs, from kAmxStripMinRows rows: the pairs' whole 16-row tiles on tiles (quant_linear_amx.cpp), the same floats
-  const int64_t tiled = pair_end > s0 ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, pair_end, out, ldo) : 0;
-  // AVX2 without VNNI, prefill-sized calls: Q4_1 / Q5_0's full strip pairs in ymm (pair8_nibbles)
-  constexpr bool kNibbles = Kernel<1>::kFormat == kQ4_1 || Kernel<1>::kFormat == kQ5_0;
-  constexpr bool kQ5 = Kernel<1>::kFormat == kQ5_0;
-  const bool pairs8 = kNibbles && !pairs && x.M >= kPair8MinRows;
-  const int64_t pair8_end = pairs8 ? s0 + (std::min(s1, N / kStrip) - s0) / 2 * 2 : s0;
+  const int64_t tiled = pairs && pair_end > s0 ? kvserve::strip_pairs_amx(x, w, Kernel<1>::kFormat, strip_bytes, s0, pair_end, out, ldo) : 0;
   for (int64_t s = s0; s < s1;) {
     const uint8_t* strip = w + s * strip_bytes;
-    if (s < pair8_end) {
-      thread_local std::vector<PairBlock8> relaid8;
-      relay_pair8<kQ5>(strip, strip_bytes, x.K / kBlock, relaid8);
-      for (int64_t r = 0; r < x.M;) {
-        float* o = out + r * ldo + s * kStrip;
-        const int64_t left = x.M - r;
-        if (left >= 4) pair8_nibbles<kQ5, 4>(x, r, relaid8.data(), o, ldo), r += 4;
-        else if (left >= 2) pair8_nibbles<kQ5, 2>(x, r, relaid8.data(), o, ldo), r += 2;
-        else pair8_nibbles<kQ5, 1>(x, r, relaid8.data(), o, ldo), r += 1;
+    if constexpr (Kernel<1>::kPairs8) {
+      if (pairs8 && s < pair_end) {
+        thread_local std::vector<StripPair8> relaid8;
+        Kernel<1>::relay_pair8(strip, strip_bytes, x.K / kBlock, relaid8);
+        for (int64_t r = 0; r < x.M;) {
+          float* o = out + r * ldo + s * kStrip;
+          const int64_t left = x.M - r;
+          if (left >= 4) Kernel<4>::run_pair8(x, r, relaid8.data(), o, ldo), r += 4;
+          else if (left >= 2) Kernel<2>::run_pair8(x, r, relaid8.data(), o, ldo), r += 2;
+          else Kernel<1>::run_pair8(x, r, relaid8.data(), o, ldo), r += 1;
+        }
+        s += 2;
+        continue;
       }
-      s += 2;
-      continue;
     }
     if (s < pair_end) {
       // nibble formats, more than two passes: the pair re-laid once for all of them (relay_all;
