@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -79,6 +80,16 @@ inline uint16_t u16_at(const uint8_t* p) {
   return v;
 }
 using kvserve::u32_at;  // block_codes.h
+
+// Rows [r, M) in passes of the largest row count of R, Smaller... (descending, the last 1) that
+// still fits: pass(std::integral_constant<int, n>{}, r0) for each pass of n rows from r0. The
+// kernels take their row count at compile time (the accumulators are registers).
+template <int R, int... Smaller, typename Pass>
+inline void row_passes(int64_t r, int64_t M, Pass&& pass) {
+  static_assert(sizeof...(Smaller) > 0 || R == 1, "the last pass is one row");
+  for (; M - r >= R; r += R) pass(std::integral_constant<int, R>{}, r);
+  if constexpr (sizeof...(Smaller) > 0) row_passes<Smaller...>(r, M, pass);
+}
 
 using kvserve::cpu_has_avx2;  // cpu_features.h: one CPU check for every source
 
@@ -1236,13 +1247,9 @@ constexpr int kLaneRows = 4;
 // Every row against G groups unpacked in panel (panel[sb * G + g]), kLaneRows a pass.
 template <typename Lanes, bool kQ6, int G>
 void lanes_rows(const kvserve::Q8Act& x, const typename Lanes::Block* panel, float* out, int64_t ldo) {
-  for (int64_t r = 0; r < x.M;) {
-    float* o = out + r * ldo;
-    const int64_t left = x.M - r;
-    if (left >= kLaneRows) Lanes::template rows<kQ6, kLaneRows, G>(x, r, panel, o, ldo), r += kLaneRows;
-    else if (left >= 2) Lanes::template rows<kQ6, 2, G>(x, r, panel, o, ldo), r += 2;
-    else Lanes::template rows<kQ6, 1, G>(x, r, panel, o, ldo), r += 1;
-  }
+  row_passes<kLaneRows, 2, 1>(0, x.M, [&](auto rows, int64_t r) {
+    Lanes::template rows<kQ6, decltype(rows)::value, G>(x, r, panel, out + r * ldo, ldo);
+  });
 }
 
 // Whole groups of Lanes::kWidth features from n0 for every row, on the lanes kernel of that
@@ -1509,13 +1516,9 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
       if (pairs8 && s < pair_end) {
         thread_local std::vector<StripPair8> relaid8;
         Kernel<1>::relay_pair8(strip, strip_bytes, x.K / kBlock, relaid8);
-        for (int64_t r = 0; r < x.M;) {
-          float* o = out + r * ldo + s * kStrip;
-          const int64_t left = x.M - r;
-          if (left >= 4) Kernel<4>::run_pair8(x, r, relaid8.data(), o, ldo), r += 4;
-          else if (left >= 2) Kernel<2>::run_pair8(x, r, relaid8.data(), o, ldo), r += 2;
-          else Kernel<1>::run_pair8(x, r, relaid8.data(), o, ldo), r += 1;
-        }
+        row_passes<4, 2, 1>(0, x.M, [&](auto rows, int64_t r) {
+          Kernel<decltype(rows)::value>::run_pair8(x, r, relaid8.data(), out + r * ldo + s * kStrip, ldo);
+        });
         s += 2;
         continue;
       }
@@ -1532,27 +1535,18 @@ void strips_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t strip_bytes, i
           relaid = relay_buffer.data();
         }
       }
-      for (int64_t r = tiled; r < x.M;) {
-        float* o = out + r * ldo + s * kStrip;
-        const int64_t left = x.M - r;
-        if (left >= 8) Kernel<8>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 8;
-        else if (left >= 4) Kernel<4>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 4;
-        else if (left >= 2) Kernel<2>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 2;
-        else Kernel<1>::run_pair(x, r, strip, strip_bytes, o, ldo, relaid), r += 1;
-      }
+      row_passes<8, 4, 2, 1>(tiled, x.M, [&](auto rows, int64_t r) {
+        Kernel<decltype(rows)::value>::run_pair(x, r, strip, strip_bytes, out + r * ldo + s * kStrip, ldo, relaid);
+      });
       s += 2;
       continue;
     }
     const int64_t cols = std::min(kStrip, N - s * kStrip);
-    for (int64_t r = 0; r < x.M;) {
-      float* o = out + r * ldo + s * kStrip;
-      const int64_t left = x.M - r;
-      if (kMax == 16 && left >= 16) Kernel<kMax>::run(x, r, strip, o, ldo, cols), r += kMax;
-      else if (left >= 8) Kernel<8>::run(x, r, strip, o, ldo, cols), r += 8;
-      else if (left >= 4) Kernel<4>::run(x, r, strip, o, ldo, cols), r += 4;
-      else if (left >= 2) Kernel<2>::run(x, r, strip, o, ldo, cols), r += 2;
-      else Kernel<1>::run(x, r, strip, o, ldo, cols), r += 1;
-    }
+    const auto pass = [&](auto rows, int64_t r) {
+      Kernel<decltype(rows)::value>::run(x, r, strip, out + r * ldo + s * kStrip, ldo, cols);
+    };
+    if constexpr (kMax == 16) row_passes<16, 8, 4, 2, 1>(0, x.M, pass);
+    else row_passes<8, 4, 2, 1>(0, x.M, pass);
     ++s;
   }
 }
