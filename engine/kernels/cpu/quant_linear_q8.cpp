@@ -944,8 +944,6 @@ void lane_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock* panel, floa
     for (int r = 0; r < R; ++r) A[r] = _mm512_setzero_si512();
     constexpr int kSub = kQ6 ? 2 : 1, kQuads = 8 / kSub;  // sub-blocks per 32-block (Q6_K: of 16 weights)
     for (int blk = 0; blk < 8; ++blk) {
-      for (const int64_t end = std::min(next.lines, next_line + next.per_step); next_line < end; ++next_line)
-        _mm_prefetch(reinterpret_cast<const char*>(next.first + 64 * next_line), _MM_HINT_T1);
       const int64_t at = 32 * k8_order(blk);  // Q8Act::k8's 32-blocks are in k8_order
 #pragma GCC unroll 2
       for (int h = 0; h < kSub; ++h) {
