@@ -91,18 +91,6 @@ inline void row_passes(int64_t r, int64_t M, Pass&& pass) {
   if constexpr (sizeof...(Smaller) > 0) row_passes<Smaller...>(r, M, pass);
 }
 
-// Cache lines to prefetch while a kernel computes: `lines` lines from the one holding `first`,
-// dealt out over `steps` steps of its loop (at_step), a few at each.
-struct LineSpan {
-  const uint8_t* first = nullptr;
-  int64_t lines = 0, per_step = 0;
-  LineSpan() = default;
-  LineSpan(const uint8_t* p, int64_t bytes, int64_t steps)
-      : first(reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63})),
-        lines(bytes > 0 ? (reinterpret_cast<uintptr_t>(p + bytes - 1) >> 6) - (reinterpret_cast<uintptr_t>(p) >> 6) + 1 : 0),
-        per_step((lines + steps - 1) / steps) {}
-};
-
 using kvserve::cpu_has_avx2;  // cpu_features.h: one CPU check for every source
 
 #ifdef KVSERVE_X86
@@ -111,6 +99,22 @@ using kvserve::cpu_has_avx2;  // cpu_features.h: one CPU check for every source
 
 using kvserve::prefetch_ahead;  // quant_linear.h
 using kvserve::prefetch_range;
+
+// Cache lines to prefetch into L2 while a kernel computes: the lines holding [p, p + bytes), dealt
+// out over `steps` steps of its loop, a few at each (step(i) for i < steps, in any order).
+struct LineSpan {
+  const uint8_t* first = nullptr;  // the line holding p
+  int64_t lines = 0, per_step = 0;
+  LineSpan() = default;
+  LineSpan(const uint8_t* p, int64_t bytes, int64_t steps)
+      : first(reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63})),
+        lines(bytes > 0 ? (reinterpret_cast<uintptr_t>(p + bytes - 1) >> 6) - (reinterpret_cast<uintptr_t>(p) >> 6) + 1 : 0),
+        per_step((lines + steps - 1) / steps) {}
+  void step(int64_t i) const {
+    for (int64_t l = i * per_step, end = std::min(lines, l + per_step); l < end; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(first + 64 * l), _MM_HINT_T1);
+  }
+};
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -1145,7 +1149,6 @@ inline __m256i quad8(const int8_t* xq, int q) {
 template <bool kQ6, int R, int G>
 void lane8_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock8* panel, float* out, int64_t ldo, LineSpan next) {
   const int64_t nb = x.K / 256;
-  int64_t next_line = 0;  // next: a few lines each 32-block (lanes_q8)
   // With two groups the sums kept across runs and super-blocks stay in memory (a laundered
   // pointer, so GCC does not keep them in registers): the run's sums, the weights and the
   // broadcast fill the 16 ymm registers, and GCC otherwise reloaded the weights for every row.
@@ -1165,8 +1168,7 @@ void lane8_rows(const kvserve::Q8Act& x, int64_t r0, const LaneBlock8* panel, fl
     // int16 sums of kRun quads, each then scaled by its sub-block's scale (Q6_K: two runs a sub-block of 16)
     constexpr int kRun = kQ6 ? 2 : 8;
     for (int blk = 0; blk < 8; ++blk) {
-      for (const int64_t end = std::min(next.lines, next_line + next.per_step); next_line < end; ++next_line)
-        _mm_prefetch(reinterpret_cast<const char*>(next.first + 64 * next_line), _MM_HINT_T1);
+      next.step(8 * sb + blk);  // the next pass's lines, a few each 32-block (lanes_q8)
       const int64_t at = 32 * k8_order(blk);  // Q8Act::k8's 32-blocks are in k8_order
 #pragma GCC unroll 4
       for (int q0 = 0; q0 < 8; q0 += kRun) {
