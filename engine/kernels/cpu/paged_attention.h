@@ -309,6 +309,219 @@ inline void attend_avx2(
   });
 }
 
+// ---- A chunk of every head in tiles (attend_chunk). The order above (each group over the whole
+// range, the first prefetching rows on) reads a chunk's rows from memory for its first group and
+// from L2 or L3 for the 7 others of a 1B model's 32 heads (256 tokens of K and V rows, 512 KB in
+// fp16, fill a Zen 3 core's L2): a row of 1,000 fp16 tokens took 4.5-4.9 ms over 16 such layers
+// from memory on 2 threads, against 2.9-4.4 ms in tiles, and one of 4,000 tokens 15.8-23.8 ms
+// against 11.0-12.1 (the same floats; docs/benchmarks.md, "a sixteenth session"). For the
+// one-group jobs of attend_avx2 (a kv head's 4 heads) the tiled order with these prefetches
+// measured slower, and so did one version of both orders (the cause not found): each order keeps
+// its own K and V loops.
+
+// Tokens a tile.
+constexpr int64_t kTile = 16;
+// A chunk whose K and V rows fit this (half a Zen 3 core's L2) has its V rows asked for by its K
+// pass, so that the V pass finds them in cache.
+constexpr int64_t kCachedBytes = 256 << 10;
+
+// The cache lines of rows [t0, t1) (per lines each, from off), row by row: a row's lines of rows,
+// then (with both) of both. ask(n) asks for n more of lines [next, end): a tile's work deals out
+// the next tile's lines, a share to each group, `rate` a step. Asked for in one burst at a tile's
+// start they waited for the core's miss buffers while the products idled, and the memory idled
+// while the products ran (the pattern of quant_linear_q8.cpp's LineSpan).
+template <typename T>
+struct TileLines {
+  const T* const* rows = nullptr;
+  const T* const* both = nullptr;
+  int64_t t0 = 0, t1 = 0, off = 0, per = 1, next = 0, end = 0, rate = 0;
+
+  int64_t row_lines() const { return both ? 2 * per : per; }
+  int64_t count() const { return (t1 - t0) * row_lines(); }
+  void ask(int64_t n) {
+    n = std::min(n, end - next);
+    if (n <= 0) return;
+    const int64_t rl = row_lines();
+    int64_t t = t0 + next / rl, j = next % rl;  // one division a call, none a line
+    for (next += n; n > 0; --n) {
+      const T* row = j < per ? rows[t] : both[t];
+      __builtin_prefetch(reinterpret_cast<const char*>(row + off) + 64 * (j < per ? j : j - per));
+      if (++j == rl) j = 0, ++t;
+    }
+  }
+};
+
+// dots_group's reduction, one order for 2 or 4 dot products ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)):
+// [a, b, a, b] and [a, b, c, d].
+inline __m128 dots2(__m256 a, __m256 b) {
+  __m256 h = _mm256_hadd_ps(a, b);
+  h = _mm256_hadd_ps(h, h);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+inline __m128 dots4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// dots_group over one tile's L tokens, asking for `lines` (rate a step): NT = 4 tokens a step for 1
+// or 2 heads, 2 for 3 or 4 (4 x 4 accumulators spilled; 2 tokens of two heads share a dots4).
+template <int NG, typename T>
+inline void dots_tile(const float* q, int64_t D, const T* const* krows, int64_t off, int64_t L, float scale,
+                      float* scores, int64_t ldS, TileLines<T>& lines) {
+  constexpr int NT = NG <= 2 ? 4 : 2;
+  const int64_t nv = D / 8;
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int64_t t = 0; t < L; t += NT) {
+    lines.ask(lines.rate);
+    const int nt = static_cast<int>(std::min<int64_t>(NT, L - t));  // a last short step: its first repeated
+    const T* kt[NT];
+    for (int i = 0; i < NT; ++i) kt[i] = krows[t + (i < nt ? i : 0)] + off;
+    __m256 a[NG][NT];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NT; ++i) a[g][i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nv; ++c) {
+      __m256 x[NT];
+      for (int i = 0; i < NT; ++i) x[i] = load8(kt[i] + 8 * c);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 qc = _mm256_loadu_ps(q + g * D + 8 * c);
+        for (int i = 0; i < NT; ++i) a[g][i] = _mm256_fmadd_ps(qc, x[i], a[g][i]);
+      }
+    }
+    __m128 d[NG];  // head g's nt dots from lane 0
+    for (int g = 0; g < NG; ++g) {
+      if constexpr (NT == 4) {
+        d[g] = dots4(a[g][0], a[g][1], a[g][2], a[g][3]);
+      } else if (g + 1 < NG) {
+        d[g] = dots4(a[g][0], a[g][1], a[g + 1][0], a[g + 1][1]);
+        d[g + 1] = _mm_movehl_ps(d[g], d[g]), ++g;
+      } else {
+        d[g] = dots2(a[g][0], a[g][1]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      float f[4];
+      _mm_storeu_ps(f, _mm_mul_ps(d[g], sc));
+      std::copy(f, f + nt, scores + g * ldS + t);
+    }
+  }
+}
+
+// weighted_sum's sums added to out (out[g * D + 8 i] += ...), asking for `lines` (rate a token).
+template <int NG, int NV, typename T>
+inline void weighted_sum_add(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset,
+                             float* out, int64_t D, TileLines<T>& lines) {
+  __m256 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = _mm256_loadu_ps(out + g * D + 8 * i);
+  for (int64_t t = 0; t < L; ++t) {
+    lines.ask(lines.rate);
+    const T* vt = rows[t] + offset;
+    __m256 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = load8(vt + 8 * i);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pt = _mm256_set1_ps(p[g * ldP + t]);
+      for (int i = 0; i < NV; ++i) a[g][i] = _mm256_fmadd_ps(pt, x[i], a[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + g * D + 8 * i, a[g][i]);
+}
+
+// values_group over one tile, added to out: slices of 4 vectors (2 with 3 or 4 heads, all in
+// registers), then 2, then 1; the first slice asks for `lines`.
+template <int NG, typename T>
+inline void values_tile(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t off, int64_t D,
+                        float* out, TileLines<T>& lines) {
+  const int64_t nv = D / 8;
+  TileLines<T> none;
+  int64_t c = 0;
+  if constexpr (NG <= 2)
+    for (; c + 4 <= nv; c += 4) weighted_sum_add<NG, 4>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, c ? none : lines);
+  for (; c + 2 <= nv; c += 2) weighted_sum_add<NG, 2>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, c ? none : lines);
+  if (c < nv) weighted_sum_add<NG, 1>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, c ? none : lines);
+}
+
+// attend_avx2's chunk (stats: exp_rows, no block mass) in tiles of kTile tokens: every group's q . k
+// on a tile, then the next tile; the exponentials; every group's V rows on a tile, then the next.
+// Each group's work on a tile asks for its share of the next tile's lines (in the K pass's last
+// tile, the V pass's first; the K pass asks for the V rows too where the chunk's fit kCachedBytes).
+// The same floats as attend_avx2 but for the last 1-3 tokens' scores there (reduced by hsum8).
+template <typename T>
+inline void attend_tiles(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t H, int64_t G,
+                         int64_t D, float scale, int64_t t0, int64_t t1, float* scores, float* out, float* stats) {
+  const int64_t L = t1 - t0, bs = lay.block_size;
+  thread_local std::vector<const T*> krows, vrows;
+  krows.resize(L), vrows.resize(L);
+  for (int64_t u = t0, t = 0; u < t1;) {  // block by block: no division per token
+    const int64_t first = lay.table[u / bs] * bs + u % bs, n = std::min(bs - u % bs, t1 - u);
+    for (int64_t i = 0; i < n; ++i, ++t)
+      krows[t] = k.data + (first + i) * lay.token_stride, vrows[t] = v.data + (first + i) * lay.token_stride;
+    u += n;
+  }
+  const int64_t per = (lay.token_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;  // whole rows
+  const bool v_in_k = 2 * L * per * 64 <= kCachedBytes;
+  // calls fn(gi, h, n, off) for each group gi: heads [h, h + n) share the kv head whose values start at off
+  const auto for_each_group = [&](auto&& fn) {
+    for (int64_t h = 0, gi = 0; h < H; ++gi) {
+      const int64_t n = std::min<int64_t>({kGroup, H - h, (h / G + 1) * G - h});
+      fn(gi, h, n, (h / G) * D);
+      h += n;
+    }
+  };
+  int64_t groups = 0;
+  for_each_group([&](int64_t, int64_t, int64_t, int64_t) { ++groups; });
+  // the lines of rows [a, b) of rows (and of both); group gi's share of them, asked for in `steps`
+  const auto lines_of = [&](const T* const* rows, const T* const* both, int64_t a, int64_t b) {
+    a = std::min(a, L);
+    return TileLines<T>{rows, both, a, std::max(a, std::min(L, b)), 0, per};
+  };
+  const auto share = [&](TileLines<T> lines, int64_t gi, int64_t steps) {
+    const int64_t each = (lines.count() + groups - 1) / groups;
+    lines.next = std::min(lines.count(), gi * each), lines.end = std::min(lines.count(), (gi + 1) * each);
+    lines.rate = (lines.end - lines.next + steps - 1) / std::max<int64_t>(1, steps);
+    return lines;
+  };
+  TileLines<T> first = lines_of(krows.data(), v_in_k ? vrows.data() : nullptr, 0, kTile);
+  first.end = first.count();
+  first.ask(first.end);
+  for (int64_t t = 0; t < L; t += kTile) {
+    const int64_t n_t = std::min(kTile, L - t);
+    const TileLines<T> next = t + kTile < L
+                                  ? lines_of(krows.data(), v_in_k ? vrows.data() : nullptr, t + kTile, t + 2 * kTile)
+                                  : lines_of(vrows.data(), nullptr, v_in_k ? L : 0, kTile);
+    for_each_group([&](int64_t gi, int64_t h, int64_t n, int64_t off) {
+      TileLines<T> lines = share(next, gi, n <= 2 ? (n_t + 3) / 4 : (n_t + 1) / 2);
+      const float* qh = q + h * D;
+      float* s = scores + h * L + t;
+      switch (n) {
+        case 1: dots_tile<1>(qh, D, krows.data() + t, off, n_t, scale, s, L, lines); break;
+        case 2: dots_tile<2>(qh, D, krows.data() + t, off, n_t, scale, s, L, lines); break;
+        case 3: dots_tile<3>(qh, D, krows.data() + t, off, n_t, scale, s, L, lines); break;
+        default: dots_tile<4>(qh, D, krows.data() + t, off, n_t, scale, s, L, lines); break;
+      }
+      lines.ask(lines.end);  // what the steps left
+    });
+  }
+  exp_rows(scores, H, L, stats);
+  std::fill(out, out + H * D, 0.f);
+  for (int64_t t = 0; t < L; t += kTile) {
+    const int64_t n_t = std::min(kTile, L - t);
+    const TileLines<T> next = lines_of(vrows.data(), nullptr, v_in_k ? L : t + kTile, t + 2 * kTile);
+    for_each_group([&](int64_t gi, int64_t h, int64_t n, int64_t off) {
+      TileLines<T> lines = share(next, gi, n_t);
+      const float* p = scores + h * L + t;
+      float* o = out + h * D;
+      switch (n) {
+        case 1: values_tile<1>(vrows.data() + t, n_t, p, L, off, D, o, lines); break;
+        case 2: values_tile<2>(vrows.data() + t, n_t, p, L, off, D, o, lines); break;
+        case 3: values_tile<3>(vrows.data() + t, n_t, p, L, off, D, o, lines); break;
+        default: values_tile<4>(vrows.data() + t, n_t, p, L, off, D, o, lines); break;
+      }
+      lines.ask(lines.end);
+    });
+  }
+}
+
 #pragma GCC pop_options
 #endif
 
@@ -435,13 +648,13 @@ inline bool attend_chunks_supported(int64_t D) {
 #endif
 }
 
-// Every head of one sequence over its tokens [t0, t1) (attend_avx2's chunk; requires
+// Every head of one sequence over its tokens [t0, t1) (attend_tiles; requires
 // attend_chunks_supported): out [H, D] the unnormalized sums, stats [H, 2]; scores scratch [H, t1 - t0].
 template <typename T>
 inline void attend_chunk(const float* q, const Pool<T>& k, const Pool<T>& v, const Layout& lay, int64_t H, int64_t G,
                          int64_t D, float scale, int64_t t0, int64_t t1, float* scores, float* out, float* stats) {
 #ifdef KVSERVE_X86
-  attend_avx2(q, k, v, lay, 0, H, G, D, scale, scores, out, nullptr, t0, t1, stats);
+  attend_tiles(q, k, v, lay, H, G, D, scale, t0, t1, scores, out, stats);
 #else
   (void)q, (void)k, (void)v, (void)lay, (void)H, (void)G, (void)D, (void)scale, (void)t0, (void)t1, (void)scores,
       (void)out, (void)stats;

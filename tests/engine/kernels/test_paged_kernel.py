@@ -52,6 +52,27 @@ def test_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, one_row,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_long_rows_match_and_do_not_depend_on_the_job_split(kv_dtype):
+    """Rows of ~1,000 tokens in a 1B model's shape (32 heads on 8 kv heads, groups of 4 query heads
+    on one kv head): they equal gather + SDPA, and a row's output is the same floats alone (a job
+    per kv head) as among five others (a job per row, every group in turn): each head's sums are
+    taken in one order whichever job holds it."""
+    gen = torch.Generator().manual_seed(1000)
+    heads, kv_heads, head_dim, block_size, width = 32, 8, 64, 16, 64
+    k_cache = torch.randn(6 * width, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(6 * width, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    lens = torch.tensor([1000, 1001, 999, 17, 1023, 640])
+    tables = torch.randperm(6 * width, generator=gen).view(6, width)
+    q = torch.randn(6, heads, head_dim, generator=gen)
+    got = torch.ops.kvserve.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    torch.testing.assert_close(got, reference(q, k_cache.float(), v_cache.float(), tables, lens), atol=1e-5, rtol=1e-5)
+    for b in (0, 1, 3):
+        alone = torch.ops.kvserve.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], lens[b:b + 1],
+                                                         head_dim ** -0.5)
+        assert torch.equal(alone[0], got[b])
+
+
 def test_shared_blocks_and_empty_batch():
     k_cache = torch.randn(8, 4, 2, 8)
     v_cache = torch.randn(8, 4, 2, 8)
