@@ -313,42 +313,30 @@ struct Q5_1 {
   }
 };
 
-struct Q4_K {
-  static constexpr int64_t kWeights = 256, kBytes = 144;  // d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+// Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles; Q5_K (kQ5) the same with 32
+// bytes of fifth bits before the nibbles. (d sc) q - dmin m per sub-block of 32.
+template <bool kQ5>
+struct KQuant45 {
+  static constexpr int64_t kWeights = 256, kBytes = kQ5 ? 176 : 144;
   static void decode(const uint8_t* b, float* y) {
     const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* q = b + 16;
+    const uint8_t* qh = b + 16;  // Q5_K's fifth bits
+    const uint8_t* q = b + (kQ5 ? 48 : 16);
     for (int c = 0; c < 4; ++c, q += 32, y += 64) {
       int sc0, m0, sc1, m1;
       k_scale_min(b + 4, 2 * c, sc0, m0);
       k_scale_min(b + 4, 2 * c + 1, sc1, m1);
       const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
       for (int l = 0; l < 32; ++l) {
-        y[l] = d0 * static_cast<float>(q[l] & 15) - o0;
-        y[l + 32] = d1 * static_cast<float>(q[l] >> 4) - o1;
+        const int h0 = kQ5 ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, h1 = kQ5 ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+        y[l] = d0 * static_cast<float>((q[l] & 15) | h0) - o0;
+        y[l + 32] = d1 * static_cast<float>((q[l] >> 4) | h1) - o1;
       }
     }
   }
 };
-
-struct Q5_K {
-  static constexpr int64_t kWeights = 256, kBytes = 176;  // as Q4_K plus 32 bytes of fifth bits before the nibbles
-  static void decode(const uint8_t* b, float* y) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* qh = b + 16;
-    const uint8_t* q = b + 48;
-    for (int c = 0; c < 4; ++c, q += 32, y += 64) {
-      int sc0, m0, sc1, m1;
-      k_scale_min(b + 4, 2 * c, sc0, m0);
-      k_scale_min(b + 4, 2 * c + 1, sc1, m1);
-      const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
-      for (int l = 0; l < 32; ++l) {
-        y[l] = d0 * static_cast<float>((q[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) - o0;
-        y[l + 32] = d1 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - o1;
-      }
-    }
-  }
-};
+using Q4_K = KQuant45<false>;
+using Q5_K = KQuant45<true>;
 
 struct Q6_K {
   static constexpr int64_t kWeights = 256, kBytes = 210;  // 128 bytes low nibbles, 64 of high pairs, 16 int8 scales, d
