@@ -322,7 +322,8 @@ inline void attend_avx2(
 // against 11.0-12.1 (the same floats; docs/benchmarks.md, "a sixteenth session"). For the
 // one-group jobs of attend_avx2 (a kv head's 4 heads) the tiled order with these prefetches
 // measured slower, and so did one version of both orders (the cause not found): each order keeps
-// its own K and V loops.
+// its own K loop and slicing of the V pass (dots_group / values_group, dots_tile / values_tile);
+// the V sums are one weighted_sum, each order passing in its prefetches.
 
 // Tokens a tile.
 constexpr int64_t kTile = 16;
