@@ -158,18 +158,40 @@ def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
         gc.collect()
 
 
+def roofline_model(choice: str | None) -> Path | None:
+    """The GGUF ``roofline --gguf`` measures: None for the default model (also for "Q4_1", the
+    shipped file it loads), a ``SAME_FILE_CHOICES`` name's file (made and cached on first use, as
+    ``llama-server --gguf`` makes it), or an existing ``.gguf`` path."""
+    from bench.vs_llama_server import SAME_FILE_CHOICES, same_file_gguf
+
+    if choice in (None, "Q4_1"):
+        return None
+    if choice in SAME_FILE_CHOICES:
+        return same_file_gguf(choice)
+    path = Path(choice).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"--gguf must be one of {', '.join(SAME_FILE_CHOICES)} or a .gguf file, not {choice!r}")
+    return path
+
+
 def scenario_roofline(ctx: Context) -> dict[str, Any]:
+    from bench.engine_runs import load_engine
     from bench.roofline import BREAKDOWN_ROWS, run_roofline
 
     a = ctx.args
-    engine = ctx.engine
+    path = roofline_model(getattr(a, "gguf", None))  # no --gguf under `all`: the default model
+    engine = ctx.engine if path is None else load_engine(str(path), ctx.threads, kv_cache_gib=0.5)
     tok = engine.tokenizer
     single = chat_prompts(tok, _q(a, "single_requests", 2, 1), offset=3)
     batch = chat_prompts(tok, _q(a, "batch_size", 32, 16), offset=5)
-    return run_roofline(engine, single, batch, new_tokens=_q(a, "new_tokens", 32, 16),
-                        matmul_n=_q(a, "matmul_n", 2048, 1024), bandwidth_mib=_q(a, "bandwidth_mib", 1024, 512),
-                        out_dir=ctx.out, rows_levels=_q(a, "rows", BREAKDOWN_ROWS, BREAKDOWN_ROWS),
-                        step_tokens=_q(a, "step_tokens", 64, 16))
+    result = run_roofline(engine, single, batch, new_tokens=_q(a, "new_tokens", 32, 16),
+                          matmul_n=_q(a, "matmul_n", 2048, 1024), bandwidth_mib=_q(a, "bandwidth_mib", 1024, 512),
+                          out_dir=ctx.out, rows_levels=_q(a, "rows", BREAKDOWN_ROWS, BREAKDOWN_ROWS),
+                          step_tokens=_q(a, "step_tokens", 64, 16))
+    if path is not None:
+        result["model"]["gguf"] = str(path)
+        result["notes"].insert(0, f"Model: {path} (roofline --gguf), at the CPU defaults.")
+    return result
 
 
 def scenario_kv_tier(ctx: Context) -> dict[str, Any]:
@@ -403,6 +425,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", help="decode step breakdown at these row counts (default 1 4 8 16; "
                                                        "the step check is on the largest)")
     p.add_argument("--step-tokens", type=int, help="tokens per request of the breakdown's rounds (default 64; quick 16)")
+    p.add_argument("--gguf", help="the model measured, at the CPU defaults: the default model (the shipped Q4_1), "
+                                  f"one of {', '.join(SAME_FILE_CHOICES[1:])} (as llama-server --gguf: made and "
+                                  "cached on first use) or a .gguf path")
 
     p = sub.add_parser("all", parents=[common], help="every scenario, then the PASS/FAIL summary")
     p.add_argument("--skip", help="comma list of scenarios to leave out")

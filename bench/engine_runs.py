@@ -1,5 +1,6 @@
 """kvserve's engine in this process, timed the way the in-process peers are.
 
+* ``load_engine``: a model (the default, or a GGUF or checkpoint path) as an ``LLMEngine``;
 * ``load_default_pair``: the default model as an ``LLMEngine`` and (optionally) its
   transformers twin on the same dense weights;
 * ``kvserve_single``: one request stepped by hand (TTFT, then the decode after the first token);
@@ -19,20 +20,26 @@ from bench.workload import BenchRequest
 from kvtypes.sampling_params import SamplingParams
 
 
-def load_default_pair(num_threads: int | None = None, max_model_len: int = 2048, kv_cache_gib: float = 1.0,
-                      max_num_seqs: int = 64, max_num_batched_tokens: int = 512, with_hf: bool = True):
-    """kvserve's LLMEngine and transformers' model on the same dense weights of the default model."""
+def load_engine(model: str | None = None, num_threads: int | None = None, max_model_len: int = 2048,
+                kv_cache_gib: float = 1.0, max_num_seqs: int = 64, max_num_batched_tokens: int = 512) -> Any:
+    """kvserve's LLMEngine on ``model`` (None: the default model; else a GGUF file or checkpoint
+    folder) at the CPU defaults, with the bench's pool and batch sizes."""
     from cache import CacheConfig
-    from engine.config import ModelConfig
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, ModelConfig
     from engine.llm_engine import LLMEngine
     from scheduler.config import SchedulerConfig
 
     threads = set_threads(num_threads)
-    engine = LLMEngine(EngineConfig(
-        model=ModelConfig(num_threads=threads, max_model_len=max_model_len),
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=model, num_threads=threads, max_model_len=max_model_len),
         cache=CacheConfig(kv_cache_memory_gib=kv_cache_gib),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)))
+
+
+def load_default_pair(num_threads: int | None = None, max_model_len: int = 2048, kv_cache_gib: float = 1.0,
+                      max_num_seqs: int = 64, max_num_batched_tokens: int = 512, with_hf: bool = True):
+    """kvserve's LLMEngine and transformers' model on the same dense weights of the default model."""
+    engine = load_engine(None, num_threads, max_model_len, kv_cache_gib, max_num_seqs, max_num_batched_tokens)
     if not with_hf:
         return engine, None
     return engine, load_model()

@@ -135,6 +135,13 @@ def decode_matmuls(model: Any) -> list[MatmulGroup]:
     return [MatmulGroup(op, fmt, macs) for (op, fmt), macs in groups.items()]
 
 
+def decode_flops_per_token(model: Any) -> int:
+    """2 x the multiply-adds of one decode token's matmuls (``decode_matmuls``: the layers' and
+    the LM head's, on blocks or dense). Counting the model's torch parameters instead gave ~0 for
+    a GGUF served from its blocks alone, which keeps no dense copy."""
+    return 2 * sum(g.macs_per_row for g in decode_matmuls(model))
+
+
 def kernel_peaks(groups: Sequence[MatmulGroup], matmul_gflops_value: float, min_s: float = 0.5,
                  rows: int = 128) -> dict[str, float]:
     """GOP/s per ``op:fmt`` of ``groups`` (the dense group: ``matmul_gflops_value``), plus the
@@ -235,8 +242,7 @@ def run_roofline(engine: Any, single_prompts: Sequence[Sequence[int]], batch_pro
     first_bandwidth = memory_bandwidth_gbs(bandwidth_mib, repeats)
     weight_bytes = weight_bytes_per_decode_token(engine)
     model = engine.runner.model
-    flops_per_token = 2 * (sum(p.numel() for p in model.layers.parameters()) + model.norm.numel()
-                           + model.lm_head.numel())
+    flops_per_token = decode_flops_per_token(model)
 
     kvserve_single(engine, single_prompts[0], 4)  # warm-up
     engine.kv_cache.reset_prefix_cache()

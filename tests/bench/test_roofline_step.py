@@ -69,6 +69,32 @@ def test_decode_matmuls_cover_the_model(engine):
     assert all(g.op == "gguf_linear_q8" for g in groups)  # int8 activations on every K-quant block
 
 
+def test_flops_per_token_of_a_blocks_only_gguf(engine):
+    """The roofline's FLOPs per token count the GGUF's matmuls, not the torch parameters, which a
+    model served from its blocks alone (no dense copy) has next to none of."""
+    from bench.roofline import decode_flops_per_token
+
+    s = SHAPE
+    kv = s.kv_heads * s.head_dim
+    macs = s.layers * (s.hidden * (2 * s.hidden + 2 * kv) + 3 * s.ffn * s.hidden) + s.vocab * s.hidden
+    assert decode_flops_per_token(engine.runner.model) == 2 * macs
+    assert sum(p.numel() for p in engine.runner.model.layers.parameters()) < macs // 100
+
+
+def test_roofline_gguf_choice(tmp_path):
+    """``bench roofline --gguf``: the default model for none or the shipped Q4_1, a named file, or
+    an existing .gguf path; anything else is refused with the choices."""
+    from bench.__main__ import build_parser, roofline_model
+
+    tiny = write_gguf(tmp_path / "tiny.gguf", SHAPE, q4_k_m, seed=3)
+    assert roofline_model(None) is None and roofline_model("Q4_1") is None
+    assert roofline_model(str(tiny)) == tiny
+    for bad in (str(tmp_path / "missing.gguf"), str(tmp_path), "Q5_K_S"):
+        with pytest.raises(ValueError, match="random-1b-Q4_K_M"):
+            roofline_model(bad)
+    assert build_parser().parse_args(["roofline", "--gguf", str(tiny)]).gguf == str(tiny)
+
+
 def test_step_roofline_breakdown(engine):
     from bench.roofline import step_roofline, step_tables
     from bench.step_timing import top_level
