@@ -204,18 +204,28 @@ inline void dots_group(const float* q, int64_t D, const T* const* krows, int64_t
   }
 }
 
-// out[g * D + 0 .. 8 NV) = sum_t p[g * ldP + t] rows[t][offset ..] for the NG heads g (kAdd: added
-// to out): the NG x NV accumulators stay in registers across the tokens and each row slice is
-// loaded once for all heads. ask(t) runs before token t's row is read: the caller's prefetches.
-template <int NG, int NV, bool kAdd, typename T, typename Ask>
+template <typename T>
+struct TileLines;
+
+// out[g * D + 0 .. 8 NV) = sum_t p[g * ldP + t] rows[t][offset ..] for the NG heads g: the NG x NV
+// accumulators stay in registers across the tokens and each row slice is loaded once for all
+// heads. Whole rows: with ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many
+// bytes. Tiles (kAdd, attend_tiles): the sums are added to out, and each token asks `lines` for
+// its rate. (The prefetches are arguments, not a callable: passed a lambda, GCC laid out the
+// one-group jobs' code anew and it ran slower in 15 of 22 alternations with the old build;
+// docs/benchmarks.md, "a seventeenth session".)
+template <int NG, int NV, bool kAdd, typename T>
 inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset, float* out,
-                         int64_t D, Ask&& ask) {
+                         int64_t D, int64_t ahead0, int64_t ahead_bytes, TileLines<T>* lines) {
   __m256 a[NG][NV];
   for (int g = 0; g < NG; ++g)
     for (int i = 0; i < NV; ++i) a[g][i] = kAdd ? _mm256_loadu_ps(out + g * D + 8 * i) : _mm256_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    ask(t);
     const T* vt = rows[t] + offset;
+    if constexpr (kAdd)
+      lines->ask(lines->rate);
+    else if (ahead_bytes && t + kRowsAhead < L)
+      prefetch_row(rows[t + kRowsAhead] + ahead0, ahead_bytes);
     __m256 x[NV];
     for (int i = 0; i < NV; ++i) x[i] = load8(vt + 8 * i);
     for (int g = 0; g < NG; ++g) {
@@ -234,17 +244,15 @@ inline void values_group(const T* const* rows, int64_t L, const float* p, int64_
                          int64_t ahead0, int64_t ahead_bytes, float* out) {
   const int64_t nv = D / 8;
   int64_t c = 0;
-  const auto ask = [&](int64_t c) {  // row t + kRowsAhead's bytes, in the first slice
-    const int64_t bytes = c == 0 ? ahead_bytes : 0;
-    return [=](int64_t t) {
-      if (bytes && t + kRowsAhead < L) prefetch_row(rows[t + kRowsAhead] + ahead0, bytes);
-    };
-  };
+  const auto ahead = [&](int64_t c) { return c == 0 ? ahead_bytes : 0; };
+  TileLines<T>* const none = nullptr;
   if constexpr (NG <= 2)
-    for (; c + 8 <= nv; c += 8) weighted_sum<NG, 8, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c));
-  for (; c + 4 <= nv; c += 4) weighted_sum<NG, 4, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c));
-  if (c + 2 <= nv) weighted_sum<NG, 2, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c)), c += 2;
-  if (c < nv) weighted_sum<NG, 1, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c));
+    for (; c + 8 <= nv; c += 8)
+      weighted_sum<NG, 8, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ahead0, ahead(c), none);
+  for (; c + 4 <= nv; c += 4)
+    weighted_sum<NG, 4, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ahead0, ahead(c), none);
+  if (c + 2 <= nv) weighted_sum<NG, 2, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ahead0, ahead(c), none), c += 2;
+  if (c < nv) weighted_sum<NG, 1, false>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ahead0, ahead(c), none);
 }
 
 // attend() for fp32 and fp16 pools and D % 8 == 0 (the same contract). The heads go in groups of
@@ -420,14 +428,11 @@ inline void values_tile(const T* const* rows, int64_t L, const float* p, int64_t
   const int64_t nv = D / 8;
   TileLines<T> none;
   int64_t c = 0;
-  const auto ask = [&](int64_t c) {  // `rate` lines a token, in the first slice
-    TileLines<T>& l = c ? none : lines;
-    return [&l](int64_t) { l.ask(l.rate); };
-  };
+  const auto ask = [&](int64_t c) { return c ? &none : &lines; };  // the first slice asks
   if constexpr (NG <= 2)
-    for (; c + 4 <= nv; c += 4) weighted_sum<NG, 4, true>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c));
-  for (; c + 2 <= nv; c += 2) weighted_sum<NG, 2, true>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c));
-  if (c < nv) weighted_sum<NG, 1, true>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, ask(c));
+    for (; c + 4 <= nv; c += 4) weighted_sum<NG, 4, true>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, 0, 0, ask(c));
+  for (; c + 2 <= nv; c += 2) weighted_sum<NG, 2, true>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, 0, 0, ask(c));
+  if (c < nv) weighted_sum<NG, 1, true>(rows, L, p, ldP, off + 8 * c, out + 8 * c, D, 0, 0, ask(c));
 }
 
 // attend_avx2's chunk (stats: exp_rows, no block mass) in tiles of kTile tokens: every group's q . k
