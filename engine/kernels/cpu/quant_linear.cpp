@@ -455,44 +455,32 @@ struct Avx2Rows<Q5_1> {
   }
 };
 
-template <>
-struct Avx2Rows<Q4_K> {
+// codes, and for Q5_K (kQ5) with bit `bit` of each byte of qh (the codes' fifth bits) at bit 4.
+template <bool kQ5>
+inline __m256i with_fifth(__m256i codes, __m256i qh, int bit) {
+  if constexpr (!kQ5) return codes;
+  const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(bit)), _mm256_set1_epi8(1));
+  return _mm256_or_si256(codes, _mm256_slli_epi16(h, 4));
+}
+
+// Q4_K, and Q5_K (kQ5: 32 bytes of fifth bits before the nibbles).
+template <bool kQ5>
+struct Avx2Rows<KQuant45<kQ5>> {
   template <typename Sink>
   static void run(const uint8_t* b, Sink& y) {
     const float d = half_at(b), dmin = half_at(b + 2);
     const __m256i mask = _mm256_set1_epi8(15);
+    const __m256i qh = kQ5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       int sc0, m0, sc1, m1;
       k_scale_min(b + 4, 2 * c, sc0, m0);
       k_scale_min(b + 4, 2 * c + 1, sc1, m1);
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      store32(y, 64 * c, _mm256_and_si256(q, mask), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
-      store32(y, 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), _mm256_set1_ps(d * sc1),
-              _mm256_set1_ps(-(dmin * m1)));
-    }
-  }
-};
-
-template <>
-struct Avx2Rows<Q5_K> {
-  template <typename Sink>
-  static void run(const uint8_t* b, Sink& y) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const __m256i mask = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      int sc0, m0, sc1, m1;
-      k_scale_min(b + 4, 2 * c, sc0, m0);
-      k_scale_min(b + 4, 2 * c + 1, sc1, m1);
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
-      const __m128i s0 = _mm_cvtsi32_si128(2 * c), s1 = _mm_cvtsi32_si128(2 * c + 1);
-      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4);
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4);
-      store32(y, 64 * c, _mm256_or_si256(_mm256_and_si256(q, mask), h0), _mm256_set1_ps(d * sc0), _mm256_set1_ps(-(dmin * m0)));
-      store32(y, 64 * c + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), h1), _mm256_set1_ps(d * sc1),
-              _mm256_set1_ps(-(dmin * m1)));
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (kQ5 ? 48 : 16) + 32 * c));
+      store32(y, 64 * c, with_fifth<kQ5>(_mm256_and_si256(q, mask), qh, 2 * c), _mm256_set1_ps(d * sc0),
+              _mm256_set1_ps(-(dmin * m0)));
+      store32(y, 64 * c + 32, with_fifth<kQ5>(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), qh, 2 * c + 1),
+              _mm256_set1_ps(d * sc1), _mm256_set1_ps(-(dmin * m1)));
     }
   }
 };
