@@ -209,9 +209,9 @@ struct TileLines;
 
 // out[g * D + 0 .. 8 NV) = sum_t p[g * ldP + t] rows[t][offset ..] for the NG heads g: the NG x NV
 // accumulators stay in registers across the tokens and each row slice is loaded once for all
-// heads. Whole rows: with ahead_bytes > 0, rows[t + kRowsAhead][ahead0 ..] is prefetched, that many
-// bytes. Tiles (kAdd, attend_tiles): the sums are added to out, and each token asks `lines` for
-// its rate. (The prefetches are arguments, not a callable, so that the one-group jobs compile to
+// heads. attend_avx2's order (a group over its whole range): with ahead_bytes > 0, rows[t +
+// kRowsAhead][ahead0 ..] is prefetched, that many bytes. Tiles (kAdd, attend_tiles): the sums are
+// added to out, and each token asks `lines` for its rate. (The prefetches are arguments, not a callable, so that the one-group jobs compile to
 // the code they were measured with: passed a lambda, GCC laid that code out anew.)
 template <int NG, int NV, bool kAdd, typename T>
 inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset, float* out,

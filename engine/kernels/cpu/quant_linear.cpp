@@ -458,9 +458,11 @@ struct Avx2Rows<Q5_1> {
 // codes, and for Q5_K (kQ5) with bit `bit` of each byte of qh (the codes' fifth bits) at bit 4.
 template <bool kQ5>
 inline __m256i with_fifth(__m256i codes, __m256i qh, int bit) {
-  if constexpr (!kQ5) return codes;
-  const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(bit)), _mm256_set1_epi8(1));
-  return _mm256_or_si256(codes, _mm256_slli_epi16(h, 4));
+  if constexpr (kQ5) {
+    const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(bit)), _mm256_set1_epi8(1));
+    codes = _mm256_or_si256(codes, _mm256_slli_epi16(h, 4));
+  }
+  return codes;
 }
 
 // Q4_K, and Q5_K (kQ5: 32 bytes of fifth bits before the nibbles).
