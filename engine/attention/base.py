@@ -69,6 +69,12 @@ class AttentionBackend(ABC):
         this head size, for the startup log."""
         return "torch SDPA"
 
+    def prefill_on_tiles(self, head_dim: int) -> bool:
+        """Whether the CPU's prefill chunks multiply on AMX tiles at this head size (kvserve's own
+        bf16 kernel): what makes a chunk of many rows cheaper in ``forward`` than as rows of the
+        native decode path (engine/model/native_decode.py ``NativeDecoder.chunks_fit``)."""
+        return False
+
 
 BACKENDS: dict[str, type[AttentionBackend]] = {}
 # What ``auto`` tries, in order, per device type; the first available one wins.

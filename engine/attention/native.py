@@ -98,6 +98,9 @@ class NativeAttention(TorchAttention):
         kernel = PREFILL_KERNELS[dtype]
         return kernel.name if native_prefill_runs(head_dim, dtype) else f"torch SDPA ({kernel.name} needs {kernel.needs})"
 
+    def prefill_on_tiles(self, head_dim: int) -> bool:
+        return self.prefill_dtype == torch.bfloat16 and native_prefill_runs(head_dim, torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class PrefillKernel:

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from engine.kv.int4 import Int4KV
 from engine.loader.gguf.blocks import BlockFormat
 from engine.model.arch import ModelArch
@@ -131,8 +131,19 @@ class NativeDecoder:
     # chunks (the default budget), prefill in process: 1,000 tokens 1.06 -> 0.91 s, 2,000 2.76 ->
     # 2.22 s, 4,000 9.0 -> 7.34 s on SDPA; 64-token chunks of 1,000 stay here (0.86 s against 1.51).
     max_chunk_attention = 1 << 16
+    # Where prefill chunks attend on the AMX-BF16 tiles (``tiles_prefill``), a chunk of more than
+    # ``tiles_chunk_rows`` rows leaves this path once the step's pairs pass ``tiles_chunk_attention``:
+    # the decode kernel re-reads the context for every row, in fp32 vectors, while the tiles
+    # multiply 16 rows at a time. SmolLM2 Q4_1, 2 threads, a prefix hit's step in process (native
+    # / Python layers, ms): 48 rows over 1,000 cached tokens 65 / 39, 12 over 3,000 44 / 38, 16 over
+    # 1,000 25 / 24, 16 over 512 18 / 21; a verify-sized chunk stays here (2 x 5 rows over 2,000:
+    # 28 / 46). docs/benchmarks.md, "an eighteenth session".
+    tiles_chunk_rows = 8
+    tiles_chunk_attention = 1 << 14
 
-    def __init__(self, layers: Sequence[DecoderLayer], final_norm: torch.Tensor, arch: ModelArch) -> None:
+    def __init__(self, layers: Sequence[DecoderLayer], final_norm: torch.Tensor, arch: ModelArch,
+                 tiles_prefill: bool = False) -> None:
+        self.tiles_prefill = tiles_prefill
         bound = [layer_arguments(layer) for layer in layers]
         self.layers: list[tuple] = [args for args, _ in bound]  # decode_layer's constant arguments per layer
         self.max_rows = min(rows for _, rows in bound)
@@ -160,7 +171,7 @@ class NativeDecoder:
             return 0
         num_rows = meta.slot_mapping.shape[0]
         if (meta.prefills and num_rows <= self.max_rows and all(c.block_ids is not None for c in meta.prefills)
-                and sum((c.end - c.start) * c.context_len for c in meta.prefills) <= self.max_chunk_attention):
+                and self.chunks_fit(meta.prefills)):
             return num_rows
         if not groups:
             return 0
@@ -172,6 +183,15 @@ class NativeDecoder:
             if torch.isin(group.block_ids, filled).any():
                 return 0
         return group.end
+
+    def chunks_fit(self, chunks: Sequence[PrefillChunk]) -> bool:
+        """Whether these prefill chunks (each continuing a context in the pool) attend here at a
+        cost the Python layers would not beat (the limits above)."""
+        pairs = sum((c.end - c.start) * c.context_len for c in chunks)
+        if pairs > self.max_chunk_attention:
+            return False
+        return (not self.tiles_prefill or pairs <= self.tiles_chunk_attention
+                or all(c.end - c.start <= self.tiles_chunk_rows for c in chunks))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8_activations: bool,
@@ -279,7 +299,7 @@ def decide_decode_path(model: DecodingModel, choice: str = "auto", kv_cache_dtyp
     if choice == "python" or reason:
         model.native = None
         return DecodePath("python", reason)
-    model.native = NativeDecoder(model.layers, model.norm, model.arch)
+    model.native = NativeDecoder(model.layers, model.norm, model.arch, model.attn.prefill_on_tiles(model.arch.head_dim))
     return DecodePath("native", max_rows=model.native.max_rows)
 
 
@@ -287,7 +307,7 @@ def rebind_native_decoder(model: DecodingModel) -> None:
     """After the model's matmuls were rebound (linear backend, activation quantization): the
     native path, if it runs, over the new bindings (``max_rows`` follows the kernels')."""
     if model.native is not None:
-        model.native = NativeDecoder(model.layers, model.norm, model.arch)
+        model.native = NativeDecoder(model.layers, model.norm, model.arch, model.attn.prefill_on_tiles(model.arch.head_dim))
 
 
 def configure_decode_path(model: DecodingModel, choice: str, kv_cache_dtype: str,

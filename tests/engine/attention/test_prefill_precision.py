@@ -40,6 +40,18 @@ def test_the_startup_log_names_what_multiplies_prefill_chunks():
     assert TorchAttention().prefill_kernel(64) == "torch SDPA"
 
 
+def test_prefill_on_tiles_only_where_bf16_chunks_take_the_amx_kernel():
+    """What the native decode path asks before it takes a chunk of many rows (NativeDecoder.chunks_fit)."""
+    native = NativeAttention()
+    assert not native.prefill_on_tiles(64)  # the model's float32: the AVX2 kernel or SDPA
+    native.prefill_dtype = torch.bfloat16
+    assert native.prefill_on_tiles(64) == native_prefill_runs(64, torch.bfloat16)
+    assert not native.prefill_on_tiles(48)  # SDPA's flash kernel, not kvserve's tiles
+    torch_backend = TorchAttention()
+    torch_backend.prefill_dtype = torch.bfloat16
+    assert not torch_backend.prefill_on_tiles(64)
+
+
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int) -> torch.Tensor:
     """float64 attention of q ``[n, H, d]`` at positions ``first_pos..`` over keys / values
     ``[L, KVH, d]`` (causal) -> ``[n, H, d]``."""
