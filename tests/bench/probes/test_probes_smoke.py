@@ -191,3 +191,22 @@ def test_prefill_rows_probe_smoke():
     ab = run_prefill_ab(engine, tokens=20, rounds=2)
     assert len(ab["native"]["runs_ms"]) == len(ab["torch"]["runs_ms"]) == 2
     assert engine.runner.model.native_rows and not engine.has_unfinished()
+
+
+def test_chunk_path_smoke():
+    """Each path runs a prefix hit's step as forced (through NativeDecoder's limits, which the
+    probe restores, as it does the method it watches); the rows and pairs are the uncached tail's."""
+    from bench.probes.chunk_path import compare_chunk_paths
+
+    engine = tiny_engine(tiny_hf_model(), block_size=4, num_blocks=256)
+    native = engine.runner.model.native
+    limits = (native.max_chunk_attention, native.tiles_prefill)
+    rows = compare_chunk_paths(engine, contexts=[10], news=[1, 2], rounds=2)
+    assert [(r["rows"], r["pairs"]) for r in rows] == [(3, 3 * 11), (4, 4 * 12)]  # 10 % 4 = 2 uncached
+    assert all(r["native_ran"] for r in rows)  # within the dense model's max_rows (4)
+    assert all(r["native_ms"] > 0 and r["python_ms"] > 0 for r in rows)
+    assert compare_chunk_paths(engine, contexts=[10], news=[5], rounds=2)[0]["native_ran"] is False  # 7 rows > 4
+    assert all(r["rule"] == "native" for r in rows)  # few pairs: the native path's
+    assert (native.max_chunk_attention, native.tiles_prefill) == limits and "rows" not in vars(native)
+    engine.kv_cache.check_invariants()
+    assert not engine.has_unfinished() and engine.kv_cache.usage == 0  # every block back
