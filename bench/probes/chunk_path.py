@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = load_engine(args.model, args.num_threads, max_model_len=max(args.contexts) + max(args.new) + 64)
     native = engine.runner.model.native
-    print(f"tiles_prefill {native.tiles_prefill}; rule: native while pairs <= {native.max_chunk_attention}"
-          + (f", and past {native.tiles_chunk_attention} only chunks of <= {native.tiles_chunk_rows} rows"
+    print(f"tiles_prefill {native.tiles_prefill}; rule: native while the step's pairs <= {native.max_chunk_attention}"
+          + (f" and no chunk has both > {native.tiles_chunk_rows} rows and > {native.tiles_chunk_attention} pairs"
              if native.tiles_prefill else ""))
     print("context  new  seqs  rows    pairs  native ms  python ms  native/python  rule")
     for row in compare_chunk_paths(engine, args.contexts, args.new, args.sequences, args.rounds):

@@ -131,15 +131,17 @@ class NativeDecoder:
     # chunks (the default budget), prefill in process: 1,000 tokens 1.06 -> 0.91 s, 2,000 2.76 ->
     # 2.22 s, 4,000 9.0 -> 7.34 s on SDPA; 64-token chunks of 1,000 stay here (0.86 s against 1.51).
     max_chunk_attention = 1 << 16
-    # Where prefill chunks attend on the AMX-BF16 tiles (``tiles_prefill``), a chunk of more than
-    # ``tiles_chunk_rows`` rows leaves this path once the step's pairs pass ``tiles_chunk_attention``:
-    # the decode kernel re-reads the context for every row, in fp32 vectors, while the tiles
-    # multiply 16 rows at a time. SmolLM2 Q4_1, 2 threads, a prefix hit's step in process (native
-    # / Python layers, ms): 48 rows over 1,000 cached tokens 65 / 39, 12 over 3,000 44 / 38, 16 over
-    # 1,000 25 / 24, 16 over 512 18 / 21; a verify-sized chunk stays here (2 x 5 rows over 2,000:
-    # 28 / 46). docs/benchmarks.md, "an eighteenth session".
+    # Where prefill chunks attend on the AMX-BF16 tiles (``tiles_prefill``), a step leaves this path
+    # when one of its chunks has more than ``tiles_chunk_rows`` rows and attends to more than
+    # ``tiles_chunk_attention`` pairs: the decode kernel re-reads the context for every row, in fp32
+    # vectors, while the tiles multiply 16 rows at a time (the Python layers pay per chunk instead:
+    # a call, a gather of its context, the tiles' build). SmolLM2 Q4_1, 2 threads, a prefix hit's
+    # step in process (native / Python layers, ms): 48 rows over 1,000 cached tokens 65 / 39, 12
+    # over 3,000 43 / 38, 24 over 1,000 36 / 30, 12 over 1,000 19 / 22, 16 over 512 18 / 21, two
+    # chunks of 9 over 1,000 30 / 37, verify-sized chunks (2 x 5 rows over 2,000) 28 / 47.
+    # `python -m bench.probes.chunk_path`; docs/benchmarks.md, "an eighteenth session".
     tiles_chunk_rows = 8
-    tiles_chunk_attention = 1 << 14
+    tiles_chunk_attention = 12288
 
     def __init__(self, layers: Sequence[DecoderLayer], final_norm: torch.Tensor, arch: ModelArch,
                  tiles_prefill: bool = False) -> None:
@@ -187,11 +189,11 @@ class NativeDecoder:
     def chunks_fit(self, chunks: Sequence[PrefillChunk]) -> bool:
         """Whether these prefill chunks (each continuing a context in the pool) attend here at a
         cost the Python layers would not beat (the limits above)."""
-        pairs = sum((c.end - c.start) * c.context_len for c in chunks)
-        if pairs > self.max_chunk_attention:
+        if sum((c.end - c.start) * c.context_len for c in chunks) > self.max_chunk_attention:
             return False
-        return (not self.tiles_prefill or pairs <= self.tiles_chunk_attention
-                or all(c.end - c.start <= self.tiles_chunk_rows for c in chunks))
+        return not self.tiles_prefill or all(c.end - c.start <= self.tiles_chunk_rows
+                                             or (c.end - c.start) * c.context_len <= self.tiles_chunk_attention
+                                             for c in chunks)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8_activations: bool,

@@ -352,9 +352,9 @@ def test_speculative_verify_rows_run_natively(kv_cache_dtype):
 
 def test_many_row_chunks_leave_for_the_tiles():
     """Where prefill chunks multiply on AMX tiles (``tiles_prefill``, the attention backend's
-    answer), a step whose chunks attend to more than ``tiles_chunk_attention`` (query, key) pairs
-    runs in the Python layers unless every chunk is verify-sized (at most ``tiles_chunk_rows``
-    rows); without tiles only ``max_chunk_attention`` bounds a step."""
+    answer), a step runs in the Python layers once one of its chunks has more than
+    ``tiles_chunk_rows`` rows and attends to more than ``tiles_chunk_attention`` (query, key)
+    pairs; verify-sized chunks stay; without tiles only ``max_chunk_attention`` bounds a step."""
     from engine.attention import PrefillChunk
 
     model = tiny_engine(tiny_hf_model()).runner.model
@@ -364,13 +364,14 @@ def test_many_row_chunks_leave_for_the_tiles():
     def chunks(*shapes: tuple[int, int]) -> list[PrefillChunk]:  # (rows, context length) each
         return [PrefillChunk(0, rows, ctx, torch.zeros(1, dtype=torch.long), None) for rows, ctx in shapes]
 
-    hit, verify, short = chunks((48, 1000)), chunks((5, 2000), (5, 2000)), chunks((16, 1000))
-    assert native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(short)
+    hit, verify, small = chunks((24, 1000)), chunks((5, 3000), (5, 3000)), chunks((9, 1000), (9, 1000))
+    assert native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(small)
     assert not native.chunks_fit(chunks((70, 1000)))  # past max_chunk_attention
     native.tiles_prefill = True
-    assert not native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(short)
-    assert not native.chunks_fit(verify + chunks((9, 100)))  # a 9-row chunk in a step of 20,900 pairs
-    assert not native.chunks_fit(chunks(*[(5, 2000)] * 7))  # verify-sized, but past max_chunk_attention
+    assert not native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(small)
+    assert native.chunks_fit(chunks((12, 1000))) and not native.chunks_fit(chunks((13, 1000)))  # 12,288 pairs
+    assert not native.chunks_fit(small + chunks((9, 1400)))  # one chunk past both limits takes the step
+    assert not native.chunks_fit(chunks(*[(5, 3000)] * 5))  # verify-sized, but past max_chunk_attention
 
 
 def test_larger_batches_fall_back_to_python():
