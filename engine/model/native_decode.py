@@ -138,7 +138,7 @@ class NativeDecoder:
     # a call, a gather of its context, the tiles' build). SmolLM2 Q4_1, 2 threads, a prefix hit's
     # step in process (native / Python layers, ms): 48 rows over 1,000 cached tokens 65 / 39, 12
     # over 3,000 43 / 38, 24 over 1,000 36 / 30, 12 over 1,000 19 / 22, 16 over 512 18 / 21, two
-    # chunks of 9 over 1,000 30 / 37, verify-sized chunks (2 x 5 rows over 2,000) 28 / 47.
+    # chunks of 9 over 1,000 33 / 38, verify-sized chunks (2 x 5 rows over 2,000) 28 / 47.
     # `python -m bench.probes.chunk_path`; docs/benchmarks.md, "an eighteenth session".
     tiles_chunk_rows = 8
     tiles_chunk_attention = 12288
@@ -301,15 +301,20 @@ def decide_decode_path(model: DecodingModel, choice: str = "auto", kv_cache_dtyp
     if choice == "python" or reason:
         model.native = None
         return DecodePath("python", reason)
-    model.native = NativeDecoder(model.layers, model.norm, model.arch, model.attn.prefill_on_tiles(model.arch.head_dim))
+    model.native = bind_native_decoder(model)
     return DecodePath("native", max_rows=model.native.max_rows)
+
+
+def bind_native_decoder(model: DecodingModel) -> NativeDecoder:
+    """The model's layers as bound now, and whether its prefill chunks attend on the AMX tiles."""
+    return NativeDecoder(model.layers, model.norm, model.arch, model.attn.prefill_on_tiles(model.arch.head_dim))
 
 
 def rebind_native_decoder(model: DecodingModel) -> None:
     """After the model's matmuls were rebound (linear backend, activation quantization): the
     native path, if it runs, over the new bindings (``max_rows`` follows the kernels')."""
     if model.native is not None:
-        model.native = NativeDecoder(model.layers, model.norm, model.arch, model.attn.prefill_on_tiles(model.arch.head_dim))
+        model.native = bind_native_decoder(model)
 
 
 def configure_decode_path(model: DecodingModel, choice: str, kv_cache_dtype: str,
