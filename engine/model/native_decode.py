@@ -131,21 +131,20 @@ class NativeDecoder:
     # chunks (the default budget), prefill in process: 1,000 tokens 1.06 -> 0.91 s, 2,000 2.76 ->
     # 2.22 s, 4,000 9.0 -> 7.34 s on SDPA; 64-token chunks of 1,000 stay here (0.86 s against 1.51).
     max_chunk_attention = 1 << 16
-    # Where prefill chunks attend on the AMX-BF16 tiles (``tiles_prefill``), a step leaves this path
-    # when one of its chunks has more than ``tiles_chunk_rows`` rows and attends to more than
-    # ``tiles_chunk_attention`` pairs: the decode kernel re-reads the context for every row, in fp32
-    # vectors, while the tiles multiply 16 rows at a time (the Python layers pay per chunk instead:
-    # a call, a gather of its context, the tiles' build). SmolLM2 Q4_1, 2 threads, a prefix hit's
-    # step in process (native / Python layers, ms): 48 rows over 1,000 cached tokens 65 / 39, 12
-    # over 3,000 43 / 38, 24 over 1,000 36 / 30, 12 over 1,000 19 / 22, 16 over 512 18 / 21, two
-    # chunks of 9 over 1,000 33 / 38, verify-sized chunks (2 x 5 rows over 2,000) 28 / 47.
+    # Where prefill chunks attend on the AMX-BF16 tiles, so do a chunk's rows here (``chunk_tiles``:
+    # a chunk of more than ``tiles_chunk_rows`` rows, in the stack's own region, with the Python
+    # layers' numerics); verify-sized chunks stay on the decode kernel, which re-reads the context
+    # for each row in fp32 vectors. A step then stays here while its tiled chunks have at most
+    # ``tiles_step_rows`` rows (the others bounded by their pairs, as above). SmolLM2 Q4_1, 2
+    # threads, a prefix hit's step in process (decode kernel / tiles / Python layers, ms): 24 rows
+    # over 1,000 cached tokens 40 / 24 / 36, 72 over 1,000 103 / 46 / 58, 72 over 6,000 399 / 99 /
+    # 111, 128 over 3,000 451 / 100 / 113, 208 over 1,000 332 / 119 / 121 (about even).
     # `python -m bench.probes.chunk_path`; docs/benchmarks.md, "an eighteenth session".
     tiles_chunk_rows = 8
-    tiles_chunk_attention = 12288
+    tiles_step_rows = 128
 
     def __init__(self, layers: Sequence[DecoderLayer], final_norm: torch.Tensor, arch: ModelArch,
                  tiles_prefill: bool = False) -> None:
-        self.tiles_prefill = tiles_prefill
         bound = [layer_arguments(layer) for layer in layers]
         self.layers: list[tuple] = [args for args, _ in bound]  # decode_layer's constant arguments per layer
         self.max_rows = min(rows for _, rows in bound)
@@ -155,6 +154,9 @@ class NativeDecoder:
         for args in self.layers:
             self.stack.add_layer(*args)
         self.stack.set_final_norm(final_norm, arch.rms_norm_eps)
+        # tiles_prefill: the Python layers' prefill chunks attend on the AMX tiles (bf16 q, k and v);
+        # the stack then takes its chunks' rows there too (decode_layer.cpp, kTileRunMin = tiles_chunk_rows)
+        self.chunk_tiles = bool(self.stack.set_chunk_tiles(tiles_prefill))
 
     def rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
         """How many of this step's rows the native path takes (the first ones), or 0.
@@ -187,13 +189,17 @@ class NativeDecoder:
         return group.end
 
     def chunks_fit(self, chunks: Sequence[PrefillChunk]) -> bool:
-        """Whether these prefill chunks (each continuing a context in the pool) attend here at a
-        cost the Python layers would not beat (the limits above)."""
-        if sum((c.end - c.start) * c.context_len for c in chunks) > self.max_chunk_attention:
-            return False
-        return not self.tiles_prefill or all(c.end - c.start <= self.tiles_chunk_rows
-                                             or (c.end - c.start) * c.context_len <= self.tiles_chunk_attention
-                                             for c in chunks)
+        """Whether these prefill chunks (each continuing a context in the pool) run here at a cost
+        the Python layers would not beat: the chunks the decode kernel attends attend to at most
+        ``max_chunk_attention`` (query, key) pairs, and with ``chunk_tiles`` those of more than
+        ``tiles_chunk_rows`` rows, which attend on the tiles, have at most ``tiles_step_rows`` rows."""
+        pairs = tiled_rows = 0
+        for c in chunks:
+            if self.chunk_tiles and c.end - c.start > self.tiles_chunk_rows:
+                tiled_rows += c.end - c.start
+            else:
+                pairs += (c.end - c.start) * c.context_len
+        return pairs <= self.max_chunk_attention and tiled_rows <= self.tiles_step_rows
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], int8_activations: bool,

@@ -13,7 +13,9 @@
 // preempted before it takes one does not hold the others up), each chunk through the block
 // kernel of its part's format (quant_linear.h) or a plain fp32 dot product for dense parts.
 // Attention is the native paged kernel's per-sequence routine (paged_attention.h), one job per
-// (sequence, kv head).
+// (sequence, kv head); where DecodeStack::set_chunk_tiles allows it, a chunk's rows (more than
+// AttentionPlan::kTileRunMin of one sequence) are one job per kv head on the AMX tiles instead
+// (prefill_attention.h attend_rows_on_tiles: the Python layers' prefill numerics, bf16 q, k, v).
 //
 // The results equal engine/model/llama.py's DecoderLayer.forward up to fp32 summation order.
 #include <ATen/ATen.h>
@@ -33,6 +35,7 @@
 #include "cpu_features.h"  // KVSERVE_X86, cpu_has_avx2
 #include "kv_int4.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"  // attend_rows_on_tiles
 #include "quant_linear.h"
 #include "vec_math.h"      // silu_mul, rms_norm_row, rope_row
 
@@ -210,6 +213,9 @@ struct StepInputs {
   // H2O: [B * KVH, W] fp32, zeroed; the attention job (row b, kv head g) adds its heads' softmax
   // mass per table column to row b * KVH + g, every layer (one writer per row: no race).
   float* block_mass = nullptr;
+  // A chunk's rows (a run of more than kTileRunMin consecutive rows of one sequence) attend on the
+  // AMX tiles, prefill_attention's numerics (DecodeStack::set_chunk_tiles; fp16 / fp32 pools).
+  bool chunk_tiles = false;
 };
 
 // x [B, hidden]; cos/sin [B, head_dim] (the rows of the RoPE tables at each row's position,
@@ -289,6 +295,7 @@ struct AttentionPlan {
   struct Item {
     int64_t row, head;    // head: the kv head (whole-context items) or -1 (a chunk of every head)
     int64_t t0, t1, part; // a chunk's tokens and its index into part / stats
+    int64_t rows = 0;     // > 0: rows [row, row + rows), one sequence's, of kv head `head` on the tiles
   };
   std::vector<Item> items;
   std::vector<int64_t> chunked_rows;  // the rows attended in chunks
@@ -300,6 +307,13 @@ struct AttentionPlan {
     for (int64_t b = 0; b < in.B; ++b) {
       const int64_t len = in.lens[b];
       first_part[b] = parts;
+      const int64_t run = in.chunk_tiles && in.writes_first ? sequence_run(in, b) : 1;
+      if (run > kTileRunMin) {
+        for (int64_t g = 0; g < in.KVH; ++g) items.push_back({b, g, 0, 0, -1, run});
+        for (int64_t r = b + 1; r < b + run; ++r) first_part[r] = parts;
+        b += run - 1;
+        continue;
+      }
       if (!chunks || len <= kvserve::kAttnChunk) {
         for (int64_t g = 0; g < in.KVH; ++g) items.push_back({b, g, 0, len, -1});
         continue;
@@ -309,6 +323,20 @@ struct AttentionPlan {
         items.push_back({b, -1, t0, std::min(len, t0 + kvserve::kAttnChunk), parts++});
     }
     first_part[in.B] = parts;
+  }
+
+  // Rows a chunk of this many or fewer keep the decode kernel (speculative verify rows: 1 + k), as
+  // engine/model/native_decode.py's tiles_chunk_rows.
+  static constexpr int64_t kTileRunMin = 8;
+  // How many rows from b on are one sequence's consecutive tokens: each the next position (its
+  // length one more) over the same block table.
+  static int64_t sequence_run(const StepInputs& in, int64_t b) {
+    int64_t r = b + 1;
+    while (r < in.B && in.lens[r] == in.lens[r - 1] + 1 &&
+           std::equal(in.tables + b * in.W, in.tables + b * in.W + (in.lens[r] + in.block_size - 1) / in.block_size,
+                      in.tables + r * in.W))
+      ++r;
+    return r - b;
   }
 };
 
@@ -448,6 +476,13 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   for (int64_t job = 0; job < static_cast<int64_t>(items.size()); ++job) {
     const int64_t b = items[job].row, g = items[job].head;
     if constexpr (!int4) {
+      if (items[job].rows > 0) {  // a chunk's rows on the tiles (their K/V are in the pool: writes_first)
+        const int64_t n = items[job].rows;
+        const kvserve::PagedRows<T> rows{kp, vp, in.tables + b * in.W, in.block_size, KVH * D, g * D};
+        kvserve::attend_rows_on_tiles(s.qkv + b * l.qkv.N + g * G * D, l.qkv.N, G, D, rows, in.lens[b] - 1, n, in.scale,
+                                      s.attn + b * q_size + g * G * D, q_size);
+        continue;
+      }
       if (g < 0) {  // a chunk: its tokens, every head
         const AttentionPlan::Item& it = items[job];
         const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
@@ -542,6 +577,7 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
   at::Tensor norm;  // the model's final RMSNorm weight (set_final_norm), or undefined
   float norm_eps = 0.f;
+  bool chunk_tiles = false;  // set_chunk_tiles
   std::vector<at::Tensor> int4_next;  // int4_step's tensors, for the next run
   std::vector<at::Tensor> int4_keep;  // the current run's
 
@@ -564,6 +600,15 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // Whether a chunk's rows (more than AttentionPlan::kTileRunMin of one sequence in a step) attend on
+  // the AMX tiles (prefill_attention.h attend_rows_on_tiles), over fp16 or fp32 pools without H2O's
+  // mass; where the CPU or the head size does not allow it, they stay on the decode kernel.
+  // Returns whether they will.
+  bool set_chunk_tiles(bool on) {
+    chunk_tiles = on && kvserve::rows_on_tiles_supported(head_dim);
+    return chunk_tiles;
+  }
 
   // The model's final RMSNorm, which run() applies after the last layer when asked to.
   void set_final_norm(at::Tensor weight, double eps) {
@@ -689,6 +734,7 @@ struct DecodeStack : torch::CustomClassHolder {
                          : make_step(x, cos, sin, k_caches[0], slots, block_tables, context_lens, heads, scale,
                                      int8_activations);
     in.writes_first = writes_first;
+    in.chunk_tiles = chunk_tiles && !int4 && !block_mass;
     TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
                 ", the layers ", kv_heads, " of ", head_dim);
     std::optional<Int4Step> q4;
@@ -748,6 +794,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_final_norm", &DecodeStack::set_final_norm)
+      .def("set_chunk_tiles", &DecodeStack::set_chunk_tiles)
       .def("int4_step", &DecodeStack::int4_step)
       .def("run", &DecodeStack::run);
   m.def("decode_layer(Tensor(a!) x, Tensor input_norm, Tensor post_norm, float eps, "

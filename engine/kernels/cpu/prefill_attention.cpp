@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"          // KVSERVE_AMX (the compiler has the AMX intrinsics), configure_full_tiles
@@ -123,11 +124,13 @@ struct KVTiles {
     const int64_t padded = (L + kStep - 1) / kStep * kStep;
     k.resize(padded / 16 * (d / 32) * 512), v.resize(padded / 32 * (d / 16) * 512);
   }
-  void build_step(const at::Tensor& keys, const at::Tensor& values, int64_t h, int64_t t, int64_t L, int64_t d) {
+  // rows(values, r0, r1, dst): rows [r0, r1) of the keys (values: of the values) as bf16 rows of d at dst
+  template <typename Rows>
+  void build_step(const Rows& rows_of, int64_t t, int64_t L, int64_t d) {
     alignas(64) uint16_t stage[kStep * 256];  // the step's 64 rows as bf16 (d <= 256)
     const int64_t k0 = t * kStep, rows = std::min<int64_t>(kStep, L - k0);
     std::memset(stage + rows * d, 0, (kStep - rows) * d * 2);
-    to_bf16_rows(keys, h, k0, k0 + rows, stage, d);
+    rows_of(false, k0, k0 + rows, stage);
     // K: row p of block b's chunk c = dword c * 16 + p (dims 2p, 2p + 1) of keys 16 b .. 16 b + 15
     const __m512i by_key = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(static_cast<int>(d / 2)));
@@ -138,7 +141,7 @@ struct KVTiles {
           _mm512_storeu_si512(k.data() + (((4 * t + b) * (d / 32) + c) * 16 + p) * 32,
                               _mm512_i32gather_epi32(by_key, src, 4));
         }
-    to_bf16_rows(values, h, k0, k0 + rows, stage, d);
+    rows_of(true, k0, k0 + rows, stage);
     // V: row p of block b's slice s = keys 32 b + 2p, 32 b + 2p + 1 interleaved over dims 16 s ..
     alignas(64) int16_t order[32];
     for (int j = 0; j < 16; ++j) order[2 * j] = static_cast<int16_t>(j), order[2 * j + 1] = static_cast<int16_t>(32 + j);
@@ -303,7 +306,11 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, co
     for (int64_t r = 0; r < n; ++r)
       for (int64_t h = 0; h < heads; ++h) to_bf16_rows(q, h, r, r + 1, qb.data() + (r * heads + h) * d, d);
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t i = 0; i < kv_heads * steps; ++i) kv[i / steps].build_step(keys, values, i / steps, i % steps, L, d);
+    for (int64_t i = 0; i < kv_heads * steps; ++i) {
+      const int64_t h = i / steps;
+      kv[h].build_step([&](bool v, int64_t r0, int64_t r1, uint16_t* dst) { to_bf16_rows(v ? values : keys, h, r0, r1, dst, d); },
+                       i % steps, L, d);
+    }
     kvserve::configure_full_tiles();  // every tile 16 rows x 64 bytes (attend_tile's map)
     // KV head by KV head, so that a thread's next item reads the K and V tiles its last one left
     // in its L2 (at 4,000 keys one head's are 1 MB); within a head the longest (last) query blocks
@@ -319,6 +326,42 @@ at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& keys, co
     _tile_release();
   }
   return out;
+}
+
+// prefill_attention.h's attend_rows_on_tiles: the same build and row tiles as prefill_attention_amx,
+// over the pool's rows of one kv head, on the calling thread.
+template <typename T>
+void attend_rows_amx(const float* q, int64_t q_ld, int64_t G, int64_t d, const kvserve::PagedRows<T>& kv_rows,
+                     int64_t prefix, int64_t n, float scale, float* out, int64_t out_ld) {
+  const int64_t L = prefix + n, blocks = (n + kRows - 1) / kRows, steps = (L + kStep - 1) / kStep;
+  const at::ScalarType dtype = std::is_same<T, float>::value ? at::kFloat : at::kHalf;
+  thread_local KVTiles kv;
+  thread_local std::vector<uint16_t> qb;
+  kv.allocate(L, d);
+  qb.assign(blocks * kRows * G * d, 0);  // [rows, G, d] as bf16, zeros up to whole tiles of rows
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t j = 0; j < d; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + (i * G + h) * d + j),
+                            bf16_16(q + i * q_ld + h * d + j, at::kFloat));
+  const auto rows_of = [&](bool values, int64_t r0, int64_t r1, uint16_t* dst) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = kv_rows.row(values, r);
+      for (int64_t j = 0; j < d; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (r - r0) * d + j), bf16_16(row + j, dtype));
+    }
+  };
+  for (int64_t t = 0; t < steps; ++t) kv.build_step(rows_of, t, L, d);
+  const float scale_log2e = static_cast<float>(scale * 1.4426950408889634);
+  kvserve::configure_full_tiles();
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t b = blocks - 1; b >= 0; --b) {
+      const int64_t i0 = b * kRows, rows = std::min<int64_t>(kRows, n - i0);
+      for (int64_t d0 = 0; d0 < d; d0 += 64)
+        attend_tile(qb.data() + (i0 * G + h) * d, G * d * 2, kv, d, d0, std::min<int64_t>(64, d - d0) / 16, prefix + i0,
+                    rows, scale_log2e, out + i0 * out_ld + h * d + d0, out_ld);
+    }
+  _tile_release();
 }
 
 #pragma GCC pop_options
@@ -339,6 +382,24 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
 bool prefill_attention_supported() { return supported(); }
 
 }  // namespace
+
+bool kvserve::rows_on_tiles_supported(int64_t d) { return supported() && d % 32 == 0 && d <= 256; }
+
+template <typename T>
+void kvserve::attend_rows_on_tiles(const float* q, int64_t q_ld, int64_t G, int64_t d, const PagedRows<T>& kv_rows,
+                                   int64_t prefix, int64_t n, float scale, float* out, int64_t out_ld) {
+  TORCH_CHECK(rows_on_tiles_supported(d), "attend_rows_on_tiles needs AMX-BF16 and a head size that is a multiple of 32");
+#ifdef KVSERVE_AMX
+  attend_rows_amx(q, q_ld, G, d, kv_rows, prefix, n, scale, out, out_ld);
+#else
+  (void)q, (void)q_ld, (void)G, (void)kv_rows, (void)prefix, (void)n, (void)scale, (void)out, (void)out_ld;
+#endif
+}
+template void kvserve::attend_rows_on_tiles<float>(const float*, int64_t, int64_t, int64_t, const PagedRows<float>&,
+                                                   int64_t, int64_t, float, float*, int64_t);
+template void kvserve::attend_rows_on_tiles<c10::Half>(const float*, int64_t, int64_t, int64_t,
+                                                       const PagedRows<c10::Half>&, int64_t, int64_t, float, float*,
+                                                       int64_t);
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("prefill_attention(Tensor q, Tensor keys, Tensor values, int prefix, float scale) -> Tensor");

@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 namespace kvserve {
@@ -27,5 +29,29 @@ inline void check_prefill_attention_args(const at::Tensor& q, const at::Tensor& 
     TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "float32, float16 or bfloat16 tensors");
   }
 }
+
+// One kv head's rows of a paged pool ([blocks, block_size, kv_heads, d], T = float or c10::Half):
+// key or value t of a sequence whose block table is `table`.
+template <typename T>
+struct PagedRows {
+  const T *k, *v;
+  const int64_t* table;
+  int64_t block_size, token_stride, head_offset;  // elements: between tokens, to the kv head
+  const T* row(bool values, int64_t t) const {
+    return (values ? v : k) + (table[t / block_size] * block_size + t % block_size) * token_stride + head_offset;
+  }
+};
+
+// Whether attend_rows_on_tiles runs here for head size d (AMX-BF16, as prefill_attention).
+bool rows_on_tiles_supported(int64_t d);
+
+// The native decode stack's chunk rows on the AMX tiles (prefill_attention.cpp): n consecutive
+// rows of one sequence at positions prefix .. prefix + n - 1, G query heads of one kv head (row i's
+// head h at q + i q_ld + h d, fp32), over that kv head's keys and values 0 .. prefix + n - 1 in the
+// pool -> out + i out_ld + h d. prefill_attention's numerics (q, k and v rounded to bf16), one
+// thread (it configures the tiles and releases them). Needs rows_on_tiles_supported(d).
+template <typename T>
+void attend_rows_on_tiles(const float* q, int64_t q_ld, int64_t G, int64_t d, const PagedRows<T>& kv_rows,
+                          int64_t prefix, int64_t n, float scale, float* out, int64_t out_ld);
 
 }  // namespace kvserve

@@ -194,19 +194,21 @@ def test_prefill_rows_probe_smoke():
 
 
 def test_chunk_path_smoke():
-    """Each path runs a prefix hit's step as forced (through NativeDecoder's limits, which the
-    probe restores, as it does the method it watches); the rows and pairs are the uncached tail's."""
+    """Each side runs a prefix hit's step as forced (through NativeDecoder's limits, which the
+    probe restores, as it does the method it watches); the rows and pairs are the uncached tail's.
+    The tiny model's head size (16) is not the tiles': no tiles side."""
     from bench.probes.chunk_path import compare_chunk_paths
 
     engine = tiny_engine(tiny_hf_model(), block_size=4, num_blocks=256)
     native = engine.runner.model.native
-    limits = (native.max_chunk_attention, native.tiles_prefill)
+    limits = (native.max_chunk_attention, native.tiles_step_rows, native.chunk_tiles)
     rows = compare_chunk_paths(engine, contexts=[10], news=[1, 2], rounds=2)
     assert [(r["rows"], r["pairs"]) for r in rows] == [(3, 3 * 11), (4, 4 * 12)]  # 10 % 4 = 2 uncached
-    assert all(r["native_ran"] for r in rows)  # within the dense model's max_rows (4)
-    assert all(r["native_ms"] > 0 and r["python_ms"] > 0 for r in rows)
-    assert compare_chunk_paths(engine, contexts=[10], news=[5], rounds=2)[0]["native_ran"] is False  # 7 rows > 4
+    assert all(r["as_forced"] for r in rows)  # within the dense model's max_rows (4)
+    assert all(r["kernel_ms"] > 0 and r["python_ms"] > 0 and r["tiles_ms"] is None for r in rows)
+    assert compare_chunk_paths(engine, contexts=[10], news=[5], rounds=2)[0]["as_forced"] is False  # 7 rows > 4
     assert all(r["rule"] == "native" for r in rows)  # few pairs: the native path's
-    assert (native.max_chunk_attention, native.tiles_prefill) == limits and "rows" not in vars(native)
+    assert (native.max_chunk_attention, native.tiles_step_rows, native.chunk_tiles) == limits
+    assert "rows" not in vars(native)
     engine.kv_cache.check_invariants()
     assert not engine.has_unfinished() and engine.kv_cache.usage == 0  # every block back

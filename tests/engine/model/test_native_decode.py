@@ -350,28 +350,66 @@ def test_speculative_verify_rows_run_natively(kv_cache_dtype):
         assert engine.kv_cache.usage == 0
 
 
-def test_many_row_chunks_leave_for_the_tiles():
-    """Where prefill chunks multiply on AMX tiles (``tiles_prefill``, the attention backend's
-    answer), a step runs in the Python layers once one of its chunks has more than
-    ``tiles_chunk_rows`` rows and attends to more than ``tiles_chunk_attention`` (query, key)
-    pairs; verify-sized chunks stay; without tiles only ``max_chunk_attention`` bounds a step."""
+def test_which_chunk_steps_the_native_path_takes():
+    """Chunks the decode kernel attends (all of them without ``chunk_tiles``; with it, those of at
+    most ``tiles_chunk_rows`` rows, as verify rows are) are bounded by their (query, key) pairs,
+    ``max_chunk_attention`` in all; with ``chunk_tiles`` the larger chunks attend on the tiles and
+    are bounded by their rows, ``tiles_step_rows`` in all."""
     from engine.attention import PrefillChunk
 
-    model = tiny_engine(tiny_hf_model()).runner.model
-    native = model.native
-    assert native.tiles_prefill is model.attn.prefill_on_tiles(model.arch.head_dim) is False  # fp32 prefill
+    native = tiny_engine(tiny_hf_model()).runner.model.native
+    assert native.chunk_tiles is False  # fp32 prefill attention (and a head size the tiles do not take)
 
     def chunks(*shapes: tuple[int, int]) -> list[PrefillChunk]:  # (rows, context length) each
         return [PrefillChunk(0, rows, ctx, torch.zeros(1, dtype=torch.long), None) for rows, ctx in shapes]
 
-    hit, verify, small = chunks((24, 1000)), chunks((5, 3000), (5, 3000)), chunks((9, 1000), (9, 1000))
-    assert native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(small)
-    assert not native.chunks_fit(chunks((70, 1000)))  # past max_chunk_attention
-    native.tiles_prefill = True
-    assert not native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(small)
-    assert native.chunks_fit(chunks((12, 1000))) and not native.chunks_fit(chunks((13, 1000)))  # 12,288 pairs
-    assert not native.chunks_fit(small + chunks((9, 1400)))  # one chunk past both limits takes the step
-    assert not native.chunks_fit(chunks(*[(5, 3000)] * 5))  # verify-sized, but past max_chunk_attention
+    hit, verify = chunks((48, 1000)), chunks((5, 3000), (5, 3000))
+    assert native.chunks_fit(hit) and native.chunks_fit(verify)
+    assert not native.chunks_fit(chunks((70, 1000)))  # 70,000 pairs
+    native.chunk_tiles = True
+    assert native.chunks_fit(hit) and native.chunks_fit(verify) and native.chunks_fit(chunks((70, 1000)))
+    assert native.chunks_fit(chunks((128, 6000))) and not native.chunks_fit(chunks((100, 500), (29, 500)))
+    assert native.chunks_fit(verify + chunks((120, 3000)))  # 30,000 pairs on the decode kernel, 120 tiled rows
+    assert not native.chunks_fit(chunks(*[(5, 3000)] * 5))  # verify-sized: past max_chunk_attention
+
+
+def test_chunk_rows_on_the_tiles_equal_the_python_layers(tmp_path):
+    """Where prefill chunks attend on the AMX tiles (int8 activations, so ``prefill_attention_dtype``
+    auto is bf16), the native path takes a chunk's rows (more than ``tiles_chunk_rows`` of one
+    sequence) onto the tiles inside its call (``DecodeStack.set_chunk_tiles``): every row's logits
+    equal the Python layers' (the same kernel and bf16 rounding over the same fp16 pool; tolerance
+    1e-3 as for int8 activations, whose codes may round apart), for two prefix hits of 14 and 22
+    rows in one step, and greedy output is the Python path's. Elsewhere the stack refuses the
+    tiles and the test says so."""
+    from cache import CacheConfig
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine
+    from scheduler.config import SchedulerConfig
+
+    path = write_gguf(tmp_path / "q4_1.gguf", TINY, uniform(BlockFormat.Q4_1), seed=7)
+    prefix = [(11 * j) % 120 + 3 for j in range(30)]  # 28 tokens in whole 4-token blocks, cached
+    hits = [prefix + [(7 * j) % 120 + 3 for j in range(12)], prefix + [(5 * j) % 120 + 3 for j in range(20)]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = {}
+    for native in (False, True):
+        engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=str(path), num_threads=1, weights_resident="blocks", activation_quant="int8"),
+            cache=CacheConfig(block_size=4, num_blocks=256),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8)))
+        model = engine.runner.model
+        if not model.native.chunk_tiles:
+            pytest.skip("the AMX-BF16 tiles do not run on this CPU (prefill_attention_dtype auto is float32 here)")
+        comparer = PathComparer(model, rtol=1e-3) if native else None
+        if not native:
+            model.native.max_chunk_attention = 0  # every chunk step on the Python layers
+        engine.generate([prefix], params)
+        outputs[native] = [o.token_ids for o in engine.generate(hits, params)]
+        if native:
+            assert not comparer.failures, comparer.failures[0]
+            assert 14 + 22 in comparer.chunk_steps  # both hits' rows in one native step
+        engine.kv_cache.check_invariants()
+        assert engine.kv_cache.usage == 0
+    assert outputs[True] == outputs[False]
 
 
 def test_larger_batches_fall_back_to_python():
