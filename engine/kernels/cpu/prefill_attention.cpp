@@ -4,7 +4,9 @@
 // per chunk. q, k and v are rounded to bf16 (as torch's `.to(torch.bfloat16)` rounds them: to
 // nearest, ties to even); the scores, the softmax and its sums are fp32; the probabilities are
 // rounded to bf16 for the P V product, as torch's CPU flash kernel does on bf16 inputs; the
-// output is fp32 [n, heads, head_dim].
+// output is fp32 [n, heads, head_dim]. attend_rows_on_tiles (prefill_attention.h) runs the same
+// build and row tiles for the native decode stack (decode_layer.cpp): a chunk's rows over a paged
+// pool's rows of one kv head, through the block table, on one thread.
 //
 // Why: torch's flash kernel on the same bf16 inputs took 5.8 ms a layer for a 1,000-token
 // prompt's two chunks (9 heads of 64 over 3 KV heads, 2 threads), ~1/3 of the prefill; its
