@@ -373,11 +373,12 @@ def test_which_chunk_steps_the_native_path_takes():
     assert not native.chunks_fit(chunks(*[(5, 3000)] * 5))  # verify-sized: past max_chunk_attention
 
 
-def test_chunk_rows_on_the_tiles_equal_the_python_layers(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32"])  # the default pool, and fp32 rounded to bf16
+def test_chunk_rows_on_the_tiles_equal_the_python_layers(tmp_path, kv_cache_dtype):
     """Where prefill chunks attend on the AMX tiles (int8 activations, so ``prefill_attention_dtype``
     auto is bf16), the native path takes a chunk's rows (more than ``tiles_chunk_rows`` of one
     sequence) onto the tiles inside its call (``DecodeStack.set_chunk_tiles``): every row's logits
-    equal the Python layers' (the same kernel and bf16 rounding over the same fp16 pool; tolerance
+    equal the Python layers' (the same kernel and bf16 rounding over the same pool; tolerance
     1e-3 as for int8 activations, whose codes may round apart), for two prefix hits of 14 and 22
     rows in one step, and greedy output is the Python path's. Elsewhere the stack refuses the
     tiles and the test says so."""
@@ -394,7 +395,7 @@ def test_chunk_rows_on_the_tiles_equal_the_python_layers(tmp_path):
     for native in (False, True):
         engine = LLMEngine(EngineConfig(
             model=ModelConfig(model=str(path), num_threads=1, weights_resident="blocks", activation_quant="int8"),
-            cache=CacheConfig(block_size=4, num_blocks=256),
+            cache=CacheConfig(block_size=4, num_blocks=256, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8)))
         model = engine.runner.model
         if not model.native.chunk_tiles:
