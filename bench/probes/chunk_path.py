@@ -40,7 +40,7 @@ def _step_ms(engine: Any, prompts: list[list[int]], tag: str) -> float:
 
 def _force(native: Any, side: str, tiles: bool) -> None:
     """The limits that send every chunk step to ``side``."""
-    on_tiles = native.stack.set_chunk_tiles(side == "tiles" and tiles)
+    on_tiles = native.stack.set_chunk_tiles(side == "tiles" and tiles, native.tiles_chunk_rows)
     native.chunk_tiles = bool(on_tiles)
     native.max_chunk_attention = -1 if side == "python" else UNLIMITED
     native.tiles_step_rows = -1 if side == "python" else UNLIMITED
@@ -59,7 +59,7 @@ def compare_chunk_paths(engine: Any, contexts: list[int], news: list[int], seque
     if native is None:
         raise ValueError("the native decode path is not in use (decode_path python, or it cannot run here)")
     saved = (native.max_chunk_attention, native.tiles_step_rows, native.chunk_tiles)
-    tiles = bool(native.stack.set_chunk_tiles(True))
+    tiles = bool(native.stack.set_chunk_tiles(True, native.tiles_chunk_rows))
     sides = [side for side in SIDES if side != "tiles" or tiles]
     block, vocab = engine.config.cache.block_size, engine.runner.model.arch.vocab_size
     rng = random.Random(seed)
@@ -76,7 +76,7 @@ def compare_chunk_paths(engine: Any, contexts: list[int], news: list[int], seque
 
     def restore() -> None:
         native.max_chunk_attention, native.tiles_step_rows, chunk_tiles = saved
-        native.chunk_tiles = bool(native.stack.set_chunk_tiles(chunk_tiles))
+        native.chunk_tiles = bool(native.stack.set_chunk_tiles(chunk_tiles, native.tiles_chunk_rows))
 
     native.rows = spy
     try:

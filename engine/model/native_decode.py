@@ -155,8 +155,8 @@ class NativeDecoder:
             self.stack.add_layer(*args)
         self.stack.set_final_norm(final_norm, arch.rms_norm_eps)
         # tiles_prefill: the Python layers' prefill chunks attend on the AMX tiles (bf16 q, k and v);
-        # the stack then takes its chunks' rows there too (decode_layer.cpp, kTileRunMin = tiles_chunk_rows)
-        self.chunk_tiles = bool(self.stack.set_chunk_tiles(tiles_prefill))
+        # the stack then takes its chunks' rows there too, those of more than tiles_chunk_rows rows
+        self.chunk_tiles = bool(self.stack.set_chunk_tiles(tiles_prefill, self.tiles_chunk_rows))
 
     def rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
         """How many of this step's rows the native path takes (the first ones), or 0.

@@ -14,7 +14,7 @@
 // kernel of its part's format (quant_linear.h) or a plain fp32 dot product for dense parts.
 // Attention is the native paged kernel's per-sequence routine (paged_attention.h), one job per
 // (sequence, kv head); where DecodeStack::set_chunk_tiles allows it, a chunk's rows (more than
-// AttentionPlan::kTileRunMin of one sequence) are one job per kv head on the AMX tiles instead
+// its `above` rows of one sequence) are one job per kv head on the AMX tiles instead
 // (prefill_attention.h attend_rows_on_tiles: the Python layers' prefill numerics, bf16 q, k, v).
 //
 // The results equal engine/model/llama.py's DecoderLayer.forward up to fp32 summation order.
@@ -213,9 +213,10 @@ struct StepInputs {
   // H2O: [B * KVH, W] fp32, zeroed; the attention job (row b, kv head g) adds its heads' softmax
   // mass per table column to row b * KVH + g, every layer (one writer per row: no race).
   float* block_mass = nullptr;
-  // A chunk's rows (a run of more than kTileRunMin consecutive rows of one sequence) attend on the
-  // AMX tiles, prefill_attention's numerics (DecodeStack::set_chunk_tiles; fp16 / fp32 pools).
+  // A chunk's rows (a run of more than tile_runs_above consecutive rows of one sequence) attend on
+  // the AMX tiles, prefill_attention's numerics (DecodeStack::set_chunk_tiles; fp16 / fp32 pools).
   bool chunk_tiles = false;
+  int64_t tile_runs_above = 0;
 };
 
 // x [B, hidden]; cos/sin [B, head_dim] (the rows of the RoPE tables at each row's position,
@@ -307,8 +308,9 @@ struct AttentionPlan {
     for (int64_t b = 0; b < in.B; ++b) {
       const int64_t len = in.lens[b];
       first_part[b] = parts;
-      const int64_t run = in.chunk_tiles && in.writes_first ? sequence_run(in, b) : 1;
-      if (run > kTileRunMin) {
+      const bool tiles = in.chunk_tiles && in.writes_first;  // a chunk's rows only come with writes_first
+      const int64_t run = tiles ? sequence_run(in, b) : 1;
+      if (tiles && run > in.tile_runs_above) {
         for (int64_t g = 0; g < in.KVH; ++g) items.push_back({b, g, 0, 0, -1, run});
         for (int64_t r = b + 1; r < b + run; ++r) first_part[r] = parts;
         b += run - 1;
@@ -325,9 +327,6 @@ struct AttentionPlan {
     first_part[in.B] = parts;
   }
 
-  // Rows a chunk of this many or fewer keep the decode kernel (speculative verify rows: 1 + k), as
-  // engine/model/native_decode.py's tiles_chunk_rows.
-  static constexpr int64_t kTileRunMin = 8;
   // How many rows from b on are one sequence's consecutive tokens: each the next position (its
   // length one more) over the same block table.
   static int64_t sequence_run(const StepInputs& in, int64_t b) {
@@ -578,6 +577,7 @@ struct DecodeStack : torch::CustomClassHolder {
   at::Tensor norm;  // the model's final RMSNorm weight (set_final_norm), or undefined
   float norm_eps = 0.f;
   bool chunk_tiles = false;  // set_chunk_tiles
+  int64_t tile_runs_above = 0;
   std::vector<at::Tensor> int4_next;  // int4_step's tensors, for the next run
   std::vector<at::Tensor> int4_keep;  // the current run's
 
@@ -601,12 +601,14 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-  // Whether a chunk's rows (more than AttentionPlan::kTileRunMin of one sequence in a step) attend on
-  // the AMX tiles (prefill_attention.h attend_rows_on_tiles), over fp16 or fp32 pools without H2O's
-  // mass; where the CPU or the head size does not allow it, they stay on the decode kernel.
-  // Returns whether they will.
-  bool set_chunk_tiles(bool on) {
+  // Whether a chunk's rows (more than `above` of one sequence in a step; fewer, e.g. speculative
+  // verify rows, keep the decode kernel) attend on the AMX tiles (prefill_attention.h
+  // attend_rows_on_tiles), over fp16 or fp32 pools without H2O's mass; where the CPU or the head size
+  // does not allow it, they stay on the decode kernel. Returns whether they will.
+  bool set_chunk_tiles(bool on, int64_t above) {
+    TORCH_CHECK(above >= 0, "set_chunk_tiles: above must be >= 0");
     chunk_tiles = on && kvserve::rows_on_tiles_supported(head_dim);
+    tile_runs_above = above;
     return chunk_tiles;
   }
 
@@ -735,6 +737,7 @@ struct DecodeStack : torch::CustomClassHolder {
                                      int8_activations);
     in.writes_first = writes_first;
     in.chunk_tiles = chunk_tiles && !int4 && !block_mass;
+    in.tile_runs_above = tile_runs_above;
     TORCH_CHECK(in.KVH == kv_heads && in.D == head_dim, "the caches hold ", in.KVH, " kv heads of ", in.D,
                 ", the layers ", kv_heads, " of ", head_dim);
     std::optional<Int4Step> q4;

@@ -211,8 +211,9 @@ struct TileLines;
 // accumulators stay in registers across the tokens and each row slice is loaded once for all
 // heads. attend_avx2's order (a group over its whole range): with ahead_bytes > 0, rows[t +
 // kRowsAhead][ahead0 ..] is prefetched, that many bytes. Tiles (kAdd, attend_tiles): the sums are
-// added to out, and each token asks `lines` for its rate. (The prefetches are arguments, not a callable, so that the one-group jobs compile to
-// the code they were measured with: passed a lambda, GCC laid that code out anew.)
+// added to out, and each token asks `lines` for its rate. (The prefetches are arguments, not a
+// callable, so that the one-group jobs compile to the code they were measured with: passed a
+// lambda, GCC laid that code out anew.)
 template <int NG, int NV, bool kAdd, typename T>
 inline void weighted_sum(const T* const* rows, int64_t L, const float* p, int64_t ldP, int64_t offset, float* out,
                          int64_t D, int64_t ahead0, int64_t ahead_bytes, TileLines<T>* lines) {

@@ -106,16 +106,19 @@ inline __m256i bf16_16(const void* src, at::ScalarType dtype) {
   return (__m256i)_mm512_cvtneps_pbh(f);
 }
 
+// d values (a multiple of 16) of `dtype` at src as bf16 at dst.
+inline void row_to_bf16(const void* src, at::ScalarType dtype, int64_t d, uint16_t* dst) {
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  for (int64_t j = 0; j < d; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), bf16_16(static_cast<const uint8_t*>(src) + j * es, dtype));
+}
+
 // rows [r0, r1) of a [rows, heads, d] / [L, kv_heads, d] tensor (last dim contiguous), head h, as
 // bf16 rows of d into dst (row stride ld elements).
 void to_bf16_rows(const at::Tensor& t, int64_t h, int64_t r0, int64_t r1, uint16_t* dst, int64_t ld) {
-  const int64_t d = t.size(2), es = t.element_size();
+  const int64_t es = t.element_size();
   const auto* base = static_cast<const uint8_t*>(t.data_ptr()) + h * t.stride(1) * es;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = base + r * t.stride(0) * es;
-    for (int64_t j = 0; j < d; j += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (r - r0) * ld + j), bf16_16(row + j * es, t.scalar_type()));
-  }
+  for (int64_t r = r0; r < r1; ++r) row_to_bf16(base + r * t.stride(0) * es, t.scalar_type(), t.size(2), dst + (r - r0) * ld);
 }
 
 // One KV head's keys and values re-laid for the tiles (see the file comment), built a step of 64
@@ -342,16 +345,9 @@ void attend_rows_amx(const float* q, int64_t q_ld, int64_t G, int64_t d, const k
   kv.allocate(L, d);
   qb.assign(blocks * kRows * G * d, 0);  // [rows, G, d] as bf16, zeros up to whole tiles of rows
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < G; ++h)
-      for (int64_t j = 0; j < d; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + (i * G + h) * d + j),
-                            bf16_16(q + i * q_ld + h * d + j, at::kFloat));
+    for (int64_t h = 0; h < G; ++h) row_to_bf16(q + i * q_ld + h * d, at::kFloat, d, qb.data() + (i * G + h) * d);
   const auto rows_of = [&](bool values, int64_t r0, int64_t r1, uint16_t* dst) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* row = kv_rows.row(values, r);
-      for (int64_t j = 0; j < d; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (r - r0) * d + j), bf16_16(row + j, dtype));
-    }
+    for (int64_t r = r0; r < r1; ++r) row_to_bf16(kv_rows.row(values, r), dtype, d, dst + (r - r0) * d);
   };
   for (int64_t t = 0; t < steps; ++t) kv.build_step(rows_of, t, L, d);
   const float scale_log2e = static_cast<float>(scale * 1.4426950408889634);
