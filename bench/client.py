@@ -188,13 +188,22 @@ async def _one(slot: list[_Connection | None], target: _Target, req: StreamReque
     rec.send_s = sent - start
     conn = slot[0]
     try:
-        if conn is None or conn.closed:
-            _, conn = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
-                _Connection, target.host, target.port), timeout=30)
-            slot[0] = conn
-        assert conn.transport is not None
-        conn.transport.write(request)
-        lines = (await conn.take_until(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        for fresh in ((False, True) if conn is not None and not conn.closed else (True,)):
+            if fresh:
+                _, conn = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+                    _Connection, target.host, target.port), timeout=30)
+                slot[0] = conn
+            assert conn is not None and conn.transport is not None
+            conn.transport.write(request)
+            try:
+                lines = (await conn.take_until(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                break
+            except ConnectionError:
+                # a kept-alive connection the server has since closed (llama-server's cpp-httplib
+                # ends one after 5 requests or 5 idle seconds): sent again on a new one, as httpx does
+                if fresh:
+                    raise
+                conn.close()
         status = int(lines[0].split(" ", 2)[1])
         head = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
         if status != 200:

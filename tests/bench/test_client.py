@@ -108,10 +108,13 @@ def test_an_error_chunk_ends_the_request_with_its_message(sse_server: Any) -> No
 
 
 class _BareServer:
-    """HTTP/1.0-style responses on a bare socket, each request on a fresh connection: 'close' sends
-    a body with neither Content-Length nor chunks, read to the close; 'drop' closes mid-stream."""
+    """Responses on a bare socket, one request a connection: 'close' sends an HTTP/1.0 body with
+    neither Content-Length nor chunks, read to the close; 'drop' closes mid-stream; 'keep' answers
+    in HTTP/1.1 chunks as if the connection stayed open, then closes it when the next request comes
+    (what llama-server's cpp-httplib does after its fifth request on a connection)."""
 
     def __init__(self) -> None:
+        self.accepted = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -123,6 +126,7 @@ class _BareServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.accepted += 1
             with conn:
                 data = b""
                 while b"\r\n\r\n" not in data:
@@ -132,6 +136,12 @@ class _BareServer:
                 while len(body) < length:
                     body += conn.recv(65536)
                 mode = json.loads(body)["mode"]
+                if mode == "keep":  # HTTP/1.1, kept alive; the next request on it is dropped unanswered
+                    events = _sse({"choices": [{"index": 0, "text": "k"}]}) + _sse(b"[DONE]")
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" +
+                                 b"%x\r\n" % len(events) + events + b"\r\n0\r\n\r\n")
+                    conn.recv(65536)
+                    continue
                 conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
                 conn.sendall(_sse({"choices": [{"index": 0, "text": "a"}]}))
                 if mode == "close":
@@ -156,6 +166,19 @@ def test_bodies_read_to_the_close_and_connections_dropped_mid_stream() -> None:
         # the dropped stream keeps what came and says why it ended; the worker then reconnects
         assert records[1].text == "a" and records[1].error is not None and records[1].output_tokens == 0
         assert (records[2].error, records[2].text) == (None, "ab")
+    finally:
+        bare.close()
+
+
+def test_a_request_on_a_connection_the_server_dropped_is_sent_again() -> None:
+    bare = _BareServer()
+    try:
+        server = Server(f"http://127.0.0.1:{bare.port}", "m", "url")
+        req = completion_request([1], 1)
+        keep = type(req)(req.endpoint, {**req.payload, "mode": "keep"})
+        records, _ = run_load(server, [keep, keep, keep], 1)
+        assert [(r.error, r.text) for r in records] == [(None, "k")] * 3
+        assert bare.accepted == 3  # each later request met a dropped connection and went on a new one
     finally:
         bare.close()
 
