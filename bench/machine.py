@@ -120,19 +120,39 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def _tree(pid: int) -> dict[int, float]:
+    """``pid`` and its live descendants, each with its CPU seconds so far (Linux /proc)."""
+    if not Path("/proc").is_dir():
+        return {}
+    stats = {int(d): st for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d))) is not None}
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats and p not in found:
+            found[p] = stats[p][1]
+            todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return found
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds used so far by ``pid`` and its live descendants (a server's frontend, engine
     core and tensor-parallel ranks). Linux only; 0.0 elsewhere."""
-    if not Path("/proc").is_dir():
-        return 0.0
-    stats = {int(d): st for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d))) is not None}
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += stats[p][1]
-            todo += [c for c, (ppid, _) in stats.items() if ppid == p]
-    return total
+    return sum(_tree(pid).values())
+
+
+def tree_memory_mib(pid: int) -> dict[str, float] | None:
+    """Resident memory of ``pid`` and its live descendants, MiB: ``rss`` now and ``peak`` (the sum
+    of each process's high-water mark, VmHWM: at least the tree's own peak). None where /proc
+    has neither (not Linux, or the process is gone)."""
+    rss = peak = 0
+    for p in _tree(pid):
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        rss += int(fields.get("VmRSS", "0 kB").split()[0])
+        peak += int(fields.get("VmHWM", "0 kB").split()[0])
+    return {"rss": round(rss / 1024, 1), "peak": round(peak / 1024, 1)} if rss else None
 
 
 def _own_cpu_s() -> float:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from bench.agreement import AGREEMENT_TARGET, AGREEMENT_TEXT, engine_top1, per_prefix_top1, top1_agreement
 from bench.client import completion_request, run_load, summarize
-from bench.machine import LoadMonitor, machine_info
+from bench.machine import LoadMonitor, machine_info, tree_memory_mib
 from bench.peers.base import PeerUnavailable
 from bench.peers.gguf_files import gguf_weights
 from bench.peers.llama_server import (LlamaServerConfig, check_available, ctx_size_for, llama_server_next_token,
@@ -101,12 +101,18 @@ def single_target(context: int) -> float:
 
 def _measure(server: Server, requests: Sequence[Any], concurrency: int, label: str, progress: bool) -> dict[str, Any]:
     payloads = [completion_request(r.prompt_token_ids, r.output_len) for r in requests]
+    before = tree_memory_mib(server.pid) if server.pid else None
     with Progress(len(payloads), label, progress) as bar, LoadMonitor([server.pid]) as mon:
         recs, elapsed = run_load(server, payloads, concurrency, bar)
     s = summarize(recs, elapsed)
     if s["errors"]:
         raise RuntimeError(f"{label}: {s['errors']} request(s) failed: {s['first_error']}")
     s["foreign_cpu_cores"] = mon.foreign_cores
+    # the server's resident memory (its process tree) after the run, what the run added, and the peak
+    after = tree_memory_mib(server.pid) if server.pid else None
+    s["rss_mib"] = after["rss"] if after else None
+    s["rss_growth_mib"] = round(after["rss"] - before["rss"], 1) if after and before else None
+    s["peak_rss_mib"] = after["peak"] if after else None
     return s
 
 
@@ -293,13 +299,15 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
             ratios[f"ttft_ctx{ctx_len}"] = t
             checks.append(check(f"TTFT at {ctx_len} prompt tokens, llama-server / kvserve (how many times lower)", t,
                                 TTFT_TARGET, skipped=skipped if t is None else None,
-                                detail=f"kvserve {k['ttft_p50_ms']} vs {ll['ttft_p50_ms']} ms p50 (median runs)"
-                                       if ll else ""))
+                                detail=f"kvserve {k['ttft_p50_ms']} vs {ll['ttft_p50_ms']} ms p50 (median runs);"
+                                       f" resident MiB after the run (added by it): kvserve {_mem(k)},"
+                                       f" llama-server {_mem(ll)}" if ll else ""))
         for side, s in (("kvserve", k), ("llama-server", ll)):
             if s:
                 rows.append([f"single, {ctx_len} ctx", side, weights.get(side, {}).get("label", "-"),
                              _mb(weights.get(side)), s["stream_decode_tps"], s["tpot_p50_ms"], s["ttft_p50_ms"],
-                             s["output_tokens"], r if side == "kvserve" else "", _f(s.get("foreign_cpu_cores"))])
+                             s["output_tokens"], r if side == "kvserve" else "", _mem(s),
+                             _f(s.get("foreign_cpu_cores"))])
     for c, pair in streams.items():
         k, ll = pair["kvserve"], pair.get("llama-server")
         r = _pair_ratio(pair, "output_tps")
@@ -311,7 +319,7 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
             if s:
                 rows.append([f"{c} streams", side, weights.get(side, {}).get("label", "-"), _mb(weights.get(side)),
                              s["output_tps"], s["tpot_p50_ms"], s["ttft_p50_ms"], s["output_tokens"],
-                             r if side == "kvserve" else "", _f(s.get("foreign_cpu_cores"))])
+                             r if side == "kvserve" else "", _mem(s), _f(s.get("foreign_cpu_cores"))])
     if not single and not streams:
         checks += [check(f"single-stream decode at {c} prompt tokens, kvserve / llama-server", None, single_target(c),
                          skipped=skipped) for c in contexts]
@@ -336,7 +344,7 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
                                 detail=f"{main['agree']} of {main['positions']} positions of a fixed text"))
     tables = [table("llama-server: kvserve and llama.cpp's server, same client and requests",
                     ["workload", "server", "weights", "MB read / token", "tok/s", "TPOT p50 ms", "TTFT p50 ms",
-                     "output tokens", "kvserve / llama-server", "other procs (cores)"], rows)]
+                     "output tokens", "kvserve / llama-server", "resident MiB (added)", "other procs (cores)"], rows)]
     if agree_rows:
         tables.append(table("llama-server: teacher-forced top-1 agreement over a fixed text",
                             ["pair", "agree", "fraction", "first differences (reference vs candidate)"], agree_rows))
@@ -377,6 +385,14 @@ def _result(server: Server, engine: Any, hf_model: Any, threads: int, single: di
 def _rounds(pair: dict[str, Any]) -> str:
     ratios = pair.get("round_ratios", [])
     return f" (median run); rounds: {', '.join(f'{r:.3f}x' for r in ratios if r is not None)}" if len(ratios) > 1 else ""
+
+
+def _mem(s: dict[str, Any] | None) -> str:
+    """A run's resident MiB after it, with what the run added: '812 (+3)'; '-' where not measured."""
+    if not s or s.get("rss_mib") is None:
+        return "-"
+    growth = s.get("rss_growth_mib")
+    return f"{s['rss_mib']:,.0f}" + (f" ({growth:+,.0f})" if growth is not None else "")
 
 
 def _f(v: Any) -> str:

@@ -1,4 +1,4 @@
-"""bench.scale's fairness tools: one core per replica, and a process tree's CPU time."""
+"""bench.scale's fairness tools: one core per replica, and a process tree's CPU time and memory."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from bench.machine import tree_memory_mib
 from bench.scale import CorePlan, CpuUse, plan_cores, tree_cpu_seconds
 
 
@@ -47,6 +48,27 @@ def test_tree_cpu_seconds_counts_descendants():
     assert tree_cpu_seconds(parent.pid) == 0.0  # gone
     use = CpuUse("replica0", cpu_s=9.0, wall_s=10.0, output_tokens=120, cores="0")
     assert use.utilization == pytest.approx(0.9) and "90% of one core, 120 output tokens" in use.describe()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_tree_memory_counts_descendants():
+    """A parent that sleeps and a grandchild that touches 200 MiB: the tree's resident memory
+    holds the grandchild's, which the parent's own does not."""
+    hold = "b = bytearray(200 << 20)\nopen(0).read()"  # zero-filled pages, all touched; held until stdin closes
+    code = (f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', {hold!r}], stdin=subprocess.PIPE)\n"
+            "print(p.pid, flush=True)\nsys.stdin.read()\np.stdin.close()\np.wait()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 30
+        while ((mem := tree_memory_mib(parent.pid)) is None or mem["rss"] < 200) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        own = tree_memory_mib(child)
+        assert mem["rss"] >= 200 and mem["peak"] >= mem["rss"]
+        assert own is not None and own["rss"] >= 200 and mem["rss"] - own["rss"] < 100  # the rest is the parent
+    finally:
+        parent.communicate("", timeout=30)
+    assert tree_memory_mib(parent.pid) is None  # gone
 
 
 def _ppid(pid: int) -> int:
