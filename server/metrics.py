@@ -23,7 +23,10 @@ Exported families (every one labelled ``model_name``; ``promtool check metrics``
   tokens come out, so an aborted request's tokens count too), and, for requests that finished
   normally only (so disconnects and engine failures do not skew the percentiles),
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prompt_tokens``,
-  ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step);
+  ``request_generation_tokens``; plus ``iteration_tokens`` (tokens per engine step) and
+  ``engine_step_seconds`` (the core's own time for each step that ran tokens: schedule, forward,
+  sampling and bookkeeping; what ``inter_token_latency_seconds`` adds to it is the serving path:
+  the outputs' trip to the frontend, the frontend's work and other processes' share of the CPUs);
 - eviction inside sequences (``--kv-eviction``, labelled ``policy``, ``none`` when off): the
   counters ``kv_evicted_blocks_total`` and ``kv_evicted_tokens_total`` and the gauge
   ``kv_eviction_compression_ratio`` (tokens the running evicting requests computed / tokens they
@@ -77,6 +80,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+# engine steps: ~1 ms (a small model's decode row) to seconds (a long prefill chunk)
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
+                        0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -133,6 +139,7 @@ class Metrics:
         self.generation_tokens = 0
         self.itl = StepHistogram(ITL_BUCKETS)
         self.iteration_tokens = StepHistogram(step_buckets)
+        self.step_seconds = StepHistogram(STEP_SECONDS_BUCKETS)
         self.request_success = counter("request_success", "Requests finished normally, by finish reason.",
                                        ("finished_reason",))
         self.request_errors = counter("request_errors",
@@ -201,6 +208,7 @@ class Metrics:
             self.tiers.update(stats)
             if stats.num_batched_tokens:
                 self.iteration_tokens.observe(stats.num_batched_tokens)
+                self.step_seconds.observe(stats.step_time_s)
             if stats.prefix_cache_queries:
                 self.prefix_cache_queries.inc(stats.prefix_cache_queries)
                 self._num_queries += stats.prefix_cache_queries
@@ -316,7 +324,7 @@ class _EngineStateCollector:
 
 class _StepCollector:
     """The families observed every step (``Metrics.generation_tokens``, ``itl``,
-    ``iteration_tokens``), from their plain numbers (server/histogram.py)."""
+    ``iteration_tokens``, ``step_seconds``), from their plain numbers (server/histogram.py)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -327,7 +335,9 @@ class _StepCollector:
         generated.add_metric(labels, m.generation_tokens)
         yield generated
         for histogram, metric, doc in ((m.itl, "inter_token_latency_seconds", "Time between consecutive output tokens."),
-                                       (m.iteration_tokens, "iteration_tokens", "Tokens run by one engine step.")):
+                                       (m.iteration_tokens, "iteration_tokens", "Tokens run by one engine step."),
+                                       (m.step_seconds, "engine_step_seconds",
+                                        "The engine core's time for one step that ran tokens.")):
             family = HistogramMetricFamily(f"{NAMESPACE}_{metric}", doc, labels=["model_name"])
             histogram.add_to(family, labels)
             yield family

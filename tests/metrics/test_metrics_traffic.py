@@ -50,6 +50,7 @@ def chat_sdk(url: str, model: str, system: str, user: str, stream: bool, max_tok
 def test_counters_and_histograms_match_usage(live_server):
     s, model = live_server, live_server.model
     before = s.scrape()
+    started = time.monotonic()
     results = []
     with s.client() as c:
         for i, max_tokens in enumerate((6, 4, 5)):  # completions sharing SHARED: 2nd and 3rd hit the cache
@@ -59,6 +60,7 @@ def test_counters_and_histograms_match_usage(live_server):
     results.append(chat_sdk(s.url, model, SHARED, "Say hi.", stream=False, max_tokens=4))
     results.append(chat_sdk(s.url, model, SHARED, "Say hello.", stream=True, max_tokens=3))  # hits the cache
     after = s.scrape()
+    wall = time.monotonic() - started
 
     n = len(results)
     usages = [u for u, _ in results]
@@ -82,6 +84,12 @@ def test_counters_and_histograms_match_usage(live_server):
     # core: the core may run one or two more decode steps of it meanwhile (tokens nobody receives).
     expected = prompt - cached + completion - n
     assert expected <= delta(before, after, "kvserve_iteration_tokens_sum") <= expected + 2
+    # Every step that ran tokens is timed once, by the core; its steps run one after another, so
+    # their time is a part of the wall time between the scrapes.
+    steps = delta(before, after, "kvserve_iteration_tokens_count")
+    assert delta(before, after, "kvserve_engine_step_seconds_count") == steps > 0
+    assert 0 < delta(before, after, "kvserve_engine_step_seconds_sum") < wall
+    assert delta(before, after, "kvserve_engine_step_seconds_bucket", le="+Inf") == steps
     assert delta(before, after, "kvserve_time_to_first_token_seconds_sum") <= delta(
         before, after, "kvserve_e2e_request_latency_seconds_sum")
 
@@ -94,7 +102,8 @@ def test_counters_and_histograms_match_usage(live_server):
     assert delta(before, after, "kvserve_num_preemptions_total") == 0
 
 
-NUM_CONCURRENT, MAX_TOKENS = 4, 32
+# 64 tokens and a 50 ms poll: at 32 tokens and 200 ms a fast host finished the batch between two scrapes
+NUM_CONCURRENT, MAX_TOKENS = 4, 64
 
 
 def test_gauges_follow_a_concurrent_load(live_server):
@@ -117,7 +126,7 @@ def test_gauges_follow_a_concurrent_load(live_server):
         # Poll until the batch shows up, then stop: scrapes share the GIL with the engine thread.
         while not all(f.done() for f in futures) and not (seen and loaded(seen[-1])):
             seen.append(s.scrape())
-            time.sleep(0.2)
+            time.sleep(0.05)
         usages = [f.result() for f in futures]
     assert all(u["completion_tokens"] == MAX_TOKENS for u in usages)
 
