@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 from urllib.parse import urlsplit
 
 import httpx
@@ -129,7 +129,7 @@ class _Target:
     headers: dict[str, str]
 
 
-async def _body_parts(conn: _Connection, head: dict[str, str]) -> Any:
+async def _body_parts(conn: _Connection, head: dict[str, str]) -> AsyncIterator[bytes]:
     """The response body as it arrives: chunked, Content-Length or until the server closes."""
     if "chunked" in head.get("transfer-encoding", ""):
         while True:
