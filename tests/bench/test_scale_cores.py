@@ -54,18 +54,18 @@ def test_tree_cpu_seconds_counts_descendants():
 def test_tree_memory_counts_descendants():
     """A parent that sleeps and a grandchild that touches 200 MiB: the tree's resident memory
     holds the grandchild's, which the parent's own does not."""
-    hold = "b = bytearray(200 << 20)\nopen(0).read()"  # zero-filled pages, all touched; held until stdin closes
+    hold = "b = b'x' * (200 << 20)\nopen(0).read()"  # every page written (a zeroed bytearray may stay unmapped)
     code = (f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', {hold!r}], stdin=subprocess.PIPE)\n"
             "print(p.pid, flush=True)\nsys.stdin.read()\np.stdin.close()\np.wait()")
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
         deadline = time.monotonic() + 30
-        while ((mem := tree_memory_mib(parent.pid)) is None or mem["rss"] < 200) and time.monotonic() < deadline:
+        while ((own := tree_memory_mib(child)) is None or own["rss"] < 200) and time.monotonic() < deadline:
             time.sleep(0.1)
-        own = tree_memory_mib(child)
-        assert mem["rss"] >= 200 and mem["peak"] >= mem["rss"]
-        assert own is not None and own["rss"] >= 200 and mem["rss"] - own["rss"] < 100  # the rest is the parent
+        mem = tree_memory_mib(parent.pid)
+        assert own is not None and own["rss"] >= 200 and own["peak"] >= own["rss"]
+        assert mem is not None and 0 < mem["rss"] - own["rss"] < 100  # the rest is the parent
     finally:
         parent.communicate("", timeout=30)
     assert tree_memory_mib(parent.pid) is None  # gone
