@@ -13,7 +13,7 @@ installed; one keep-alive connection per worker; chunked, Content-Length or read
 not httpx: on this project's 2-core machines the client shares the cores with the server it
 measures, and httpx's streaming cost 0.14-0.45 ms of CPU a token (1-16 streams), time taken from
 both servers alike but a larger share of the faster one's shorter steps (docs/benchmarks.md, "a
-nineteenth session"). This client takes 0.04-0.15 ms.
+nineteenth session"). This client takes 0.04-0.18 ms.
 """
 from __future__ import annotations
 
