@@ -52,8 +52,8 @@ def test_tree_cpu_seconds_counts_descendants():
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_tree_memory_counts_descendants():
-    """A parent that sleeps and a grandchild that touches 200 MiB: the tree's resident memory
-    holds the grandchild's, which the parent's own does not."""
+    """A parent that sleeps and its child that writes 200 MiB: the parent's tree holds the
+    child's resident memory plus the parent's own."""
     hold = "b = b'x' * (200 << 20)\nopen(0).read()"  # every page written (a zeroed bytearray may stay unmapped)
     code = (f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', {hold!r}], stdin=subprocess.PIPE)\n"
             "print(p.pid, flush=True)\nsys.stdin.read()\np.stdin.close()\np.wait()")
