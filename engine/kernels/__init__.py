@@ -10,7 +10,7 @@ Nine kernels, one library:
   few-row matmuls of decode, which stream every weight once per step (see engine/loader/gguf/blocks.py).
 * ``quant_linear_q8.cpp``: the same matmuls on int8-quantized activations (Q4_1, Q8_0, Q4_K,
   Q6_K; AVX2 integer dot products, AVX512-VNNI ``vpdpbusd`` for Q4_1 / Q8_0 where the CPU has
-  it), only with ``activation_quant: int8``; its AMX tile kernels, from 16 rows where the CPU
+  it), only with ``activation_quant: int8``; its AMX tile kernels, from 32 rows where the CPU
   has AMX, are ``quant_linear_amx.cpp``.
 * ``decode_layer.cpp``: every decoder layer of an all-decode step in one call (``DecodeStack``)
   and one OpenMP region (the ``native`` decode path, see ``LlamaForCausalLM.select_decode_path``), on the two

@@ -99,8 +99,15 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) { prefetch_range(p +
 #endif
 
 // The fewest rows for which the K-quants' int8 matmul takes AMX tiles (a tile multiply costs the
-// same for 1 row as for 16; at 16 rows the tiles and the AVX-512 kernels measured about even).
-constexpr int64_t kAmxMinRows = 16;
+// same for 1 row as for 16). Since the AVX-512 kernels took 16 rows a pass (zmm lanes), they beat
+// the tiles below 32 rows: the 1B Q4_K_M's layer matmuls at 16 / 24 rows 10-15% / 12-25% faster
+// (2 threads), its 16-row decode step ~4% (docs/benchmarks.md, "a twentieth session"); from 32
+// rows the tiles win on Q6_K and the LM head and, from a few hundred rows (prefill), on all.
+// A build flag overrides it (-DKVSERVE_AMX_MIN_ROWS=16), for measuring.
+#ifndef KVSERVE_AMX_MIN_ROWS
+#define KVSERVE_AMX_MIN_ROWS 32
+#endif
+constexpr int64_t kAmxMinRows = KVSERVE_AMX_MIN_ROWS;
 // The fewest rows for which the Q4_1 / Q5_0 / Q8_0 strip pairs take AMX tiles. Their 32-blocks
 // are one tile product each, stored and scaled per block, and once the strips' codes came in
 // k-quads (block_codes.h) the vpdpbusd pair kernels beat the tiles at 16 rows: SmolLM2's layers

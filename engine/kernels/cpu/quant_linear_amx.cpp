@@ -1,4 +1,4 @@
-// The many-row int8 matmuls on AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (16)
+// The many-row int8 matmuls on AMX tiles (Sapphire Rapids and later Xeons), from kAmxMinRows (32)
 // rows (the strip pairs from kAmxStripMinRows, 32): batched decode and prefill, where the AVX-512 kernels of quant_linear_q8.cpp are compute
 // bound (~80-150 GMAC/s per thread). Two kernels: the K-quants (Q4_K, Q5_K, Q6_K against Q8Act's
 // per-256 activations), described here, and the Q4_1 / Q5_0 / Q8_0 strip pairs (see strip_pairs_amx

@@ -99,12 +99,12 @@ def test_kernel_equals_the_quantized_oracle_and_stays_within_the_rounding_bound(
 
 def test_amx_tiles_equal_the_avx512_kernels_bit_for_bit(tmp_path):
     """On AMX CPUs the int8 matmuls of many rows take tile products (quant_linear_amx.cpp): the
-    K-quants from kAmxMinRows (16) with the sub-block scales folded into the codes, Q4_1, Q5_0 and
+    K-quants from kAmxMinRows (32) with the sub-block scales folded into the codes, Q4_1, Q5_0 and
     Q8_0 from kAmxStripMinRows (32) one product per 32-block of a strip pair. They sum the same integers and run the same
     float operations as the AVX-512 kernels, so every output is the same float. The reference runs
     in a subprocess with KVSERVE_NO_AMX (read once per process). 45 features: whole groups of 16
-    (strip pairs) and a remainder on the other kernel; 16-70 rows: one, two and partial tiles, and
-    15 rows, below the thresholds (16 and 17 rows: the strip pairs' too). K = 768: three super-blocks, a slab of two and a slab of one;
+    (strip pairs) and a remainder on the other kernel; 33 and 70 rows: whole tiles and a partial
+    one, and 15, 16 and 17 rows, below both thresholds. K = 768: three super-blocks, a slab of two and a slab of one;
     K = 800: 25 blocks of 32, two in flight and a last one alone."""
     if not torch.ops.kvserve.gguf_q8_amx():
         pytest.skip("this CPU (or OS) has no AMX-INT8: the tile kernels do not run here")
