@@ -484,6 +484,10 @@ using kvserve::q4_k_scales;  // block_codes.h
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
 // serves up to kKRows rows. acc[r]: row r's [acc, corr] (see above).
+// Inlined by force (here and in Q6_KRows): GCC had left it a call per super-block, so a one-row
+// pass kept acc in memory, a store and reload in every super-block's chain, and reloaded its
+// constants; inlined, one thread's one-row Q4_K / Q6_K pass (2048-wide rows, in L2) ran 10% / 12%
+// faster and the 1B Q4_K_M's one-row decode step 7-12% (docs/benchmarks.md, "a twentieth session").
 // Q4_K and Q5_K (kQ5): the same scales and mins, Q5_K's codes with a fifth bit, bit j of qh[32]
 // for sub-block j (|pair| <= 2 * 31 * 127; 4 summed in int16 <= 31496).
 template <bool kQ5>
@@ -491,7 +495,7 @@ struct KRows {
   static constexpr int64_t kCode = kQ5 ? kQ5_K : kQ4_K, kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes;
   static constexpr int64_t kCodes = kQ5 ? 48 : 16;  // the nibbles' offset (Q5_K: after qh)
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
+  __attribute__((always_inline)) static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
     const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32_at(b))));  // [d, dmin, 0, 0]
     const __m128i sm = q4_k_scales(b);  // bytes 0-7 the scales, 8-15 the mins
@@ -595,7 +599,7 @@ struct Q6_KRows {
   static constexpr int64_t kCode = kQ6_K;
   static constexpr int64_t kBytes = kQ6_KBytes;
   template <int R>
-  static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
+  __attribute__((always_inline)) static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
     const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(b + 208)));  // [d, 0, 0, 0]
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
