@@ -494,6 +494,37 @@ template <bool kQ5>
 struct KRows {
   static constexpr int64_t kCode = kQ5 ? kQ5_K : kQ4_K, kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes;
   static constexpr int64_t kCodes = kQ5 ? 48 : 16;  // the nibbles' offset (Q5_K: after qh)
+#ifdef KVSERVE_ZMM_ROWS
+  // One row against the super-block at b (VNNI CPUs): a's lanes sum to A = sum_j sc_j I_j, side's
+  // to B = sum_j m_j S_j (s16: the row's 16-code sums; xk its codes in k8_order). Two blocks per
+  // instruction: 64 code bytes are blocks [4c | 4c + 2] (low nibbles) and [4c + 1 | 4c + 3]
+  // (high), which is k8_order; vpermw puts each block's scale in its half.
+  __attribute__((always_inline)) static inline void one_row(const uint8_t* b, const int8_t* xk, __m256i s16, __m256i& a,
+                                                            __m256i& side) {
+    const __m128i sm = q4_k_scales(b);  // bytes 0-7 the scales, 8-15 the mins
+    side = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)), s16);
+    const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+    const __m512i m15 = _mm512_set1_epi8(15);
+    __m512i a16 = _mm512_setzero_si512();
+    const __m512i pick[4] = {two_halves(0, 2), two_halves(1, 3), two_halves(4, 6), two_halves(5, 7)};
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    for (int c = 0; c < 2; ++c) {
+      const __m512i v = _mm512_loadu_si512(b + kCodes + 64 * c);
+      __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+      if (kQ5) {  // blocks [4c | 4c + 2] and [4c + 1 | 4c + 3]: their bits of qh, shifted per half
+        const __m512i one = _mm512_set1_epi8(1);
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c]), one), 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c + 1]), one), 4));
+      }
+      const __m512i slo = _mm512_permutexvar_epi16(pick[2 * c], sc), shi = _mm512_permutexvar_epi16(pick[2 * c + 1], sc);
+      a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(xk + 128 * c)), slo));
+      a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(xk + 128 * c + 64)), shi));
+    }
+    a = _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1));
+  }
+  // [d, dmin]: the fp16 pair the one-row floats scale A and B by
+  static inline uint32_t scales(const uint8_t* b) { return u32_at(b); }
+#endif
   template <int R>
   __attribute__((always_inline)) static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
@@ -521,27 +552,13 @@ struct KRows {
       const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;  // blocks in k8_order
       __m256i a;  // lanes in any order: only their sum A is used
 #ifdef KVSERVE_ZMM_ROWS
-      if (cpu_has_vnni()) {  // two blocks per instruction: 64 code bytes are blocks [4c | 4c + 2] (low
-        // nibbles) and [4c + 1 | 4c + 3] (high), which is k8_order; vpermw puts each block's scale in its half
-        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-        const __m512i m15 = _mm512_set1_epi8(15);
-        __m512i a16 = _mm512_setzero_si512();
-        const __m512i pick[4] = {two_halves(0, 2), two_halves(1, 3), two_halves(4, 6), two_halves(5, 7)};
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-        for (int c = 0; c < 2; ++c) {
-          const __m512i v = _mm512_loadu_si512(b + kCodes + 64 * c);
-          __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-          if (kQ5) {  // blocks [4c | 4c + 2] and [4c + 1 | 4c + 3]: their bits of qh, shifted per half
-            const __m512i one = _mm512_set1_epi8(1);
-            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c]), one), 4));
-            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, pick[2 * c + 1]), one), 4));
-          }
-          const __m512i slo = _mm512_permutexvar_epi16(pick[2 * c], sc), shi = _mm512_permutexvar_epi16(pick[2 * c + 1], sc);
-          a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(xk + 128 * c)), slo));
-          a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(xk + 128 * c + 64)), shi));
-        }
-        a = _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1));
-      } else
+      if (cpu_has_vnni()) {
+        __m256i side;
+        one_row(b, xk, s16, a, side);
+        const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, side));
+        acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+        return;
+      }
 #endif
       {  // maddubs, then the scale of block j in every int16 lane (madd)
         unpack();
@@ -598,6 +615,42 @@ using Q5_KRows = KRows<true>;
 struct Q6_KRows {
   static constexpr int64_t kCode = kQ6_K;
   static constexpr int64_t kBytes = kQ6_KBytes;
+#ifdef KVSERVE_ZMM_ROWS
+  // One row against the super-block at b (VNNI CPUs), as KRows::one_row: a's lanes sum to
+  // A = sum_i sc_i (I_i - 32 S_i) (s16: the row's 16-code sums), side is zero (no mins). Two
+  // blocks per instruction, in k8_order: [4h | 4h + 2] from the low/high nibbles of ql's first 32
+  // bytes, [4h + 1 | 4h + 3] of its next 32 (shifted per 256-bit half by vpsrlvw); vpermw puts
+  // each 16 weights' scale in their int16 lanes.
+  __attribute__((always_inline)) static inline void one_row(const uint8_t* b, const int8_t* xk, __m256i s16, __m256i& a,
+                                                            __m256i& side) {
+    const __m256i sc_words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+    const __m512i sh04 = two_halves(0, 4), sh26 = two_halves(2, 6);
+    const __m512i scw = _mm512_castsi256_si512(sc_words);
+    __m512i a16 = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const auto both = [&](const uint8_t* p) {
+        return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      };
+      const __m512i l0 = both(b + 64 * h), l1 = both(b + 64 * h + 32), qh = both(b + 128 + 32 * h);
+      const auto codes = [&](__m512i l, __m512i qh_shift) {
+        const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, qh_shift), m2);
+        return _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(l, sh04), m4), _mm512_slli_epi16(high, 4));
+      };
+      const int s = 8 * h;  // block 4h + g's scales: sc[s + 2g], sc[s + 2g + 1]
+      const __m512i sa = _mm512_permutexvar_epi16(four_quarters(s, s + 1, s + 4, s + 5), scw);
+      const __m512i sb2 = _mm512_permutexvar_epi16(four_quarters(s + 2, s + 3, s + 6, s + 7), scw);
+      a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l0, sh04), _mm512_loadu_si512(xk + 128 * h)), sa));
+      a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l1, sh26), _mm512_loadu_si512(xk + 128 * h + 64)), sb2));
+    }
+    const __m256i off = _mm256_madd_epi16(sc_words, s16);  // |.| <= 2 * 128 * 2032
+    a = _mm256_sub_epi32(_mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1)),
+                         _mm256_slli_epi32(off, 5));
+    side = _mm256_setzero_si256();
+  }
+  // [d, 0]: the fp16 pair the one-row floats scale A (and a zero B) by
+  static inline uint32_t scales(const uint8_t* b) { return u16_at(b + 208); }
+#endif
   template <int R>
   __attribute__((always_inline)) static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
@@ -616,30 +669,13 @@ struct Q6_KRows {
       acc[r] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
     };
 #ifdef KVSERVE_ZMM_ROWS
-    if (R == 1 && cpu_has_vnni()) {  // two blocks per instruction, in k8_order: [4h | 4h + 2] from
-      // the low/high nibbles of ql's first 32 bytes, [4h + 1 | 4h + 3] of its next 32 (shifted per
-      // 256-bit half by vpsrlvw); vpermw puts each 16 weights' scale in their int16 lanes
-      const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-      const __m512i sh04 = two_halves(0, 4), sh26 = two_halves(2, 6);
-      const __m512i scw = _mm512_castsi256_si512(sc_words);
-      const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
-      __m512i a16 = _mm512_setzero_si512();
-      for (int h = 0; h < 2; ++h) {
-        const auto both = [&](const uint8_t* p) {
-          return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        };
-        const __m512i l0 = both(b + 64 * h), l1 = both(b + 64 * h + 32), qh = both(b + 128 + 32 * h);
-        const auto codes = [&](__m512i l, __m512i qh_shift) {
-          const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, qh_shift), m2);
-          return _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(l, sh04), m4), _mm512_slli_epi16(high, 4));
-        };
-        const int s = 8 * h;  // block 4h + g's scales: sc[s + 2g], sc[s + 2g + 1]
-        const __m512i sa = _mm512_permutexvar_epi16(four_quarters(s, s + 1, s + 4, s + 5), scw);
-        const __m512i sb2 = _mm512_permutexvar_epi16(four_quarters(s + 2, s + 3, s + 6, s + 7), scw);
-        a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l0, sh04), _mm512_loadu_si512(xk + 128 * h)), sa));
-        a16 = _mm512_add_epi32(a16, _mm512_madd_epi16(_mm512_maddubs_epi16(codes(l1, sh26), _mm512_loadu_si512(xk + 128 * h + 64)), sb2));
-      }
-      return finish(0, _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1)));
+    if (R == 1 && cpu_has_vnni()) {
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
+      __m256i a, zero;
+      one_row(b, x.k8.data() + r0 * x.K + 256 * sb, s16, a, zero);
+      const __m128 A = _mm_cvtepi32_ps(hsum2_epi32(a, zero));
+      acc[0] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+      return;
     }
 #endif
     __m256i q[8];  // block j's 6-bit codes
@@ -1311,6 +1347,42 @@ int64_t lanes_q8(const kvserve::Q8Act& x, const uint8_t* w, int64_t n0, int64_t 
   return n;
 }
 
+#ifdef KVSERVE_ZMM_ROWS
+// One row against features n .. n + 3 (their super-block rows from w; VNNI CPUs): out[0 .. 3]. The
+// integers of each are the one-feature pass's (Format::one_row), their 8 sums reduced in one tree
+// rather than four, and the four features' floats are one 8-lane vector, lane 2i feature i's acc
+// and lane 2i + 1 its corr, each taking exactly the one-feature pass's operations (acc = fma(A,
+// d dx, acc), corr = fma(B, dmin dx, corr), then acc - corr): the same outputs, bit for bit. The
+// reductions and floats were ~14% of a one-row Q4_K pass (one thread, in L2).
+template <typename Format>
+void quad_row(const kvserve::Q8Act& x, int64_t r0, const uint8_t* w, float* out) {
+  constexpr int64_t kBytes = Format::kBytes;
+  const int64_t nb = x.K / 256;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nb + sb) * 16));
+    const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;
+    __m256i a[4], side[4];
+    int dd[4];
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* b = w + (i * nb + sb) * kBytes;
+      prefetch_ahead(b, kBytes);
+      Format::one_row(b, xk, s16, a[i], side[i]);
+      dd[i] = static_cast<int>(Format::scales(b));
+    }
+    // [A0, B0, A1, B1 | A2, B2, A3, B3]
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], side[0]), _mm256_hadd_epi32(a[1], side[1]));
+    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[2], side[2]), _mm256_hadd_epi32(a[3], side[3]));
+    const __m256i v = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+    const __m256 scale = _mm256_cvtph_ps(_mm_setr_epi32(dd[0], dd[1], dd[2], dd[3]));  // [d0, dmin0, d1, ...]
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(scale, _mm256_set1_ps(x.kd[r0 * nb + sb])), acc);
+  }
+  alignas(32) float diff[8];
+  _mm256_store_ps(diff, _mm256_sub_ps(acc, _mm256_movehdup_ps(acc)));
+  for (int i = 0; i < 4; ++i) out[i] = diff[2 * i];
+}
+#endif
+
 // Output features [n0, n1) for rows [r0, r0 + rn), rn <= kKRows (R: the count at compile time,
 // or 0): out[r * ldo + n]. Feature n's row of super-blocks (<= a few KB) is read once from
 // memory and each super-block serves every row.
@@ -1325,6 +1397,8 @@ void rows_q8(const kvserve::Q8Act& x, int64_t r0, int rn, const uint8_t* w, int6
     for (; n + 2 <= n1; n += 2)
       pair_rows<Format>(x, r0, nr, w + n * nb * Format::kBytes,
                                                        w + (n + 1) * nb * Format::kBytes, out + n, ldo);
+  if (R == 1 && cpu_has_vnni())
+    for (; n + 4 <= n1; n += 4) quad_row<Format>(x, r0, w + n * nb * Format::kBytes, out + n);
 #endif
   for (; n < n1; ++n) {
     __m128 acc[R ? R : kKRows];  // [acc, corr, 0, 0] per row
