@@ -494,6 +494,8 @@ template <bool kQ5>
 struct KRows {
   static constexpr int64_t kCode = kQ5 ? kQ5_K : kQ4_K, kBytes = kQ5 ? kQ5_KBytes : kQ4_KBytes;
   static constexpr int64_t kCodes = kQ5 ? 48 : 16;  // the nibbles' offset (Q5_K: after qh)
+  // [d, dmin]: the fp16 pair the floats scale A and B by
+  static inline uint32_t scales(const uint8_t* b) { return u32_at(b); }
 #ifdef KVSERVE_ZMM_ROWS
   // One row against the super-block at b (VNNI CPUs): a's lanes sum to A = sum_j sc_j I_j, side's
   // to B = sum_j m_j S_j (s16: the row's 16-code sums; xk its codes in k8_order). Two blocks per
@@ -524,13 +526,22 @@ struct KRows {
     }
     a = _mm256_add_epi32(_mm512_castsi512_si256(a16), _mm512_extracti64x4_epi64(a16, 1));
   }
-  // [d, dmin]: the fp16 pair the one-row floats scale A and B by
-  static inline uint32_t scales(const uint8_t* b) { return u32_at(b); }
 #endif
   template <int R>
   __attribute__((always_inline)) static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
-    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32_at(b))));  // [d, dmin, 0, 0]
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(scales(b))));  // [d, dmin, 0, 0]
+    const int64_t nbk = x.K / 256;
+#ifdef KVSERVE_ZMM_ROWS
+    if (R == 1 && cpu_has_vnni()) {  // the remainder of quad_row's features
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
+      __m256i a, side;
+      one_row(b, x.k8.data() + r0 * x.K + 256 * sb, s16, a, side);
+      const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, side));
+      acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+      return;
+    }
+#endif
     const __m128i sm = q4_k_scales(b);  // bytes 0-7 the scales, 8-15 the mins
     // the mins as int16, each twice: lane i pairs with the activations' sum of 16 codes i
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
@@ -548,20 +559,10 @@ struct KRows {
           q[j] = _mm256_or_si256(q[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
       }
     };
-    const int64_t nbk = x.K / 256;
     if (R == 1) {
       const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
       const int8_t* xk = x.k8.data() + r0 * x.K + 256 * sb;  // blocks in k8_order
       __m256i a;  // lanes in any order: only their sum A is used
-#ifdef KVSERVE_ZMM_ROWS
-      if (cpu_has_vnni()) {
-        __m256i side;
-        one_row(b, xk, s16, a, side);
-        const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, side));
-        acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
-        return;
-      }
-#endif
       {  // maddubs, then the scale of block j in every int16 lane (madd)
         unpack();
         const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
@@ -617,6 +618,8 @@ using Q5_KRows = KRows<true>;
 struct Q6_KRows {
   static constexpr int64_t kCode = kQ6_K;
   static constexpr int64_t kBytes = kQ6_KBytes;
+  // [d, 0]: the fp16 pair the floats scale A (and a zero B) by
+  static inline uint32_t scales(const uint8_t* b) { return u16_at(b + 208); }
 #ifdef KVSERVE_ZMM_ROWS
   // One row against the super-block at b (VNNI CPUs), as KRows::one_row: a's lanes sum to
   // A = sum_i sc_i (I_i - 32 S_i) (s16: the row's 16-code sums), side is zero (no mins). Two
@@ -650,28 +653,14 @@ struct Q6_KRows {
                          _mm256_slli_epi32(off, 5));
     side = _mm256_setzero_si256();
   }
-  // [d, 0]: the fp16 pair the one-row floats scale A (and a zero B) by
-  static inline uint32_t scales(const uint8_t* b) { return u16_at(b + 208); }
 #endif
   template <int R>
   __attribute__((always_inline)) static inline void block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0, int rn, int64_t sb, __m128* acc) {
     const int nr = R ? R : rn;
-    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16_at(b + 208)));  // [d, 0, 0, 0]
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    // the 16 scales as int16, for the -32 offset: 32 * sum_i sc_i S_i, one madd of int16 pairs
-    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-    const __m256i sc_words = _mm256_cvtepi8_epi16(sc16);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(scales(b))));  // [d, 0, 0, 0]
     const int64_t nbk = x.K / 256;
-    // row's scaled products a (lanes in any order: only their sum is used) -> acc[r]
-    const auto finish = [&](int r, __m256i a) {
-      const int64_t row = r0 + r;
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nbk + sb) * 16));
-      const __m256i off = _mm256_madd_epi16(sc_words, s16);  // |.| <= 2 * 128 * 2032
-      const __m128 A = _mm_cvtepi32_ps(hsum2_epi32(_mm256_sub_epi32(a, _mm256_slli_epi32(off, 5)), _mm256_setzero_si256()));
-      acc[r] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
-    };
 #ifdef KVSERVE_ZMM_ROWS
-    if (R == 1 && cpu_has_vnni()) {
+    if (R == 1 && cpu_has_vnni()) {  // the remainder of quad_row's features
       const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
       __m256i a, zero;
       one_row(b, x.k8.data() + r0 * x.K + 256 * sb, s16, a, zero);
@@ -680,6 +669,18 @@ struct Q6_KRows {
       return;
     }
 #endif
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    // the 16 scales as int16, for the -32 offset: 32 * sum_i sc_i S_i, one madd of int16 pairs
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sc_words = _mm256_cvtepi8_epi16(sc16);
+    // row's scaled products a (lanes in any order: only their sum is used) -> acc[r]
+    const auto finish = [&](int r, __m256i a) {
+      const int64_t row = r0 + r;
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (row * nbk + sb) * 16));
+      const __m256i off = _mm256_madd_epi16(sc_words, s16);  // |.| <= 2 * 128 * 2032
+      const __m128 A = _mm_cvtepi32_ps(hsum2_epi32(_mm256_sub_epi32(a, _mm256_slli_epi32(off, 5)), _mm256_setzero_si256()));
+      acc[r] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[row * nbk + sb])), acc[r]);
+    };
     __m256i q[8];  // block j's 6-bit codes
     kvserve::q6_k_codes(b, 0, q), kvserve::q6_k_codes(b, 1, q + 4);
     if (R == 1) {
