@@ -28,9 +28,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "amx_tiles.h"      // KVSERVE_AMX, configure_full_tiles
+#include "block_codes.h"    // the K-quant layouts: q4_k_scales, q6_k_codes
 #include "cpu_features.h"   // cpu_has_amx_bf16
 #include "quant_linear.h"   // gguf_decode_range
 #include "vec_math.h"       // silu_mul
@@ -91,6 +93,24 @@ void build_b_tiles(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xb
   }
 }
 
+// A vector whose data starts on a cache line: a tile's 64-byte rows then each lie in one line
+// (std::vector's own memory is 16-byte aligned, so every tile row straddled two).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using Lines = std::vector<T, LineAligned<T>>;
+
 // The call's shape and its buffers, shared by the threads.
 struct Problem {
   const float* x;
@@ -104,28 +124,120 @@ struct Problem {
 
 // One thread's scratch, reused across its panels.
 struct Scratch {
-  std::vector<float> rows;      // [features][kc] fp32 decoded
-  std::vector<uint16_t> panel;  // [features][panel_stride(kc)] bf16
-  std::vector<float> acc;       // [groups][row tiles][16][16]
+  Lines<float> rows;      // [16][kc] fp32: a group decoded (the formats decode_panel does not take straight)
+  Lines<uint16_t> panel;  // [features][panel_stride(kc)] bf16
+  Lines<float> acc;       // [groups][row tiles][16][16]
 };
 
-// Decode the panel's groups (group g: the 16 matrix rows from first[g], those past the gate's or
-// the matrix's end as zeros) at k [k0, k0 + kc) into s.panel as bf16 rows.
-void decode_panel(const Problem& p, const std::vector<int64_t>& first, int64_t k0, int64_t kc, Scratch& s) {
-  const int64_t features = static_cast<int64_t>(first.size()) * kTile;
-  const int64_t ld = panel_stride(kc);
-  s.rows.resize(features * kc);
-  s.panel.resize(features * ld);
-  for (size_t g = 0; g < first.size(); ++g) {
-    float* dst = s.rows.data() + g * kTile * kc;
-    const int64_t n0 = first[g], limit = p.half && n0 < p.half ? p.half : p.N;
-    const int64_t valid = std::max<int64_t>(0, std::min(kTile, limit - n0));
-    if (valid > 0) kvserve::gguf_decode_range(p.w, p.K, p.format, n0, n0 + valid, k0, k0 + kc, dst, kc);
-    std::memset(dst + valid * kc, 0, (kTile - valid) * kc * sizeof(float));
+// ---- Q4_K and Q6_K super-blocks straight to bf16 panel rows: the values quant_linear.cpp's decoders
+// compute (gguf_decode_range: per sub-block fma(d sc, q, -(dmin m)) for Q4_K, fma(d sc, q, -32 d sc)
+// for Q6_K, the scale products exact in fp32), 16 at a time in zmm, then rounded as bf16_32 rounds
+// them: the same bf16 bits (tests/engine/kernels/test_prefill_linear_kernel.py, the one-hot rows).
+// Through gguf_decode_range (8 at a time in ymm, an fp32 row buffer, then bf16_32) the decode was
+// 76 TSC ticks a Q4_K super-block in cache here, and the 1B Q4_K_M's gate/up at 50 rows spent 60% of
+// its call there; straight, 50 ticks, and the 1B's 200-row prefill step took 0.8x the time.
+
+// 16 codes (uint8 in v) times the scale at a plus the offset at off, as 16 fp32.
+inline __m512 scaled16(__m128i v, const float* a, const float* off) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(*a), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)), _mm512_set1_ps(*off));
+}
+
+// 32 codes as 32 bf16 at dst (64-byte aligned): the first 16 with scale a[0] and offset off[0], the
+// others with a[i] and off[i].
+inline void scaled_bf16_32(__m256i v, const float* a, const float* off, int i, uint16_t* dst) {
+  const __m512 lo = scaled16(_mm256_castsi256_si128(v), a, off);
+  const __m512 hi = scaled16(_mm256_extracti128_si256(v, 1), a + i, off + i);
+  _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+// One Q4_K super-block (256 weights) as bf16 at dst.
+inline void q4_k_bf16(const uint8_t* b, uint16_t* dst) {
+  // f[j] = d sc_j, f[8 + j] = -(dmin m_j) (6-bit integers times an fp16: exact in fp32)
+  const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(kvserve::q4_k_scales(b)));
+  const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(fp16_at(b)), _mm256_set1_ps(-fp16_at(b + 2)), 1);
+  alignas(64) float f[16];
+  _mm512_store_ps(f, _mm512_mul_ps(sm, dd));
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+    scaled_bf16_32(_mm256_and_si256(q, mask), f + 2 * c, f + 8 + 2 * c, 0, dst + 64 * c);
+    scaled_bf16_32(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), f + 2 * c + 1, f + 9 + 2 * c, 0, dst + 64 * c + 32);
   }
-  for (int64_t f = 0; f < features; ++f)
-    for (int64_t k = 0; k < kc; k += 32)
-      _mm512_storeu_si512(s.panel.data() + f * ld + k, bf16_32(s.rows.data() + f * kc + k));
+}
+
+// One Q6_K super-block (256 weights) as bf16 at dst.
+inline void q6_k_bf16(const uint8_t* b, uint16_t* dst) {
+  // f[i] = d sc_i (an int8 times an fp16: exact), f[16 + i] = -32 f[i]; scale i covers 16 weights
+  const __m512 a = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+  alignas(64) float f[32];
+  _mm512_store_ps(f, a);
+  _mm512_store_ps(f + 16, _mm512_mul_ps(a, _mm512_set1_ps(-32.f)));
+  for (int h = 0; h < 2; ++h) {
+    __m256i q[4];
+    kvserve::q6_k_codes(b, h, q);
+    for (int c = 0; c < 4; ++c) scaled_bf16_32(q[c], f + 8 * h + 2 * c, f + 16 + 8 * h + 2 * c, 1, dst + 128 * h + 32 * c);
+  }
+}
+
+// The features [n0, n0 + 16) at k [k0, k0 + kc) of a Q4_K or Q6_K matrix as bf16 rows dst (row stride
+// ld), those from `valid` on as zeros. The rows of `ahead` (the next group's first feature, or -1;
+// its rows up to ahead_valid) are asked into L2 as these are decoded: a group is ~2 us of work, and
+// the panels' rows are read once, from memory.
+void decode_group_kquant(const Problem& p, int64_t n0, int64_t valid, int64_t ahead, int64_t ahead_valid, int64_t k0,
+                         int64_t kc, uint16_t* dst, int64_t ld) {
+  const bool q4 = p.format == kvserve::blocks::kQ4_K;
+  const int64_t bytes = q4 ? kvserve::blocks::kQ4_KBytes : kvserve::blocks::kQ6_KBytes, nb = p.K / 256;
+  const int64_t sb0 = k0 / 256, sb1 = (k0 + kc) / 256;
+  for (int64_t f = 0; f < kTile; ++f, dst += ld) {
+    if (f >= valid) {
+      std::memset(dst, 0, kc * sizeof(uint16_t));
+      continue;
+    }
+    if (f < ahead_valid)
+      for (const uint8_t *a = p.w + ((ahead + f) * nb + sb0) * bytes, *e = a + (sb1 - sb0) * bytes; a < e; a += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+    const uint8_t* row = p.w + (n0 + f) * nb * bytes;
+    for (int64_t sb = sb0; sb < sb1; ++sb) {
+      if (q4) q4_k_bf16(row + sb * bytes, dst + sb * 256 - k0);
+      else q6_k_bf16(row + sb * bytes, dst + sb * 256 - k0);
+    }
+  }
+}
+
+// Decode the panel's groups (group g: the 16 matrix rows from first[g], those past the gate's or
+// the matrix's end as zeros) at k [k0, k0 + kc) into s.panel as bf16 rows: the K-quants straight
+// (decode_group_kquant), the other formats through gguf_decode_range's fp32.
+void decode_panel(const Problem& p, const std::vector<int64_t>& first, int64_t k0, int64_t kc, Scratch& s) {
+  const int64_t groups = static_cast<int64_t>(first.size()), ld = panel_stride(kc);
+  const bool kquant = p.format == kvserve::blocks::kQ4_K || p.format == kvserve::blocks::kQ6_K;
+  // the rows of group g that the matrix has (the gate's end for a gate group of swiglu)
+  const auto valid = [&](int64_t g) {
+    const int64_t limit = p.half && first[g] < p.half ? p.half : p.N;
+    return std::max<int64_t>(0, std::min(kTile, limit - first[g]));
+  };
+  s.panel.resize(groups * kTile * ld);
+  if (!kquant) s.rows.resize(kTile * kc);
+  for (int64_t g = 0; g < groups; ++g) {
+    uint16_t* panel = s.panel.data() + g * kTile * ld;
+    if (kquant) {
+      const bool last = g + 1 == groups;
+      decode_group_kquant(p, first[g], valid(g), last ? -1 : first[g + 1], last ? 0 : valid(g + 1), k0, kc, panel, ld);
+      continue;
+    }
+    float* rows = s.rows.data();
+    const int64_t n = valid(g);
+    if (n > 0) kvserve::gguf_decode_range(p.w, p.K, p.format, first[g], first[g] + n, k0, k0 + kc, rows, kc);
+    std::memset(rows + n * kc, 0, (kTile - n) * kc * sizeof(float));
+    for (int64_t f = 0; f < kTile; ++f)
+      for (int64_t k = 0; k < kc; k += 32) _mm512_storeu_si512(panel + f * ld + k, bf16_32(rows + f * kc + k));
+  }
 }
 
 // C tiles for groups (g0, g0 + 1) x row tiles (t0, t0 + 1 if two_rows) over k chunks [0, kc / 32) of
@@ -215,7 +327,7 @@ void run_panel(const Problem& p, int64_t n0, int64_t groups, Scratch& s) {
 
 void run(Problem& p, int64_t out_features) {
   const int64_t tiles = (p.M + kTile - 1) / kTile;
-  std::vector<uint16_t> xb(tiles * p.K * kTile);
+  Lines<uint16_t> xb(tiles * p.K * kTile);
   p.xb = xb.data();
   // panels: a multiple of 32 features (whole group pairs; swiglu: 16 gate + 16 up a pair), sized to
   // kPanelBytes of bf16 over a K block, and at least 4 a thread so the dynamic deal ends evenly

@@ -44,6 +44,18 @@ def test_bf16_kernel_is_fp32_sums_of_the_bf16_rounded_operands(fmt, rows):
     assert_fp32_sum_of(torch.ops.kvserve.gguf_linear_bf16(x, own_layout(blocks), 40, int(fmt)), want, magnitude)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("K", [512, 1280])  # one K block; two, the second partial
+def test_the_decoded_weights_are_the_exact_decoders_values_rounded_to_bf16(fmt, K):
+    """One-hot rows read the weights back: x = I makes each output one product 1 x w, exact in the
+    tiles' fp32, so y = W^T as the kernel decoded it, bit for bit. It must be gguf's own dequantized
+    values rounded to nearest even: a decoder one bf16 step off on one weight (the straight Q4_K / Q6_K
+    decode, or the others' fp32 path) fails here, where the sums' tolerance above could miss it."""
+    blocks, dense = blocks_and_reference(fmt, 40, K, seed=int(fmt) + K)
+    got = torch.ops.kvserve.gguf_linear_bf16(torch.eye(K), own_layout(blocks), 40, int(fmt))
+    assert torch.equal(got, dense.bfloat16().float().T)
+
+
 @pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q8_0])
 def test_k_past_one_accumulation_block(fmt):
     """K = 1,280: two K blocks of the kernel (1,024 + 256), the second accumulating onto the first."""
