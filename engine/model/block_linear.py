@@ -71,12 +71,15 @@ class BlockLinear:
     # run gguf_linear_bf16: x and the decoded weights rounded to bf16, AMX-BF16 tiles, fp32 sums, no
     # dense copy. The K-quants' int8 tile kernel applies a scale per 32 weights after each product,
     # which bounds it at 512 rows: the bf16 tiles measured 1.1-2.3x faster there on the 1B Q4_K_M's
-    # four matrices and 0.9-1.2x at 64 rows. The strip formats' int8 AMX strip pairs are faster
+    # four matrices. Since Q4_K and Q6_K super-blocks decode straight to bf16 (prefill_linear.cpp),
+    # the bf16 tiles also win at 32-96 rows (1.1-1.4x at 32, 1.4-1.7x at 50, 1.5-2.0x at 96 on
+    # those matrices; before, 0.9-1.2x at 64), so Q4_K / Q6_K start at 32; Q5_K, decoded through
+    # fp32, stays at 128. The strip formats' int8 AMX strip pairs are faster
     # below a few hundred rows (Q4_1 at 128 rows 0.6-0.86x) and even to 1.3x slower at 512
     # (SmolLM2's matrices 0.93-1.32x; its 1,000-token prefill in process 7-16% faster alternated);
     # 2 threads, bench.probes.quant_linear --int8's bf16 column. F16 / BF16 / Q4_0 / Q5_1 keep the
     # fp32 activations llama.cpp gives them.
-    BF16_MIN_ROWS = {BlockFormat.Q4_K: 128, BlockFormat.Q5_K: 128, BlockFormat.Q6_K: 128,
+    BF16_MIN_ROWS = {BlockFormat.Q4_K: 32, BlockFormat.Q5_K: 128, BlockFormat.Q6_K: 32,
                      BlockFormat.Q4_1: 384, BlockFormat.Q5_0: 384, BlockFormat.Q8_0: 384}
 
     @classmethod

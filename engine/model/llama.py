@@ -111,8 +111,8 @@ class LlamaForCausalLM(nn.Module):
         self.linear_backend = choice.backend
         self.use_native_rows(self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
                              and has_op("add_rms_norm_"))
-        self.set_prefill_matmul_dtype(self.prefill_matmul_dtype)  # onto the matmuls just bound
-        rebind_native_decoder(self)  # its arguments name the matmuls just bound
+        # onto the matmuls just bound; it rebinds the native path, whose arguments name them
+        self.set_prefill_matmul_dtype(self.prefill_matmul_dtype)
         return choice.backend
 
     def use_native_rows(self, on: bool) -> None:
@@ -151,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.prefill_matmul_dtype = mode
         for mm in self.block_linears():
             mm.use_bf16_prefill(mode == "bfloat16")
+        rebind_native_decoder(self)  # its chunk bound follows the bf16 thresholds
 
     def describe_prefill_matmuls(self) -> str:
         """``prefill_matmul_dtype`` as bound: which block matrices take bf16 prefill chunks."""

@@ -57,6 +57,13 @@ class DecodingModel(Protocol):
     native: "NativeDecoder | None"
 
 
+def bf16_min_rows(layers: Sequence[DecoderLayer]) -> int:
+    """The fewest rows from which some matmul of these layers takes a call on the AMX-BF16 tiles
+    (``BlockLinear.bf16_min_rows``; ``UNBOUNDED`` where none does)."""
+    return min((mm.bf16_min_rows for layer in layers for attr, _, _ in layer.MATMULS
+                if isinstance(mm := getattr(layer, attr), BlockLinear)), default=UNBOUNDED)
+
+
 def layer_arguments(layer: DecoderLayer) -> tuple[tuple, int]:
     """The layer's constant arguments of ``torch.ops.kvserve.decode_layer`` for the matmuls as
     bound now (``DecoderLayer.use_linear``), and the most rows a step may have for that call to
@@ -139,7 +146,11 @@ class NativeDecoder:
     # threads, a prefix hit's step in process (decode kernel / tiles / Python layers, ms): 24 rows
     # over 1,000 cached tokens 40 / 24 / 36, 72 over 1,000 103 / 46 / 58, 72 over 6,000 399 / 99 /
     # 111, 128 over 3,000 451 / 100 / 113, 208 over 1,000 332 / 119 / 121 (about even).
-    # `python -m bench.probes.chunk_path`; docs/benchmarks.md, "an eighteenth session".
+    # `python -m bench.probes.chunk_path`; docs/benchmarks.md, "an eighteenth session". Where the
+    # layers' matmuls take prefill calls on the AMX-BF16 tiles from fewer rows (``BF16_MIN_ROWS``:
+    # the K-quants from 32), the step bound is one below that, so such chunks get the Python layers'
+    # bf16 matmuls, as ``forward`` computes them: the 1B Q4_K_M's 50-token prompt 201 -> 180 ms
+    # in process (SmolLM2 Q4_K_M even), docs/benchmarks.md, "a twenty-first session".
     tiles_chunk_rows = 8
     tiles_step_rows = 128
 
@@ -157,6 +168,7 @@ class NativeDecoder:
         # tiles_prefill: the Python layers' prefill chunks attend on the AMX tiles (bf16 q, k and v);
         # the stack then takes its chunks' rows there too, those of more than tiles_chunk_rows rows
         self.chunk_tiles = bool(self.stack.set_chunk_tiles(tiles_prefill, self.tiles_chunk_rows))
+        self.tiles_step_rows = min(type(self).tiles_step_rows, bf16_min_rows(layers) - 1)
 
     def rows(self, meta: AttentionMetadata, kv_caches: list) -> int:
         """How many of this step's rows the native path takes (the first ones), or 0.

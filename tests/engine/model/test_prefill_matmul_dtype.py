@@ -23,7 +23,7 @@ def bf16_kernel() -> None:
 
 @pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.F16])
 def test_block_linear_takes_the_bf16_kernel_from_its_formats_row_count(fmt):
-    """From BF16_MIN_ROWS[format] rows (128 for the K-quants, 384 for the strip formats) a matrix
+    """From BF16_MIN_ROWS[format] rows (32 for Q4_K / Q6_K, 128 for Q5_K, 384 for the strip formats) a matrix
     returns gguf_linear_bf16's bits (bias added), below it the decode kernel's; a format not listed
     (F16) never; with the flag off, none."""
     bf16_kernel()
@@ -100,7 +100,7 @@ def test_a_q4_k_m_prefill_in_bf16_tracks_the_exact_flags(tmp_path, monkeypatch):
         if name == "bfloat16":
             assert engine.config.model.prefill_matmul_dtype == "bfloat16"
             assert model.describe_prefill_matmuls() == (f"bfloat16 on AMX tiles for {len(layers) + 1} of "
-                                                        f"{len(layers) + 1} block matrices (Q4_K, Q6_K from 128 rows)")
+                                                        f"{len(layers) + 1} block matrices (Q4_K, Q6_K from 32 rows)")
         seen = []
         compute = model.compute_logits
         model.compute_logits = lambda h, f=compute: seen.append(f(h).clone()) or seen[-1]
