@@ -132,12 +132,16 @@ class EngineCoreConfig:
     it dies; ``thread`` runs it in a thread of the server (tests, benches; no restart).
     After ``max_failures`` core deaths within ``failure_window_s`` the client gives up and the
     server exits non-zero, so that the orchestrator restarts the whole container.
+    ``burst_gap_ms``: an idle core that receives a request takes the ones that follow it until
+    none has come for this long (at most 8 such gaps) before its first step, so that requests sent
+    together prefill in one step rather than the first alone (``engine/core/loop.py``); 0: at once.
     """
 
     mode: str = "process"
     max_failures: int = 3
     failure_window_s: float = 300.0
     startup_timeout_s: float = 600.0  # model load of a (re)started core
+    burst_gap_ms: float = 4.0
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -148,6 +152,8 @@ class EngineCoreConfig:
             raise ValueError(f"failure_window_s must be > 0, got {self.failure_window_s}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if not 0 <= self.burst_gap_ms <= 100:
+            raise ValueError(f"burst_gap_ms must be in [0, 100], got {self.burst_gap_ms}")
 
 
 @dataclass

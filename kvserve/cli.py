@@ -97,6 +97,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run the engine core in its own process (default; restarted if it dies) or in a thread")
     c.add_argument("--max-core-failures", dest="max_failures", type=int,
                    help="core deaths within --core-failure-window after which the server exits non-zero (default 3)")
+    c.add_argument("--burst-gap-ms", dest="burst_gap_ms", type=float, metavar="MS",
+                   help="an idle core waits for requests that follow the first one within this many ms of each "
+                        "other (at most 8 gaps) before stepping, so a burst prefills together (default 4; 0: at once)")
     c.add_argument("--core-failure-window", dest="failure_window_s", type=float, metavar="SECONDS",
                    help="the window of --max-core-failures (default 300)")
 

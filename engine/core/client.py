@@ -365,7 +365,9 @@ class InprocEngineClient(_ClientBase):
         from engine.core.loop import EngineCore
 
         try:
-            EngineCore(self.engine).run(self._receive, self._on_outputs, self._stop.is_set)
+            config = getattr(self.engine, "config", None)  # tests drive the loop with stand-in engines
+            burst_gap_s = config.core.burst_gap_ms / 1e3 if config is not None else 0.0
+            EngineCore(self.engine, burst_gap_s).run(self._receive, self._on_outputs, self._stop.is_set)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
             logger.exception("engine loop failed")
             self.error = exc

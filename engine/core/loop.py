@@ -9,10 +9,13 @@ finish state, plus one ``StepStats`` snapshot. It never detokenizes.
 Pacing: while requests are live it steps back to back, except when a step ran no tokens (every
 live request waits for its grammar to compile or for KV blocks from the disk tier): then it
 waits up to ``STALLED_WAIT_S`` on the command pipe instead of spinning, and sends nothing
-unless that step produced outputs. While idle it runs ``LLMEngine.housekeeping`` (pin expiry,
-requested unpins) between waits of ``IDLE_POLL_S`` and sends a stats-only message when pins or
-tier counters changed. On every way out of ``run`` it calls ``LLMEngine.close`` (the disk tier
-gets the pool's cached blocks and its writes finish).
+unless that step produced outputs. An idle core that receives a request first takes the ones
+that follow it, until none has come for ``burst_gap_s`` (at most ``BURST_GAPS`` such gaps in
+all), so that requests sent together prefill in one step (``EngineCoreConfig.burst_gap_ms``).
+While idle it runs ``LLMEngine.housekeeping`` (pin expiry, requested unpins) between waits of
+``IDLE_POLL_S`` and sends a stats-only message when pins or tier counters changed. On every
+way out of ``run`` it calls ``LLMEngine.close`` (the disk tier gets the pool's cached blocks and
+its writes finish).
 
 Failure contract: a request the engine refuses gets a final ``error`` output at once; a forward
 pass that raises fails only the requests that raise when rerun alone (``LLMEngine.step``); any
@@ -45,12 +48,15 @@ IDLE_POLL_S = 0.5
 # How long a core whose last step ran no tokens waits for a command before stepping again
 # (grammars compile in ~ms; tier loads are polled inside the step as well).
 STALLED_WAIT_S = 0.002
+# The longest an idle core collects a burst of requests before its first step: this many gaps.
+BURST_GAPS = 8
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, burst_gap_s: float = 0.0) -> None:
         self.engine = engine
         self.num_steps = 0
+        self.burst_gap_s = burst_gap_s
 
     def handle(self, command: AddRequest | AbortRequests | Unpin) -> list[EngineCoreOutput]:
         engine = self.engine
@@ -90,6 +96,8 @@ class EngineCore:
         while True:
             busy = engine.has_unfinished()
             commands = receive((STALLED_WAIT_S if stalled else 0.0) if busy else IDLE_POLL_S)
+            if not busy and self.burst_gap_s > 0 and any(isinstance(c, AddRequest) for c in commands):
+                commands = self._rest_of_burst(commands, receive)
             extra: list[EngineCoreOutput] = []
             for command in commands:
                 if isinstance(command, Shutdown):
@@ -111,6 +119,20 @@ class EngineCore:
             engine.housekeeping()  # pin expiry and requested unpins while idle
             if extra or engine.stats_changed():
                 send(EngineCoreOutputs(extra, engine.stats()))
+
+    def _rest_of_burst(self, commands: Sequence[Command],
+                       receive: Callable[[float], Sequence[Command]]) -> list[Command]:
+        """``commands`` and those that follow them within ``burst_gap_s`` of each other, for at
+        most ``BURST_GAPS`` gaps: while the core waits here the frontend has the CPUs to itself.
+        (Measured: 4 concurrent 50-token requests to the 1B Q4_K_M on 2 cores reached the core
+        ~7 ms apart, the frontend sharing the cores with the first one's prefill step; stepped at
+        once, three of them waited for that whole step, TTFT p50 ~620 ms; with a 4 ms gap all four
+        prefilled together, ~450 ms.)"""
+        commands = list(commands)
+        end = time.monotonic() + BURST_GAPS * self.burst_gap_s
+        while (left := end - time.monotonic()) > 0 and (more := receive(min(self.burst_gap_s, left))):
+            commands += more
+        return commands
 
 
 def _rank_lost(rank: int, exitcode: int | None) -> None:
@@ -176,7 +198,7 @@ def run_core_process(config: EngineConfig, commands, outputs,  # noqa: ANN001 - 
         except OSError as exc:
             raise _FrontendGone() from exc
 
-    core = EngineCore(engine)
+    core = EngineCore(engine, config.core.burst_gap_ms / 1e3)
     try:
         core.run(receive, send)
     except _FrontendGone:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from engine.core.loop import IDLE_POLL_S, STALLED_WAIT_S, EngineCore
+from engine.core.loop import BURST_GAPS, IDLE_POLL_S, STALLED_WAIT_S, EngineCore
 from engine.core.client import InprocEngineClient
 from engine.core.protocol import (AddRequest, EngineCoreOutput, EngineCoreOutputs, PinSnapshot, Shutdown, StepStats,
                                   Unpin)
@@ -117,6 +117,65 @@ def test_close_runs_when_the_loop_fails():
         commands.put(AddRequest("r", [1], SamplingParams()))
         EngineCore(engine).run(lambda t: [commands.get()] if not commands.empty() else [], sent.append)
     assert engine.closed == 1
+
+
+class CountingEngine(StalledEngine):
+    """Records how many requests it holds at each step; a request is done after one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held, self.per_step = 0, []
+
+    def add_request(self, *args) -> str:
+        self.held += 1
+        return "r"
+
+    def has_unfinished(self) -> bool:
+        return self.held > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.per_step.append(self.held)
+        self.last_step_tokens, self.held = self.held, 0
+        return []
+
+
+@pytest.mark.parametrize("burst_gap_s, first_step", [(0.004, 3), (0.0, 1)])
+def test_an_idle_core_takes_a_burst_of_requests_into_its_first_step(burst_gap_s, first_step):
+    """Requests that reach an idle core one receive after another (as a client's parallel calls
+    do, a few ms apart) prefill in one step when the core waits a gap for each next one; with no
+    gap the first steps alone. The core stops at Shutdown."""
+    adds = [[AddRequest(f"r{i}", [1, 2], SamplingParams())] for i in range(3)]
+    script = iter(adds + [[], [Shutdown()]])
+    waits: list[float] = []
+
+    def receive(timeout: float) -> list:
+        waits.append(timeout)
+        return next(script, [Shutdown()])
+
+    engine = CountingEngine()
+    EngineCore(engine, burst_gap_s).run(receive, lambda out: None)
+    assert engine.per_step[0] == first_step
+    assert sum(engine.per_step) == 3
+    if burst_gap_s:
+        assert waits[1:4] == pytest.approx([burst_gap_s] * 3, abs=burst_gap_s)  # a gap each, never longer
+
+
+def test_a_burst_is_cut_after_its_gaps():
+    """Requests that keep coming closer than the gap do not hold the first step back for longer
+    than BURST_GAPS gaps."""
+    gap, t0, first_step_at = 0.01, time.monotonic(), []
+
+    def receive(timeout: float) -> list:
+        if first_step_at:
+            return [Shutdown()]
+        time.sleep(min(timeout, 0.001))
+        return [AddRequest("r", [1], SamplingParams())]
+
+    engine = CountingEngine()
+    engine.step = lambda f=engine.step: first_step_at.append(time.monotonic()) or f()
+    EngineCore(engine, gap).run(receive, lambda out: None)
+    assert BURST_GAPS * gap * 0.9 <= first_step_at[0] - t0 <= BURST_GAPS * gap + 0.5
+    assert engine.per_step[0] > BURST_GAPS
 
 
 def test_new_values_pickle_across_the_process_boundary():
