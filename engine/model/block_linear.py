@@ -74,13 +74,16 @@ class BlockLinear:
     # four matrices. Since Q4_K and Q6_K super-blocks decode straight to bf16 (prefill_linear.cpp),
     # the bf16 tiles also win at 32-96 rows (1.1-1.4x at 32, 1.4-1.7x at 50, 1.5-2.0x at 96 on
     # those matrices; before, 0.9-1.2x at 64), so Q4_K / Q6_K start at 32; Q5_K, decoded through
-    # fp32, stays at 128. The strip formats' int8 AMX strip pairs are faster
-    # below a few hundred rows (Q4_1 at 128 rows 0.6-0.86x) and even to 1.3x slower at 512
-    # (SmolLM2's matrices 0.93-1.32x; its 1,000-token prefill in process 7-16% faster alternated);
-    # 2 threads, bench.probes.quant_linear --int8's bf16 column. F16 / BF16 / Q4_0 / Q5_1 keep the
-    # fp32 activations llama.cpp gives them.
+    # fp32, stays at 128. The strip formats' int8 AMX strip pairs were faster below a few hundred
+    # rows (Q4_1 at 128 rows 0.6-0.86x) and even to 1.3x slower at 512 (SmolLM2's matrices
+    # 0.93-1.32x); with Q4_1's strips decoded straight to bf16 too, SmolLM2's Q4_1 matrices run
+    # 1.05-1.22x faster on the tiles at 64 rows, 1.2-1.28x at 128, 1.24-1.52x at 200, and its 200- and
+    # 300-row prefill steps in process 0.80-0.84x the time at 128 against 384, so Q4_1 starts at 128
+    # (the native path's chunk steps, to 127 tiled rows, unchanged); Q5_0 and Q8_0 (the LM head),
+    # decoded through fp32, stay at 384. 2 threads, bench.probes.quant_linear --int8's bf16 column.
+    # F16 / BF16 / Q4_0 / Q5_1 keep the fp32 activations llama.cpp gives them.
     BF16_MIN_ROWS = {BlockFormat.Q4_K: 32, BlockFormat.Q5_K: 128, BlockFormat.Q6_K: 32,
-                     BlockFormat.Q4_1: 384, BlockFormat.Q5_0: 384, BlockFormat.Q8_0: 384}
+                     BlockFormat.Q4_1: 128, BlockFormat.Q5_0: 384, BlockFormat.Q8_0: 384}
 
     @classmethod
     def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:

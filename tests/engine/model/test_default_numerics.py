@@ -216,7 +216,7 @@ def test_defaults_agree_with_the_exact_flags_teacher_forced(default_engine, exac
 def test_defaults_in_prefill_chunks_agree_with_the_exact_flags_teacher_forced(default_engine, exact_reference):
     """The same text in 512-token prefill chunks (the default step budget), at the defaults as this
     CPU resolves them: the chunks' matmuls on the int8 kernels (every CPU with AVX2, as llama.cpp's
-    prefill) or, on AMX-BF16 CPUs, the strip formats' on bf16 tiles from 384 rows, and their
+    prefill) or, on AMX-BF16 CPUs, Q4_1's on bf16 tiles from 128 rows, and their
     attention in bf16 on AMX-BF16 CPUs (kvserve's own kernel), in fp32 elsewhere. The agreement with
     the exact engine is at or above ``AGREEMENT_FLOOR``. Where bf16 attention is the default, it is
     within half a point of the same defaults with fp32 prefill attention, and the two differ (the
