@@ -77,7 +77,7 @@ class BlockLinear:
     # fp32, stays at 128. The strip formats' int8 AMX strip pairs were faster below a few hundred
     # rows (Q4_1 at 128 rows 0.6-0.86x) and even to 1.3x slower at 512 (SmolLM2's matrices
     # 0.93-1.32x); with Q4_1's strips decoded straight to bf16 too, SmolLM2's Q4_1 matrices run
-    # 1.05-1.22x faster on the tiles at 64 rows, 1.2-1.28x at 128, 1.24-1.52x at 200, and its 200- and
+    # 1.05-1.23x faster on the tiles at 64 rows, 1.2-1.28x at 128, 1.24-1.52x at 200, and its 200- and
     # 300-row prefill steps in process 0.80-0.84x the time at 128 against 384, so Q4_1 starts at 128
     # (the native path's chunk steps, to 127 tiled rows, unchanged); Q5_0 and Q8_0 (the LM head),
     # decoded through fp32, stay at 384. 2 threads, bench.probes.quant_linear --int8's bf16 column.
