@@ -148,9 +148,10 @@ class NativeDecoder:
     # 111, 128 over 3,000 451 / 100 / 113, 208 over 1,000 332 / 119 / 121 (about even).
     # `python -m bench.probes.chunk_path`; docs/benchmarks.md, "an eighteenth session". Where the
     # layers' matmuls take prefill calls on the AMX-BF16 tiles from fewer rows (``BF16_MIN_ROWS``:
-    # the K-quants from 32), the step bound is one below that, so such chunks get the Python layers'
-    # bf16 matmuls, as ``forward`` computes them: the 1B Q4_K_M's 50-token prompt 201 -> 180 ms
-    # in process (SmolLM2 Q4_K_M even), docs/benchmarks.md, "a twenty-first session".
+    # Q4_K / Q6_K from 32; Q4_1's 128 leaves it at 127), the step bound is one below that, so such
+    # chunks get the Python layers' bf16 matmuls, as ``forward`` computes them: the 1B Q4_K_M's
+    # 50-token prompt 201 -> 180 ms in process (SmolLM2 Q4_K_M even), docs/benchmarks.md, "a
+    # twenty-first session".
     tiles_chunk_rows = 8
     tiles_step_rows = 128
 
