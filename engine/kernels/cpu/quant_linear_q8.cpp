@@ -481,6 +481,22 @@ inline void per_transposed_lane(__m128i v8, __m256i* words, __m256i* dwords) {
 
 using kvserve::q4_k_scales;  // block_codes.h
 
+#ifdef KVSERVE_ZMM_ROWS
+// One row against one super-block at b through Rows::one_row (KRows, Q6_KRows; VNNI CPUs): acc[0] +=
+// float([A, B]) * scale * the row's activation scale, scale = [d, dmin] (Q6_K: [d, 0], its B zero).
+// The one-feature pass of both formats: the remainder of quad_row's features.
+template <typename Rows>
+__attribute__((always_inline)) inline void one_row_block(const uint8_t* b, const kvserve::Q8Act& x, int64_t r0,
+                                                         int64_t sb, __m128 scale, __m128* acc) {
+  const int64_t nbk = x.K / 256;
+  const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
+  __m256i a, side;
+  Rows::one_row(b, x.k8.data() + r0 * x.K + 256 * sb, s16, a, side);
+  const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, side));
+  acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(scale, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+}
+#endif
+
 // One super-block against rows [r0, r0 + R) (R = 0: rn rows, a run-time count): the codes and
 // scales are unpacked once and every row is dotted from registers, so a pass over the weights
 // serves up to kKRows rows. acc[r]: row r's [acc, corr] (see above).
@@ -534,11 +550,7 @@ struct KRows {
     const int64_t nbk = x.K / 256;
 #ifdef KVSERVE_ZMM_ROWS
     if (R == 1 && cpu_has_vnni()) {  // the remainder of quad_row's features
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
-      __m256i a, side;
-      one_row(b, x.k8.data() + r0 * x.K + 256 * sb, s16, a, side);
-      const __m128 ab = _mm_cvtepi32_ps(hsum2_epi32(a, side));
-      acc[0] = _mm_fmadd_ps(ab, _mm_mul_ps(dd, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+      one_row_block<KRows>(b, x, r0, sb, dd, acc);
       return;
     }
 #endif
@@ -661,11 +673,7 @@ struct Q6_KRows {
     const int64_t nbk = x.K / 256;
 #ifdef KVSERVE_ZMM_ROWS
     if (R == 1 && cpu_has_vnni()) {  // the remainder of quad_row's features
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ksum16.data() + (r0 * nbk + sb) * 16));
-      __m256i a, zero;
-      one_row(b, x.k8.data() + r0 * x.K + 256 * sb, s16, a, zero);
-      const __m128 A = _mm_cvtepi32_ps(hsum2_epi32(a, zero));
-      acc[0] = _mm_fmadd_ps(A, _mm_mul_ps(d, _mm_set1_ps(x.kd[r0 * nbk + sb])), acc[0]);
+      one_row_block<Q6_KRows>(b, x, r0, sb, d, acc);
       return;
     }
 #endif
