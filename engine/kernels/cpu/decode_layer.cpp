@@ -287,14 +287,16 @@ inline void store_row(const float* src, int64_t D, c10::Half* dst) {
 
 // The attention phase's work items, the same for every layer of a step. A row of at most
 // kvserve::kAttnChunk tokens (or any row, where chunks are off) is one item per kv head: its G
-// query heads over the whole context, written to the row's output. A longer row is one item per
+// query heads over the whole context, written to the row's output; or, where the step has whole
+// rows (at least two such rows a thread), one item of every head. A longer row is one item per
 // chunk of kAttnChunk tokens over every head (paged_attention.h attend_chunk), written to `part`,
 // and a merge phase (merge_chunks) then gives its output. Chunks are off for int4 pools (their
 // kernel, kv_int4.h, has none), with H2O's block mass (exported per kv head) and where the AVX2
 // kernel does not run (attend_chunks_supported).
 struct AttentionPlan {
+  static constexpr int64_t kEveryHead = -2;  // Item::head of a whole row's item
   struct Item {
-    int64_t row, head;    // head: the kv head (whole-context items) or -1 (a chunk of every head)
+    int64_t row, head;    // head: the kv head (whole-context items), kEveryHead, or -1 (a chunk of every head)
     int64_t t0, t1, part; // a chunk's tokens and its index into part / stats
     int64_t rows = 0;     // > 0: rows [row, row + rows), one sequence's, of kv head `head` on the tiles
   };
@@ -303,8 +305,16 @@ struct AttentionPlan {
   std::vector<int64_t> first_part;    // [B + 1]: row b's chunks are parts [first_part[b], first_part[b + 1])
   int64_t parts = 0;
 
-  void plan(const StepInputs& in, bool chunks) {
+  // whole_rows: whether a row may be one item of every head (not with int4 pools, whose kernel
+  // takes one kv head, nor with H2O's mass, exported per kv head). Taken where the step has at
+  // least two rows a thread: a row's heads then read its K and V rows whole, as they lie in the
+  // pool, where the kv heads' items read a third of each (SmolLM2) on two cores at once. SmolLM2
+  // Q4_1's in-process steps, five alternated pairs: 16 rows 4-19% faster (median 9%), 8 rows 1-29%
+  // (9%), 4 rows within the noise (docs/benchmarks.md, "a twenty-second session"). Below two rows a
+  // thread, the kv heads' items keep both threads busy.
+  void plan(const StepInputs& in, bool chunks, bool whole_rows) {
     items.clear(), chunked_rows.clear(), first_part.assign(in.B + 1, 0), parts = 0;
+    const bool whole = whole_rows && in.B >= 2 * at::get_num_threads();
     for (int64_t b = 0; b < in.B; ++b) {
       const int64_t len = in.lens[b];
       first_part[b] = parts;
@@ -314,6 +324,10 @@ struct AttentionPlan {
         for (int64_t g = 0; g < in.KVH; ++g) items.push_back({b, g, 0, 0, -1, run});
         for (int64_t r = b + 1; r < b + run; ++r) first_part[r] = parts;
         b += run - 1;
+        continue;
+      }
+      if (whole && (!chunks || len <= kvserve::kAttnChunk)) {
+        items.push_back({b, kEveryHead, 0, len, -1});
         continue;
       }
       if (!chunks || len <= kvserve::kAttnChunk) {
@@ -345,9 +359,10 @@ struct SharedScratch {
   float *qkv, *attn, *tmp, *gu, *act;  // [B, qkv.N], [B, q_size], [B, hidden] O / down products, [B, 2I], [B, I]
   float *part, *stats;                 // [parts, q_size] the chunks' unnormalized sums, [parts, 2 H] their softmax stats
   AttentionPlan attention;
-  // chunks: whether long rows may be attended in chunks (see AttentionPlan)
-  void size_for(const LayerWeights& l, const StepInputs& in, bool chunks) {
-    attention.plan(in, chunks && kvserve::attend_chunks_supported(in.D));
+  // every_head: whether an item may take every head of a row (long rows' chunks, whole rows; see
+  // AttentionPlan): not over int4 pools nor with H2O's mass
+  void size_for(const LayerWeights& l, const StepInputs& in, bool every_head) {
+    attention.plan(in, every_head && kvserve::attend_chunks_supported(in.D), every_head);
     const int64_t B = in.B, q_size = in.H * in.D, P = attention.parts;
     data.resize(B * (l.qkv.N + q_size + l.hidden + 3 * l.I) + P * (q_size + 2 * in.H));
     qkv = data.data(), attn = qkv + B * l.qkv.N, tmp = attn + B * q_size, gu = tmp + B * l.hidden, act = gu + B * 2 * l.I;
@@ -482,6 +497,15 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
                                       s.attn + b * q_size + g * G * D, q_size);
         continue;
       }
+      if (g == AttentionPlan::kEveryHead) {  // a whole row
+        if (!in.writes_first && !chunked)
+          for (int64_t kv = 0; kv < KVH; ++kv) prepare_job(b, kv);
+        const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
+        ts.scores.resize(H * lay.len), ts.acc.resize(H * D);
+        kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, 0, H, G, D, in.scale, ts.scores.data(),
+                        ts.acc.data(), s.attn + b * q_size);
+        continue;
+      }
       if (g < 0) {  // a chunk: its tokens, every head
         const AttentionPlan::Item& it = items[job];
         const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
@@ -552,7 +576,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::T
   // (a thread_local named inside the region would be each thread's own: pass the caller's by address)
   static thread_local SharedScratch scratch;
   SharedScratch* shared = &scratch;
-  shared->size_for(l, in, /*chunks=*/true);
+  shared->size_for(l, in, /*every_head=*/true);
   const auto each_thread = [&](auto* kp, auto* vp) {
 #pragma omp parallel num_threads(at::get_num_threads())
     {
@@ -750,7 +774,7 @@ struct DecodeStack : torch::CustomClassHolder {
     SharedScratch* shared = &scratch;
     shared->size_for(*std::max_element(layers.begin(), layers.end(), [](const LayerWeights& a, const LayerWeights& b) {
       return a.qkv.N + 3 * a.I < b.qkv.N + 3 * b.I;
-    }), in, /*chunks=*/!int4 && !block_mass);
+    }), in, /*every_head=*/!int4 && !block_mass);
     const float* w = final_norm ? norm.data_ptr<float>() : nullptr;
     at::Tensor job_mass;
     if (block_mass) {

@@ -514,7 +514,10 @@ def test_decode_stack_equals_one_call_per_layer_on_two_threads(case, cache_dir, 
             assert all(torch.equal(a, b) for a, b in zip(ks2 + vs2, want_k + want_v))
             # H2O's block mass: the outputs stay as they were; each row's probabilities, one per
             # head and layer, land in its table's columns (one past them stays 0); one thread or
-            # two (the (row, kv head) jobs dealt out differently), the same sums
+            # two (the (row, kv head) jobs dealt out differently), the same sums. The mass keeps
+            # one attention item per (row, kv head); without it, 5 and 16 rows on two threads are
+            # one item a row (every head), so the equality below also holds those two plans to
+            # the same bits.
             masses = []
             for n in (2, 1):
                 torch.set_num_threads(n)
