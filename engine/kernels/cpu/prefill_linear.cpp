@@ -4,8 +4,8 @@
 // output. x and the weights are rounded to bf16 (to nearest, ties to
 // even, as torch's `.to(torch.bfloat16)`); the products and their sums are fp32 (TDPBF16PS); the
 // output is fp32. No dense copy of W is kept: each thread decodes a panel of output features at a
-// time (Q4_K, Q6_K and Q4_1 straight to bf16; the other formats through gguf_decode_range's exact
-// fp32, then bf16) into a buffer that stays in its L2.
+// time (Q4_K, Q6_K and the strip formats Q4_1, Q5_0, Q8_0 straight to bf16; the other formats through
+// gguf_decode_range's exact fp32, then bf16) into a buffer that stays in its L2.
 //
 // Why: the int8 kernels (quant_linear_q8.cpp, quant_linear_amx.cpp) apply their per-32 or per-256
 // scales in fp32 after each block's integer product, and that float work bounds them at 512 rows to
@@ -130,7 +130,7 @@ struct Scratch {
   Lines<float> acc;       // [groups][row tiles][16][16]
 };
 
-// ---- Q4_K and Q6_K super-blocks (and Q4_1 strips, below) straight to bf16 panel rows: the values
+// ---- Q4_K and Q6_K super-blocks (and the strip formats, below) straight to bf16 panel rows: the values
 // quant_linear.cpp's decoders compute (gguf_decode_range: per sub-block fma(d sc, q, -(dmin m)) for
 // Q4_K, fma(d sc, q, -32 d sc) for Q6_K, the scale products exact in fp32), 16 at a time in zmm, then
 // rounded as bf16_32 rounds them: the same bf16 bits (tests/engine/kernels/test_prefill_linear_kernel.py,
@@ -138,8 +138,10 @@ struct Scratch {
 // Through gguf_decode_range (8 at a time in ymm, an fp32 row buffer, then bf16_32) the decode was
 // 76 TSC ticks a Q4_K super-block in cache here, and the 1B Q4_K_M's gate/up at 50 rows spent 60% of
 // its call there; straight, 50 ticks, and the 1B's 200-row prefill step took 0.8x the time. Q4_1's
-// strips (q4_1_strip_bf16) likewise: one thread's decode of SmolLM2's gate/up 0.53x the ticks, its
-// 400-row prefill step in process 0.92-0.95x the time, a 1,000-token prompt 0.88-0.95x.
+// strips (strip_bf16) likewise: one thread's decode of SmolLM2's gate/up 0.53x the ticks, its
+// 400-row prefill step in process 0.92-0.95x the time, a 1,000-token prompt 0.88-0.95x. Q5_0's and
+// Q8_0's strips since: the bf16 column of `bench.probes.quant_linear --int8` on SmolLM2 Q4_K_M's
+// matrices (2 threads) 0.65x the time for Q5_0's gate/up at 64 rows, 0.56x for the Q8_0 LM head.
 
 // 16 codes (uint8 in v) times the scale at a plus the offset at off, as 16 fp32.
 inline __m512 scaled16(__m128i v, const float* a, const float* off) {
@@ -191,44 +193,79 @@ inline void q6_k_bf16(const uint8_t* b, uint16_t* dst) {
   }
 }
 
-// One Q4_1 strip-block (8 features x 32 k; block_codes.h: d[8], m[8], then 4 chunks o of 32 bytes,
-// byte 4c + e of chunk o holding feature c's codes at k = 8o + e (low nibble) and 8o + 4 + e (high))
-// as rows 0 .. cols - 1 of dst (stride ld), 32 bf16 each: d q + m, as Avx2Nibbles computes it. Feature
-// c's 4 dwords (one a chunk) are dwords 8o + c of the 128 code bytes: one dword permutation gathers
-// 4 features, and the low and high nibbles interleave by dwords into k order.
-inline void q4_1_strip_bf16(const uint8_t* sb, uint16_t* dst, int64_t ld, int cols) {
-  alignas(32) float d[8], m[8];
-  _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb))));
-  _mm256_store_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16))));
-  const __m512i lo_chunks = _mm512_loadu_si512(sb + 32), hi_chunks = _mm512_loadu_si512(sb + 96);
-  const __m512i mask = _mm512_set1_epi8(15);
-  alignas(64) uint8_t k_order[2][64];  // [k 0-15 | k 16-31] of 4 features, 16 codes a 128-bit lane
-  for (int c0 = 0; c0 < cols; c0 += 4) {
-    // lane L, dword o: dword 8o + c0 + L (chunks 0-1 in lo_chunks, 2-3 in hi_chunks)
-    const __m512i idx = _mm512_add_epi32(
-        _mm512_set1_epi32(c0), _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27));
-    const __m512i x = _mm512_permutex2var_epi32(lo_chunks, idx, hi_chunks);
-    const __m512i lo = _mm512_and_si512(x, mask), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+// Four features' 32 codes of a strip-block, each feature's in k order, as 16-code rows of k_order:
+// feature c0 + L's k 0-15 at k_order[0] + 16 L, k 16-31 at k_order[1] + 16 L. The nibble formats
+// (block_codes.h: 4 chunks o of 32 bytes, byte 4c + e of chunk o holding feature c's codes at k =
+// 8o + e in its low nibble and 8o + 4 + e in its high; Q5_0's fifth bits at byte 144, bit 2o of byte
+// 4c + e for the low nibble, 2o + 1 for the high): feature c's 4 code dwords are dwords 8o + c of
+// the 128 code bytes, so one dword permutation gathers 4 features, and the low and high nibbles
+// interleave by dwords into k order. Q8_0 (byte 16 + 32j + 4c + e: feature c's code at k = 4j + e):
+// dwords 8j + c, two permutations (k-quads 0-3, 4-7).
+template <int64_t kFmt>
+inline void strip_codes(const uint8_t* sb, int c0, uint8_t (*k_order)[64]) {
+  const __m512i lane = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(c0), lane);  // lane L, dword i: dword 8i + c0 + L
+  if constexpr (kFmt == kvserve::blocks::kQ8_0) {
+    const uint8_t* q = sb + 16;
+    _mm512_store_si512(k_order[0], _mm512_permutex2var_epi32(_mm512_loadu_si512(q), idx, _mm512_loadu_si512(q + 64)));
+    _mm512_store_si512(k_order[1],
+                       _mm512_permutex2var_epi32(_mm512_loadu_si512(q + 128), idx, _mm512_loadu_si512(q + 192)));
+  } else {
+    constexpr bool kQ5 = kFmt == kvserve::blocks::kQ5_0;
+    const uint8_t* q = sb + (kQ5 ? 16 : 32);
+    const __m512i x = _mm512_permutex2var_epi32(_mm512_loadu_si512(q), idx, _mm512_loadu_si512(q + 64));
+    const __m512i mask = _mm512_set1_epi8(15);
+    __m512i lo = _mm512_and_si512(x, mask), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+    if constexpr (kQ5) {
+      // lane L, dword o: fifth-bit dword c0 + L shifted right by 2o, so that bit 0 of each byte is
+      // the low nibble's fifth bit and bit 1 the high nibble's (2o + 1 <= 7: within the byte)
+      const __m512i f = _mm512_permutexvar_epi32(
+          _mm512_add_epi32(_mm512_set1_epi32(c0), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)),
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 144))));
+      const __m512i t = _mm512_srlv_epi32(f, _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6));
+      lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi8(1)), 4));
+      hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi8(2)), 3));
+    }
     _mm512_store_si512(k_order[0], _mm512_unpacklo_epi32(lo, hi));  // chunk o's low, its high: k 8o .. 8o + 7
     _mm512_store_si512(k_order[1], _mm512_unpackhi_epi32(lo, hi));
+  }
+}
+
+// One strip-block (8 features x 32 k) of Q4_1, Q5_0 or Q8_0 as rows 0 .. cols - 1 of dst (stride
+// ld), 32 bf16 each: the values quant_linear.cpp's decoders compute (Avx2Nibbles, Avx2<Q8_0>):
+// fma(d, q, m) for Q4_1, fma(d, q, -16 d) for Q5_0 (= d (q - 16), exact), d q for Q8_0.
+template <int64_t kFmt>
+inline void strip_bf16(const uint8_t* sb, uint16_t* dst, int64_t ld, int cols) {
+  constexpr bool kQ8 = kFmt == kvserve::blocks::kQ8_0, kQ5 = kFmt == kvserve::blocks::kQ5_0;
+  alignas(32) float d[8], m[8];
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+  _mm256_store_ps(d, dv);
+  if constexpr (kQ5)
+    _mm256_store_ps(m, _mm256_mul_ps(dv, _mm256_set1_ps(-16.f)));
+  else if constexpr (!kQ8)
+    _mm256_store_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16))));
+  alignas(64) uint8_t k_order[2][64];
+  for (int c0 = 0; c0 < cols; c0 += 4) {
+    strip_codes<kFmt>(sb, c0, k_order);
     for (int c = c0; c < std::min(cols, c0 + 4); ++c) {
-      const __m512 D = _mm512_set1_ps(d[c]), M = _mm512_set1_ps(m[c]);
-      const auto codes = [&](int h) {
+      const __m512 D = _mm512_set1_ps(d[c]);
+      const auto value = [&](int h) {
         const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(k_order[h] + 16 * (c - c0)));
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+        if constexpr (kQ8) return _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+        else return _mm512_fmadd_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(m[c]));
       };
-      _mm512_store_si512(dst + c * ld, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(D, codes(1), M),
-                                                                     _mm512_fmadd_ps(D, codes(0), M)));
+      _mm512_store_si512(dst + c * ld, (__m512i)_mm512_cvtne2ps_pbh(value(1), value(0)));
     }
   }
 }
 
-// The features [n0, n0 + 16) at k [k0, k0 + kc) of a Q4_1 matrix (two strips) as bf16 rows dst (row
-// stride ld), those from `valid` on as zeros; the strips of `ahead` (or -1) are asked into L2 as
-// decode_group_kquant does.
-void decode_group_q4_1(const Problem& p, int64_t n0, int64_t valid, int64_t ahead, int64_t ahead_valid, int64_t k0,
-                       int64_t kc, uint16_t* dst, int64_t ld) {
-  constexpr int64_t kBytes = kvserve::blocks::kQ4_1StripBytes, kCols = kvserve::blocks::kStripColumns;
+// The features [n0, n0 + 16) at k [k0, k0 + kc) of a strip-format matrix (two strips: Q4_1, Q5_0,
+// Q8_0) as bf16 rows dst (row stride ld), those from `valid` on as zeros; the strips of `ahead` (or
+// -1) are asked into L2 as decode_group_kquant does.
+template <int64_t kFmt>
+void decode_group_strips(const Problem& p, int64_t n0, int64_t valid, int64_t ahead, int64_t ahead_valid, int64_t k0,
+                         int64_t kc, uint16_t* dst, int64_t ld) {
+  constexpr int64_t kBytes = kvserve::blocks::strip_block_bytes(kFmt), kCols = kvserve::blocks::kStripColumns;
   const int64_t blocks = p.K / 32, b0 = k0 / 32, b1 = (k0 + kc) / 32;
   for (int64_t i = 0; i < 2; ++i) {
     uint16_t* rows = dst + i * kCols * ld;
@@ -240,7 +277,7 @@ void decode_group_q4_1(const Problem& p, int64_t n0, int64_t valid, int64_t ahea
            a += 64)
         _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
     const uint8_t* strip = p.w + ((n0 / kCols) + i) * blocks * kBytes;
-    for (int64_t b = b0; b < b1; ++b) q4_1_strip_bf16(strip + b * kBytes, rows + b * 32 - k0, ld, cols);
+    for (int64_t b = b0; b < b1; ++b) strip_bf16<kFmt>(strip + b * kBytes, rows + b * 32 - k0, ld, cols);
   }
 }
 
@@ -270,26 +307,32 @@ void decode_group_kquant(const Problem& p, int64_t n0, int64_t valid, int64_t ah
 }
 
 // Decode the panel's groups (group g: the 16 matrix rows from first[g], those past the gate's or
-// the matrix's end as zeros) at k [k0, k0 + kc) into s.panel as bf16 rows: Q4_K, Q6_K and Q4_1
-// straight (decode_group_kquant, decode_group_q4_1), the other formats through gguf_decode_range's fp32.
+// the matrix's end as zeros) at k [k0, k0 + kc) into s.panel as bf16 rows: Q4_K, Q6_K and the strip
+// formats straight (decode_group_kquant, decode_group_strips), Q5_K through gguf_decode_range's fp32.
 void decode_panel(const Problem& p, const std::vector<int64_t>& first, int64_t k0, int64_t kc, Scratch& s) {
   const int64_t groups = static_cast<int64_t>(first.size()), ld = panel_stride(kc);
   const bool kquant = p.format == kvserve::blocks::kQ4_K || p.format == kvserve::blocks::kQ6_K;
-  const bool q4_1 = p.format == kvserve::blocks::kQ4_1;
+  const bool strips = kvserve::blocks::is_strip_format(p.format);
   // the rows of group g that the matrix has (the gate's end for a gate group of swiglu)
   const auto valid = [&](int64_t g) {
     const int64_t limit = p.half && first[g] < p.half ? p.half : p.N;
     return std::max<int64_t>(0, std::min(kTile, limit - first[g]));
   };
   s.panel.resize(groups * kTile * ld);
-  if (!kquant && !q4_1) s.rows.resize(kTile * kc);
+  if (!kquant && !strips) s.rows.resize(kTile * kc);
   for (int64_t g = 0; g < groups; ++g) {
     uint16_t* panel = s.panel.data() + g * kTile * ld;
-    if (kquant || q4_1) {
+    if (kquant || strips) {
       const bool last = g + 1 == groups;
       const int64_t ahead = last ? -1 : first[g + 1], ahead_valid = last ? 0 : valid(g + 1);
-      if (kquant) decode_group_kquant(p, first[g], valid(g), ahead, ahead_valid, k0, kc, panel, ld);
-      else decode_group_q4_1(p, first[g], valid(g), ahead, ahead_valid, k0, kc, panel, ld);
+      const int64_t n0 = first[g], n = valid(g);
+      if (kquant) decode_group_kquant(p, n0, n, ahead, ahead_valid, k0, kc, panel, ld);
+      else if (p.format == kvserve::blocks::kQ4_1)
+        decode_group_strips<kvserve::blocks::kQ4_1>(p, n0, n, ahead, ahead_valid, k0, kc, panel, ld);
+      else if (p.format == kvserve::blocks::kQ5_0)
+        decode_group_strips<kvserve::blocks::kQ5_0>(p, n0, n, ahead, ahead_valid, k0, kc, panel, ld);
+      else
+        decode_group_strips<kvserve::blocks::kQ8_0>(p, n0, n, ahead, ahead_valid, k0, kc, panel, ld);
       continue;
     }
     float* rows = s.rows.data();
