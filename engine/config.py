@@ -75,8 +75,8 @@ class ModelConfig:
     prefill_attention_dtype: str = "auto"
     # "auto" | "float32" | "bfloat16": the dtype a prefill chunk's activations enter the block
     # matmuls in (engine.model.linear.resolve_prefill_matmul_dtype). bfloat16: calls of
-    # BlockLinear.BF16_MIN_ROWS[format] rows or more (Q4_K / Q6_K from 32, Q5_K / Q4_1 from 128, Q5_0 /
-    # Q8_0 from 384) round x and the decoded weights to bf16 and multiply on AMX tiles
+    # BlockLinear.BF16_MIN_ROWS[format] rows or more (Q4_K / Q6_K from 32, Q5_K / Q4_1 / Q5_0 / Q8_0
+    # from 128) round x and the decoded weights to bf16 and multiply on AMX tiles
     # (engine/kernels/cpu/prefill_linear.cpp), sums in fp32; float32: they run the decode kernels
     # (int8 activations under activation_quant int8). auto: as prefill_attention_dtype's auto
     # (bfloat16 where activation_quant resolved to int8 and the CPU has AMX-BF16), else float32

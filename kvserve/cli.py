@@ -47,7 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(AMX tiles) where activation_quant is int8 and the CPU has AMX-BF16, else float32")
     g.add_argument("--prefill-matmul-dtype", dest="prefill_matmul_dtype", choices=PREFILL_DTYPES,
                    help="the dtype prefill chunks enter the block matmuls in; bfloat16: AMX-BF16 tiles (the "
-                        "Q4_K / Q6_K from 32 rows, Q4_1 / Q5_K from 128, Q5_0 / Q8_0 from 384); default auto: bfloat16 where "
+                        "Q4_K / Q6_K from 32 rows, the other block formats but Q4_0 / Q5_1 from 128); default auto: bfloat16 where "
                         "activation_quant is int8 and the CPU has AMX-BF16, else float32 (the decode kernels)")
     g.add_argument("--block-size", dest="block_size", type=int)
     g.add_argument("--num-blocks", dest="num_blocks", type=int)

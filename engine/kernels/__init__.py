@@ -21,8 +21,8 @@ Nine kernels, one library:
   the int8 kernels run on), where torch's fp32 flash kernel ran before.
 * ``prefill_linear.cpp``: a prefill chunk's block matmuls (and the fused SiLU(gate) * up) on
   AMX-BF16 tiles, x and each panel of decoded weights rounded to bf16, fp32 sums
-  (``BlockLinear`` with ``prefill_matmul_dtype`` bfloat16: Q4_K / Q6_K from 32 rows, Q4_1 from 128
-  (those three decoded straight to bf16), Q5_K from 128, Q5_0 / Q8_0 from 384).
+  (``BlockLinear`` with ``prefill_matmul_dtype`` bfloat16: Q4_K / Q6_K from 32 rows, Q4_1 / Q5_0 /
+  Q8_0 from 128 (those five decoded straight to bf16), Q5_K from 128).
 * ``prefill_rows.cpp``: a prefill chunk's row ops in one pass each (``rms_norm``, the residual
   add fused with the norm after it, ``add_rms_norm_``, and RoPE in place, ``rope_``), where torch's
   CPU composites take four to six (``DecoderLayer.native_rows``), with the decode layer's numerics.

@@ -79,11 +79,15 @@ class BlockLinear:
     # 0.93-1.32x); with Q4_1's strips decoded straight to bf16 too, SmolLM2's Q4_1 matrices run
     # 1.05-1.23x faster on the tiles at 64 rows, 1.2-1.28x at 128, 1.24-1.52x at 200, and its 200- and
     # 300-row prefill steps in process 0.80-0.84x the time at 128 against 384, so Q4_1 starts at 128
-    # (the native path's chunk steps, to 127 tiled rows, unchanged); Q5_0 and Q8_0 (the LM head),
-    # decoded through fp32, stay at 384. 2 threads, bench.probes.quant_linear --int8's bf16 column.
+    # (the native path's chunk steps, to 127 tiled rows, unchanged). Q5_0 and Q8_0, decoded through
+    # fp32, stayed at 384; straight to bf16 since, SmolLM2 Q4_K_M's Q5_0 matrices run 1.04-1.14x
+    # faster on the tiles at 64 rows, 0.95-1.19x at 128, 1.1-1.47x at 256, its Q8_0 LM head 0.97x /
+    # 1.25x / 1.53x, and the Q8_0 and Q4_K_M files' 200- and 300-row prefill steps in process
+    # 0.75-0.9x the time at 128 against 384, so both start at 128. 2 threads,
+    # bench.probes.quant_linear --int8's bf16 column.
     # F16 / BF16 / Q4_0 / Q5_1 keep the fp32 activations llama.cpp gives them.
     BF16_MIN_ROWS = {BlockFormat.Q4_K: 32, BlockFormat.Q5_K: 128, BlockFormat.Q6_K: 32,
-                     BlockFormat.Q4_1: 128, BlockFormat.Q5_0: 384, BlockFormat.Q8_0: 384}
+                     BlockFormat.Q4_1: 128, BlockFormat.Q5_0: 128, BlockFormat.Q8_0: 128}
 
     @classmethod
     def dense_copy_unread(cls, formats: Iterable[BlockFormat | None]) -> bool:
