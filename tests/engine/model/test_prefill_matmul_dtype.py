@@ -21,7 +21,8 @@ def bf16_kernel() -> None:
         pytest.skip("the bf16 prefill kernel needs AMX-BF16 and AVX512-BF16 (Sapphire Rapids or later)")
 
 
-@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.F16])
+@pytest.mark.parametrize("fmt", [BlockFormat.Q4_K, BlockFormat.Q6_K, BlockFormat.Q4_1, BlockFormat.Q5_0, BlockFormat.Q8_0,
+                                 BlockFormat.F16])
 def test_block_linear_takes_the_bf16_kernel_from_its_formats_row_count(fmt):
     """From BF16_MIN_ROWS[format] rows (32 for Q4_K / Q6_K, 128 for Q4_1 / Q5_K / Q5_0 / Q8_0) a matrix
     returns gguf_linear_bf16's bits (bias added), below it the decode kernel's; a format not listed
