@@ -35,7 +35,7 @@
 #include "amx_tiles.h"      // KVSERVE_AMX, configure_full_tiles
 #include "block_codes.h"    // the K-quant layouts: q4_k_scales, q6_k_codes
 #include "cpu_features.h"   // cpu_has_amx_bf16
-#include "quant_linear.h"   // gguf_decode_range
+#include "quant_linear.h"   // gguf_decode_range, prefetch_range
 #include "vec_math.h"       // silu_mul
 
 namespace {
@@ -273,9 +273,7 @@ void decode_group_strips(const Problem& p, int64_t n0, int64_t valid, int64_t ah
     for (int c = cols; c < kCols; ++c) std::memset(rows + c * ld, 0, kc * sizeof(uint16_t));
     if (cols == 0) continue;
     if (i * kCols < ahead_valid)
-      for (const uint8_t *a = p.w + ((ahead / kCols + i) * blocks + b0) * kBytes, *e = a + (b1 - b0) * kBytes; a < e;
-           a += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+      kvserve::prefetch_range(p.w + ((ahead / kCols + i) * blocks + b0) * kBytes, (b1 - b0) * kBytes);
     const uint8_t* strip = p.w + ((n0 / kCols) + i) * blocks * kBytes;
     for (int64_t b = b0; b < b1; ++b) strip_bf16<kFmt>(strip + b * kBytes, rows + b * 32 - k0, ld, cols);
   }
@@ -295,9 +293,7 @@ void decode_group_kquant(const Problem& p, int64_t n0, int64_t valid, int64_t ah
       std::memset(dst, 0, kc * sizeof(uint16_t));
       continue;
     }
-    if (f < ahead_valid)
-      for (const uint8_t *a = p.w + ((ahead + f) * nb + sb0) * bytes, *e = a + (sb1 - sb0) * bytes; a < e; a += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+    if (f < ahead_valid) kvserve::prefetch_range(p.w + ((ahead + f) * nb + sb0) * bytes, (sb1 - sb0) * bytes);
     const uint8_t* row = p.w + (n0 + f) * nb * bytes;
     for (int64_t sb = sb0; sb < sb1; ++sb) {
       if (q4) q4_k_bf16(row + sb * bytes, dst + sb * 256 - k0);
