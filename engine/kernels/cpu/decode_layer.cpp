@@ -429,7 +429,7 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
   const int64_t q_size = H * D;
   float* xp = in.x;
   const kvserve::Pool<T> k_pool{kp, nullptr, KVH}, v_pool{vp, nullptr, KVH};
-  ts.y.resize(B * hidden), ts.head.resize(D), ts.acc.resize(G * D);
+  ts.y.resize(B * hidden), ts.head.resize(D), ts.acc.resize(H * D);  // H: a whole row's item (kEveryHead)
   // int8_activations: each matmul input is quantized once per thread (a few microseconds;
   // cheaper than another barrier) for the parts that have an int8 kernel
   const auto quantized = [&](const Matrix& m, const float* x, int64_t K) -> const kvserve::Q8Act* {
@@ -501,7 +501,7 @@ void run_layer(const LayerWeights& l, const StepInputs& in, T* kp, T* vp, const 
         if (!in.writes_first && !chunked)
           for (int64_t kv = 0; kv < KVH; ++kv) prepare_job(b, kv);
         const kvserve::Layout lay{in.tables + b * in.W, in.lens[b], in.block_size, KVH * D, in.block_size * KVH * D};
-        ts.scores.resize(H * lay.len), ts.acc.resize(H * D);
+        ts.scores.resize(H * lay.len);
         kvserve::attend(s.qkv + b * l.qkv.N, k_pool, v_pool, lay, 0, H, G, D, in.scale, ts.scores.data(),
                         ts.acc.data(), s.attn + b * q_size);
         continue;
