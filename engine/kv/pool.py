@@ -20,6 +20,7 @@ from cache.memory import kv_bytes_per_token as _kv_bytes
 from cache.memory import num_blocks_for_memory
 from engine.kv.int4 import Int4KV, Int4Residual, int4_bytes_per_token_head, residual_bytes
 from engine.kv.int8 import SCALE_BYTES, Int8KV
+from engine.platform import huge_pages
 
 KVTensor = torch.Tensor | Int8KV | Int4KV
 KVPool = list[tuple[KVTensor, KVTensor]]  # per layer: (K, V)
@@ -73,6 +74,8 @@ def allocate_kv_pair(shape: tuple[int, ...], kv_cache_dtype: str, model_dtype: t
     if kv_cache_dtype == "int8":  # quantized on write, scales per token and head (engine/kv/int8.py)
         return Int8KV.zeros(shape, model_dtype, device), Int8KV.zeros(shape, model_dtype, device)
     dtype = kv_pool_dtype(kv_cache_dtype, model_dtype)
+    if device.type == "cpu":  # zero pages that take memory as blocks fill, on huge pages (engine/platform/huge_pages.py)
+        return huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 

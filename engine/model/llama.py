@@ -34,6 +34,7 @@ from engine.model.native_decode import NativeDecoder, decide_decode_path, rebind
 from engine.model.parallel_linear import ModelShard
 from engine.model.ranks import ModelRanks
 from engine.model.rope import rope_cos_sin, signed_sin
+from engine.platform import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_blocks = attach(self.lm_head, [head])
         return covered + (self.lm_head_blocks is not None)
 
+    @torch.no_grad()
+    def gather_blocks(self) -> int:
+        """Every GGUF block matrix's packed bytes moved into one buffer on huge pages (decode streams
+        them every step: engine/platform/huge_pages.py), before any matmul binds them; each original
+        is dropped as soon as it is copied. Returns the bytes moved."""
+        matrices = [m for layer in self.layers for m in layer.blocks.values()]
+        matrices += [m for m in (self.embed_blocks, self.lm_head_blocks) if m is not None]
+        parts = list({id(p): p for m in matrices for p in m.parts}.values())
+        for part, slot in zip(parts, huge_pages.slots([p.data.numel() * p.data.element_size() for p in parts])):
+            part.data = huge_pages.copy_into(slot, part.data)
+        return sum(p.data.numel() * p.data.element_size() for p in parts)
+
     def holds_blocks_only(self) -> bool:
         return self.lm_head_blocks_only or any(layer.blocks_only for layer in self.layers)
 
@@ -373,6 +386,8 @@ def configure_linear_layers(model: LlamaForCausalLM, loaded: LoadedModel, backen
         covered = model.attach_blocks(read_gguf_blocks(loaded.gguf_path, loaded.arch))
         log.info("GGUF blocks kept for %d weight matrices (decode matmuls read them, %s kernel)", covered,
                  torch.ops.kvserve.gguf_kernel_isa())
+    if device.type == "cpu" and huge_pages.supported():
+        log.info("GGUF blocks gathered onto huge pages: %.0f MB", model.gather_blocks() / 1e6)
     chosen = model.select_linear_backend(backend)
     held = model.weight_bytes()
     log.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,
