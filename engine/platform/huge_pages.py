@@ -3,7 +3,7 @@
 Why: a decode step streams every weight once (SmolLM2 Q4_1: 97 MB) and each row's KV blocks,
 and on 4 KiB pages every 4 KiB of that is a TLB miss; in a VM each miss is a two-level (guest
 and host) page walk. On this project's 2-core Sapphire Rapids VM a core streaming 96 MB read
-11.2-11.9 GB/s on 4 KiB pages and 17.5-18.5 GB/s on 2 MiB pages, two cores together 25.5
+11.0-11.9 GB/s on 4 KiB pages and 16.4-18.5 GB/s on 2 MiB pages, two cores together 25.5
 against 33.1 (`scripts/huge-page-read.c`; docs/benchmarks.md, "a twenty-third session").
 torch's allocator asks for huge pages only under ``THP_MEM_ALLOC_ENABLE=1`` and only for
 allocations of 2 MiB or more, and a model's packed matrices are mostly smaller (a SmolLM2
@@ -22,15 +22,12 @@ values) in a slot. A mapping lives as long as any tensor over it.
 """
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 import sys
 from collections.abc import Sequence
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor's start, as torch's CPU allocator aligns them (the kernels' vector loads)
