@@ -43,6 +43,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from engine.platform import huge_pages
+
 LEVELS = 15  # 4-bit codes 0..15
 SCALE_DTYPE = torch.float16
 MIN_STEP = 1e-6  # a constant channel still gets a finite (fp16-representable) step
@@ -254,9 +256,9 @@ class Int4KV:
         blocks, bs, kvh, d = shape
         check_geometry(bs, d)
         scale_shape = (blocks, kvh, 2, d) if per_channel else (blocks, bs, kvh, 2)
-        return cls(torch.zeros((blocks, bs, kvh, d // 2), dtype=torch.uint8, device=device),
-                   torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device),
-                   torch.zeros((state.num_slots, bs, kvh, d), dtype=out_dtype, device=device),
+        return cls(huge_pages.zeros_on(device, (blocks, bs, kvh, d // 2), torch.uint8),
+                   huge_pages.zeros_on(device, scale_shape, SCALE_DTYPE),
+                   huge_pages.zeros_on(device, (state.num_slots, bs, kvh, d), out_dtype),
                    state, per_channel, out_dtype)
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import has_op
+from engine.platform import huge_pages
 
 SCALE_FIELDS = 2  # (step, minimum) per token and head
 SCALE_DTYPE = torch.float32
@@ -32,8 +33,8 @@ class Int8KV:
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device) -> "Int8KV":
-        return cls(torch.zeros(shape, dtype=torch.int8, device=device),
-                   torch.zeros((*shape[:-1], SCALE_FIELDS), dtype=SCALE_DTYPE, device=device), out_dtype)
+        return cls(huge_pages.zeros_on(device, shape, torch.int8),
+                   huge_pages.zeros_on(device, (*shape[:-1], SCALE_FIELDS), SCALE_DTYPE), out_dtype)
 
     @property
     def shape(self) -> torch.Size:

@@ -74,9 +74,8 @@ def allocate_kv_pair(shape: tuple[int, ...], kv_cache_dtype: str, model_dtype: t
     if kv_cache_dtype == "int8":  # quantized on write, scales per token and head (engine/kv/int8.py)
         return Int8KV.zeros(shape, model_dtype, device), Int8KV.zeros(shape, model_dtype, device)
     dtype = kv_pool_dtype(kv_cache_dtype, model_dtype)
-    if device.type == "cpu":  # zero pages that take memory as blocks fill, on huge pages (engine/platform/huge_pages.py)
-        return huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    # on a CPU, on huge pages (engine/platform/huge_pages.py): attention streams the pool every step
+    return huge_pages.zeros_on(device, shape, dtype), huge_pages.zeros_on(device, shape, dtype)
 
 
 def allocate_kv_pool(num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -16,7 +16,8 @@ default) and with 4 KiB pages under ``never``. Its pages are zeros; ``zeros`` wr
 platform has no such mapping (not Linux), the buffers are plain torch tensors, zeroed.
 
 Contract: ``zeros(shape, dtype)`` is a contiguous CPU tensor of zeros whose data pointer is 64-byte
-aligned (as torch's own CPU allocations are); ``slots(sizes)`` cuts one buffer into 64-byte
+aligned (as torch's own CPU allocations are), and ``zeros_on(device, ...)`` that on a CPU, torch's
+zeros elsewhere (every KV pool tensor: float, int8, int4); ``slots(sizes)`` cuts one buffer into 64-byte
 aligned slots, and ``copy_into(slot, t)`` is a contiguous copy of ``t`` (same shape, dtype and
 values) in a slot. A mapping lives as long as any tensor over it.
 """
@@ -56,6 +57,13 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     scenario's background streams' largest inter-token gap from ~50 to 208 ms."""
     nbytes = math.prod(shape) * dtype.itemsize
     return _buffer(nbytes).zero_().view(dtype).view(tuple(shape))
+
+
+def zeros_on(device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A KV pool's tensor of zeros: ``zeros`` on a CPU where ``supported``, else ``torch.zeros``."""
+    if torch.device(device).type == "cpu" and supported():
+        return zeros(shape, dtype)
+    return torch.zeros(tuple(shape), dtype=dtype, device=device)
 
 
 def slots(sizes: Sequence[int]) -> list[torch.Tensor]:

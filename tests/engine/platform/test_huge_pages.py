@@ -51,6 +51,16 @@ def kernels_then_cache_dir(request):
     return request.getfixturevalue("cache_dir")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_the_cpu_quantized_pools_are_zeros_on_huge_pages(kv_cache_dtype):
+    pool = allocate_kv_pool(10, 16, 2, 3, 64, kv_cache_dtype, torch.float32, torch.device("cpu"), residual_slots=4)
+    k, v = pool[0]
+    fields = ("data", "scale") if kv_cache_dtype == "int8" else ("codes", "scale", "residual")
+    tensors = [getattr(side, f) for side in (k, v) for f in fields]
+    for t in tensors:
+        assert t.data_ptr() % huge_pages.HUGE_PAGE == 0 and not t.any()
+
+
 def test_a_gguf_models_blocks_share_one_buffer_the_matmuls_read(kernels_then_cache_dir, tmp_path):
     from bench.make_gguf import write_gguf
     from engine.loader.gguf.blocks import BlockFormat
