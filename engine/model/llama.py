@@ -35,6 +35,7 @@ from engine.model.parallel_linear import ModelShard
 from engine.model.ranks import ModelRanks
 from engine.model.rope import rope_cos_sin, signed_sin
 from engine.platform import huge_pages
+from engine.platform.host_malloc import trim_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -388,6 +389,7 @@ def configure_linear_layers(model: LlamaForCausalLM, loaded: LoadedModel, backen
                  torch.ops.kvserve.gguf_kernel_isa())
     if device.type == "cpu" and huge_pages.supported():
         log.info("GGUF blocks gathered onto huge pages: %.0f MB", model.gather_blocks() / 1e6)
+        trim_malloc()  # the originals' freed chunks back to the system
     chosen = model.select_linear_backend(backend)
     held = model.weight_bytes()
     log.info("Weights resident: %.0f MB blocks, %.0f MB dense%s", held["blocks"] / 1e6, held["dense"] / 1e6,

@@ -44,9 +44,11 @@ def _buffer(nbytes: int) -> torch.Tensor:
     if not supported() or nbytes == 0:
         return torch.zeros(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     start = -whole.data_ptr() % HUGE_PAGE
+    # whole huge pages only: a partly used last one would be 2 MiB resident for its few bytes
+    if nbytes >= HUGE_PAGE:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return whole[start:start + nbytes]
 
 
