@@ -137,7 +137,8 @@ def scenario_structured(ctx: Context) -> dict[str, Any]:
     vocab, _ = ctx.vocab_and_eos()
     return run_structured(ctx.server, ctx.tokenizer, vocab, concurrency=_q(a, "concurrency", 16, 16),
                           output_len=_q(a, "output_len", 48, 24), rounds=_q(a, "rounds", 2, 1),
-                          inject=_q(a, "inject", 8, 4), progress=not a.no_progress)
+                          inject=_q(a, "inject", 8, 4), gap_rounds=_q(a, "gap_rounds", 3, 1),
+                          progress=not a.no_progress)
 
 
 def scenario_kv_memory(ctx: Context) -> dict[str, Any]:
@@ -401,6 +402,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, help="output tokens (default 48; quick 24)")
     p.add_argument("--rounds", type=int, help="rounds of both sides (default 2; quick 1)")
     p.add_argument("--inject", type=int, help="requests with a fresh schema in the stall test (default 8; quick 4)")
+    p.add_argument("--gap-rounds", type=int, help="stall-test rounds, fresh and cached alternating (default 3; quick 1)")
 
     p = sub.add_parser("kv-memory", parents=[common], help="KV slot utilization and concurrency in a fixed budget")
     p.add_argument("--max-model-len", type=int, help="default 2048; quick 1024")

@@ -123,12 +123,14 @@ def test_structured(server, tokenizer, tmp_path):
     from bench.structured import run_structured
 
     data = _written(run_structured(server, tokenizer, len(tokenizer), concurrency=3, output_len=4, rounds=1,
-                                   inject=2, progress=False), tmp_path)
+                                   inject=2, progress=False, gap_rounds=2), tmp_path)
     assert not data["errors"]
     for side in ("unconstrained", "constrained"):
         assert data["sides"][side][0]["output_tokens"] == 3 * 4 and data["sides"][side][0]["output_tps"] > 0
     assert data["tps_ratio"] > 0 and data["gap_ratio"] > 0
-    assert len(data["injected_first_token_ms"]["fresh"]) == 2
+    # two alternated stall rounds: two injected requests each; the target's ratio is their median
+    assert len(data["injected_first_token_ms"]["fresh"]) == 4 and len(data["gap_round_ratios"]) == 2
+    assert data["gap_ratio"] == pytest.approx(sum(data["gap_round_ratios"]) / 2, abs=1e-3)
     assert [c["verdict"] for c in data["checks"][:2]] != ["SKIPPED", "SKIPPED"]
 
 
