@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from functools import lru_cache
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -107,25 +107,32 @@ class OpenAIServing:
             named = next((f for f in ("logit_bias", "kv_eviction") if message.startswith(f)), param)
             raise bad_request(message, named) from None
 
-    @staticmethod
-    def _check_spec(spec: Any, what: str, param: str) -> None:
+    async def _check_spec(self, spec: Any, what: str, param: str) -> None:
         """400 naming ``param`` for a schema / regex / grammar that cannot compile (checked
-        without a tokenizer, once per distinct spec)."""
-        try:
-            _validate_spec_cached(spec)
-        except GrammarError as exc:
-            raise bad_request(f"invalid {what}: {exc}", param) from None
+        without a tokenizer, once per distinct spec). A spec not seen before is checked off the
+        event loop: a 40-property schema takes ~2 ms (large ones tens of ms), llguidance releases
+        the GIL meanwhile, and the loop goes on streaming every other request's tokens."""
+        error = _SPEC_VERDICTS.get(spec, _UNSEEN)
+        if error is _UNSEEN:
+            error = await self._off_loop(_spec_error, spec)
+            _SPEC_VERDICTS[spec] = error
+            if len(_SPEC_VERDICTS) > _MAX_SPEC_VERDICTS:
+                _SPEC_VERDICTS.popitem(last=False)
+        else:
+            _SPEC_VERDICTS.move_to_end(spec)
+        if error is not None:
+            raise bad_request(f"invalid {what}: {error}", param)
 
-    def _check_tool_schemas(self, plan: ToolPlan) -> None:
+    async def _check_tool_schemas(self, plan: ToolPlan) -> None:
         """Every function's ``parameters`` must compile, as OpenAI refuses an invalid function
         schema under any ``tool_choice``."""
         for name, spec in plan.parameter_specs():
-            self._check_spec(spec, f"tools: function {name!r}", "tools")
+            await self._check_spec(spec, f"tools: function {name!r}", "tools")
 
-    def _check_grammar(self, params: SamplingParams, param: str) -> None:
+    async def _check_grammar(self, params: SamplingParams, param: str) -> None:
         """The request's own grammar (a response_format, a guided_* field or a forced tool call)."""
         if params.structured_output is not None:
-            self._check_spec(params.structured_output, param, param)
+            await self._check_spec(params.structured_output, param, param)
 
     @property
     def _template_has_tools(self) -> bool:
@@ -157,7 +164,7 @@ class OpenAIServing:
         priority = self._priority(body)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         if plan is not None:
-            self._check_tool_schemas(plan)
+            await self._check_tool_schemas(plan)
         # auto's lazy call grammar only when the request has no grammar of its own
         own = plan is not None and plan.mode == "auto" and (
             (body.response_format is not None and body.response_format.type != "text")
@@ -165,7 +172,7 @@ class OpenAIServing:
         forced = plan.spec(constrain_auto=not own) if plan is not None else None
         params = body.to_sampling_params(self.config.max_stop, forced)
         budget = body.reasoning_budget()
-        self._check_grammar(params, "tools" if forced is not None else "response_format")
+        await self._check_grammar(params, "tools" if forced is not None else "response_format")
         self._check_n(body.n)
         if not body.messages:
             raise bad_request("messages must contain at least one message", "messages")
@@ -208,7 +215,7 @@ class OpenAIServing:
         body.check_unsupported()
         priority = self._priority(body)
         params = body.to_sampling_params(self.config.max_stop)
-        self._check_grammar(params, "response_format")
+        await self._check_grammar(params, "response_format")
         params = with_policy(params, completion_cache_policy(body, has_disk_tier(self.engine)))
         self._check_n(body.n)
         raw_prompts = body.prompts()
@@ -461,8 +468,16 @@ class OpenAIServing:
         return concat_logprobs(self.logprobs.prompt(job.prompt_token_ids, choice.prompt_logprobs), output)
 
 
-@lru_cache(maxsize=1024)
-def _validate_spec_cached(spec: Any) -> None:
-    """validate_spec, remembered per spec (a frozen dataclass): a large schema costs tens of ms
-    to check, and load generators send the same one with every request."""
-    validate_spec(spec)
+# validate_spec's verdicts, remembered per spec (a frozen dataclass): load generators and agents
+# send the same schema with every request. None: the spec compiles; else the error's message.
+_SPEC_VERDICTS: OrderedDict[Any, str | None] = OrderedDict()
+_MAX_SPEC_VERDICTS = 1024
+_UNSEEN = object()
+
+
+def _spec_error(spec: Any) -> str | None:
+    try:
+        validate_spec(spec)
+    except GrammarError as exc:
+        return str(exc)
+    return None

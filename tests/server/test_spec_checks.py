@@ -1,0 +1,67 @@
+"""The frontend's grammar check (``OpenAIServing._check_spec``): a spec it has not seen is
+checked on a worker thread, not on the event loop that streams every other request's tokens;
+each distinct spec is checked once, its verdict (a 400 naming the field, or none) remembered."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+import server.serving as serving
+from kvtypes.structured_spec import StructuredOutputSpec
+from server.errors import APIError
+
+
+def _checker(pool: ThreadPoolExecutor):
+    host = SimpleNamespace(_tokenizer_pool=pool)
+    host._off_loop = functools.partial(serving.OpenAIServing._off_loop, host)
+    return functools.partial(serving.OpenAIServing._check_spec, host)
+
+
+def test_a_new_spec_is_checked_off_the_loop_and_once(monkeypatch):
+    checked: list[tuple[str, int]] = []
+
+    def spec_error(spec):
+        checked.append((spec.value, threading.get_ident()))
+        return "unknown keyword" if spec.value == "bad" else None
+
+    monkeypatch.setattr(serving, "_spec_error", spec_error)
+    monkeypatch.setattr(serving, "_SPEC_VERDICTS", OrderedDict())
+    good, bad = StructuredOutputSpec("regex", "good"), StructuredOutputSpec("regex", "bad")
+
+    async def main(check) -> int:
+        for _ in range(2):
+            await check(good, "response_format", "response_format")
+            with pytest.raises(APIError) as refused:
+                await check(bad, "response_format", "response_format")
+            assert (refused.value.status, refused.value.param) == (400, "response_format")
+            assert refused.value.message == "invalid response_format: unknown keyword"
+        return threading.get_ident()
+
+    with ThreadPoolExecutor(1) as pool:
+        loop_thread = asyncio.run(main(_checker(pool)))
+    assert [value for value, _ in checked] == ["good", "bad"]  # the second round came from the verdicts
+    assert all(thread != loop_thread for _, thread in checked)
+
+
+def test_the_real_check_refuses_a_broken_schema(monkeypatch):
+    """Through llguidance itself: a schema that cannot compile gets its error message."""
+    monkeypatch.setattr(serving, "_SPEC_VERDICTS", OrderedDict())
+    broken = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}))
+    fine = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+
+    async def main(check) -> None:
+        await check(fine, "response_format", "response_format")
+        with pytest.raises(APIError) as refused:
+            await check(broken, "response_format", "response_format")
+        assert refused.value.status == 400 and refused.value.message.startswith("invalid response_format: ")
+
+    with ThreadPoolExecutor(1) as pool:
+        asyncio.run(main(_checker(pool)))
+    assert serving._SPEC_VERDICTS[fine] is None and serving._SPEC_VERDICTS[broken]
