@@ -44,6 +44,20 @@ def _grammar(compiler, spec) -> RequestGrammar:
     return g
 
 
+def test_the_compile_thread_runs_nicer_than_the_engine(compiler):
+    """Compiles take a core from the engine's threads only at a lower priority: the compile
+    thread's niceness is the process's plus COMPILE_NICENESS (at most 19)."""
+    import os
+    import threading
+
+    from engine.sampling.structured_output import COMPILE_NICENESS
+
+    tid = compiler._executor.submit(threading.get_native_id).result(timeout=60)
+    assert tid != threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's: the engine's priority
+    assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, base + COMPILE_NICENESS) > base
+
+
 def test_apply_bitmask_matches_a_bit_loop():
     gen = torch.Generator().manual_seed(0)
     vocab = 70
