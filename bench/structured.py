@@ -179,7 +179,7 @@ def run_structured(server: Server, tokenizer: Any, vocab_size: int, concurrency:
               higher_is_better=False),
         info("injected requests' first token p50 (ms), fresh vs cached schema",
              percentiles(fresh["injected_first_token_ms"], (50,)).get("p50"),
-             f"vs {percentiles(control['injected_first_token_ms'], (50,)).get('p50')} (compile latency)"),
+             f"vs {_ms(percentiles(control['injected_first_token_ms'], (50,)).get('p50'))} (compile latency)"),
     ]
     result["machine"] = machine_info()
     return result
