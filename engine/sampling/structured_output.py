@@ -111,15 +111,17 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, max_cached: int = 256) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar", initializer=_lower_priority)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
         self._lock = threading.Lock()
         self._cache: dict[str, Future] = {}
         self._max_cached = max_cached
         self._ll_tokenizer: Any = None
         self.num_compiled = 0
         # Built now, in the background, so the first structured request does not wait for it
-        # (and its ~1.5 s of Python does not compete with traffic for the GIL later).
+        # (and its ~1.5 s of Python does not compete with traffic for the GIL later); at the
+        # engine's priority, as at ~10% of a busy core it would take ~15 s. Compiles come after.
         self._executor.submit(self._tokenizer)
+        self._executor.submit(_lower_priority)
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
