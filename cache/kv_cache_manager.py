@@ -355,7 +355,10 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        state = self._requests.get(request.request_id, _RequestBlocks())
+        state = self._requests.get(request.request_id)
+        if state is not None and not new_computed_blocks and self._fits(request, state, num_new_tokens):
+            return []
+        state = state or _RequestBlocks()
         if new_computed_blocks and state.blocks:
             raise ValueError("new_computed_blocks are only allowed on a request's first allocation")
         bs = self.block_size
@@ -407,6 +410,17 @@ class KVCacheManager:
             self.block_pool.cache_block(block, block_hash)  # False for a duplicate: stays unhashed
         self._requests[request.request_id] = state
         return new_blocks
+
+    def _fits(self, request: CacheRequest, state: _RequestBlocks, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots`` has nothing to do: the held blocks take the new tokens, no
+        block fills up (nothing to hash), nothing was or will be evicted. Most decode steps of a
+        request (block_size - 1 of every block_size) end here, before the full plan."""
+        if state.num_evicted_blocks or getattr(request, "evicts", False):
+            return False
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        bs = self.block_size
+        return num_tokens <= len(state.blocks) * bs and (
+            not self.enable_prefix_caching or min(num_tokens, len(request.all_token_ids)) // bs <= len(state.block_hashes))
 
     def _rebase(self, state: _RequestBlocks, sinks: int, shift: int) -> None:
         """Move the kept tokens past the sinks to contiguous positions (``position_shift =

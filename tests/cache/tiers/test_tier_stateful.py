@@ -36,6 +36,7 @@ class TierMachine(CacheMachine):
         self.now = 0.0
         self.mgr = KVCacheManager(num_blocks, block_size, True, tier=self.tier, pin_fraction=pin_fraction,
                                   clock=lambda: self.now)
+        self.slow = None  # the base machine's shadow does not follow pins and tier loads
 
     def _drain(self) -> None:
         """What the engine does right after scheduling: copy blocks out before the forward pass."""
