@@ -402,7 +402,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, help="output tokens (default 48; quick 24)")
     p.add_argument("--rounds", type=int, help="rounds of both sides (default 2; quick 1)")
     p.add_argument("--inject", type=int, help="requests with a fresh schema in the stall test (default 8; quick 4)")
-    p.add_argument("--gap-rounds", type=int, help="stall-test rounds, fresh and cached alternating (default 3; quick 1)")
+    p.add_argument("--gap-rounds", type=int,
+                   help="stall-test rounds, fresh and cached alternating (default 3; quick 1)")
 
     p = sub.add_parser("kv-memory", parents=[common], help="KV slot utilization and concurrency in a fixed budget")
     p.add_argument("--max-model-len", type=int, help="default 2048; quick 1024")

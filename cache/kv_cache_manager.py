@@ -419,8 +419,9 @@ class KVCacheManager:
             return False
         num_tokens = request.num_computed_tokens + num_new_tokens
         bs = self.block_size
+        full_blocks = min(num_tokens, len(request.all_token_ids)) // bs
         return num_tokens <= len(state.blocks) * bs and (
-            not self.enable_prefix_caching or min(num_tokens, len(request.all_token_ids)) // bs <= len(state.block_hashes))
+            not self.enable_prefix_caching or full_blocks <= len(state.block_hashes))
 
     def _rebase(self, state: _RequestBlocks, sinks: int, shift: int) -> None:
         """Move the kept tokens past the sinks to contiguous positions (``position_shift =
