@@ -34,7 +34,7 @@ _BITS = torch.arange(32, dtype=torch.int32)
 # How much nicer than the engine the compile thread runs. Where the engine's threads fill the
 # cores (2 cores, 2 threads), a compile took a core from one of them mid-step and the other
 # spun at the next barrier: 8 fresh 40-property schemas (~3.5 ms of compile each) stretched the
-# steps of 16 background streams from ~15 to 45-90 ms (python -m bench structured). At +10 the
+# plain 16-row decode steps from ~15 to 25-65 ms (python -m bench structured). At +10 the
 # compile gets ~10% of a busy core, so its cost is spread thin over more steps (the new-schema
 # requests wait longer for their first token); on cores the engine leaves idle it changes nothing.
 COMPILE_NICENESS = 10
