@@ -16,10 +16,10 @@ tied LM head: Q8_0) and each row count, one call's time through
 cycling over all 30 layers' copies so that, as in a real step, each call reads its weights
 from memory rather than from cache. Each call's output is dropped before the next call, as a
 layer's is in a step, so the allocator hands the next one the same memory: a list of the 30
-outputs (as this probe kept until 2026-12-07) made every call write fresh pages, which at 512
-rows of gate/up (6 MB an output) took 3.6 ms a call against 1.4 with the output dropped. The ratios say where ``BlockLinear.MAX_ROWS`` belongs:
-the block kernel wins while a call is bound by weight bytes and loses once it is compute
-bound.
+outputs (as this probe kept until 2026-12-07) made every call fault in fresh pages (~800 a call
+at 512 rows of gate/up, a 6 MB output: 3.6 ms a call against 1.4 with the output dropped). The
+ratios say where ``BlockLinear.MAX_ROWS`` belongs: the block kernel wins while a call is bound
+by weight bytes and loses once it is compute bound.
 
     python -m bench.probes.quant_linear [--rows 1 4 8 16 32 64] [--num-threads N] [--gguf FILE.gguf] [--int8]
 """
@@ -119,7 +119,8 @@ def run_quant_linear(matrices: dict[str, list[PackedMatrix]], rows: Sequence[int
         block = torch.ops.kvserve.gguf_linear_q8 if q8 else torch.ops.kvserve.gguf_linear
         for m in rows:
             x = torch.randn(m, first.in_features)
-            block_s = time_call(each(lambda c: block(x, c.data, c.out_features, int(c.format)), copies), min_s) / len(copies)
+            block_s = time_call(each(lambda c: block(x, c.data, c.out_features, int(c.format)), copies),
+                                min_s) / len(copies)
             onednn_s = time_call(each(lambda p: p(x), packed), min_s) / len(copies)
             mkl_s = time_call(each(lambda w: F.linear(x, w), dense), min_s) / len(copies)
             tile = BlockLinear(first, None, None).tile_rows
