@@ -377,7 +377,7 @@ class KVCacheManager:
             return None
 
         # Hash before mutating anything, so a stale hit is reported with the pool untouched.
-        num_full_blocks = min(num_tokens, len(request.all_token_ids)) // bs
+        num_full_blocks = self._full_blocks(request, num_tokens)
         new_hashes = self._hash_blocks(request, state, num_full_blocks) if not state.num_evicted_blocks else []
         for i, block in enumerate(new_computed_blocks):
             if i >= len(new_hashes) or block.block_hash != new_hashes[i]:
@@ -418,10 +418,12 @@ class KVCacheManager:
         if state.num_evicted_blocks or getattr(request, "evicts", False):
             return False
         num_tokens = request.num_computed_tokens + num_new_tokens
-        bs = self.block_size
-        full_blocks = min(num_tokens, len(request.all_token_ids)) // bs
-        return num_tokens <= len(state.blocks) * bs and (
-            not self.enable_prefix_caching or full_blocks <= len(state.block_hashes))
+        return num_tokens <= len(state.blocks) * self.block_size and (
+            not self.enable_prefix_caching or self._full_blocks(request, num_tokens) <= len(state.block_hashes))
+
+    def _full_blocks(self, request: CacheRequest, num_tokens: int) -> int:
+        """The request's blocks full of known tokens once it holds ``num_tokens``: the ones to hash."""
+        return min(num_tokens, len(request.all_token_ids)) // self.block_size
 
     def _rebase(self, state: _RequestBlocks, sinks: int, shift: int) -> None:
         """Move the kept tokens past the sinks to contiguous positions (``position_shift =

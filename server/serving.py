@@ -59,6 +59,10 @@ class OpenAIServing:
         # One worker: tokenization holds the GIL, more threads would only take turns.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
         self.tenancy = Tenancy(config.api_key, config.api_key_file)
+        # validate_spec's verdicts per spec (a frozen dataclass), least recently used first: load
+        # generators and agents send the same schema with every request. None: the spec compiles;
+        # else the error's message.
+        self._spec_verdicts: OrderedDict[Any, str | None] = OrderedDict()
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
@@ -112,14 +116,15 @@ class OpenAIServing:
         without a tokenizer, once per distinct spec). A spec not seen before is checked off the
         event loop: a 40-property schema takes ~2 ms (large ones tens of ms), llguidance releases
         the GIL meanwhile, and the loop goes on streaming every other request's tokens."""
-        error = _SPEC_VERDICTS.get(spec, _UNSEEN)
+        verdicts = self._spec_verdicts
+        error = verdicts.get(spec, _UNSEEN)
         if error is _UNSEEN:
             error = await self._off_loop(_spec_error, spec)
-            _SPEC_VERDICTS[spec] = error
-            if len(_SPEC_VERDICTS) > _MAX_SPEC_VERDICTS:
-                _SPEC_VERDICTS.popitem(last=False)
+            verdicts[spec] = error
+            if len(verdicts) > _MAX_SPEC_VERDICTS:
+                verdicts.popitem(last=False)
         else:
-            _SPEC_VERDICTS.move_to_end(spec)
+            verdicts.move_to_end(spec)
         if error is not None:
             raise bad_request(f"invalid {what}: {error}", param)
 
@@ -468,10 +473,7 @@ class OpenAIServing:
         return concat_logprobs(self.logprobs.prompt(job.prompt_token_ids, choice.prompt_logprobs), output)
 
 
-# validate_spec's verdicts, remembered per spec (a frozen dataclass): load generators and agents
-# send the same schema with every request. None: the spec compiles; else the error's message.
-_SPEC_VERDICTS: OrderedDict[Any, str | None] = OrderedDict()
-_MAX_SPEC_VERDICTS = 1024
+_MAX_SPEC_VERDICTS = 1024  # OpenAIServing._spec_verdicts' size
 _UNSEEN = object()
 
 

@@ -19,9 +19,10 @@ from server.errors import APIError
 
 
 def _checker(pool: ThreadPoolExecutor):
-    host = SimpleNamespace(_tokenizer_pool=pool)
+    """``_check_spec`` bound to a stand-in server with its own verdicts; (check, verdicts)."""
+    host = SimpleNamespace(_tokenizer_pool=pool, _spec_verdicts=OrderedDict())
     host._off_loop = functools.partial(serving.OpenAIServing._off_loop, host)
-    return functools.partial(serving.OpenAIServing._check_spec, host)
+    return functools.partial(serving.OpenAIServing._check_spec, host), host._spec_verdicts
 
 
 def test_a_new_spec_is_checked_off_the_loop_and_once(monkeypatch):
@@ -32,7 +33,6 @@ def test_a_new_spec_is_checked_off_the_loop_and_once(monkeypatch):
         return "unknown keyword" if spec.value == "bad" else None
 
     monkeypatch.setattr(serving, "_spec_error", spec_error)
-    monkeypatch.setattr(serving, "_SPEC_VERDICTS", OrderedDict())
     good, bad = StructuredOutputSpec("regex", "good"), StructuredOutputSpec("regex", "bad")
 
     async def main(check) -> int:
@@ -45,14 +45,13 @@ def test_a_new_spec_is_checked_off_the_loop_and_once(monkeypatch):
         return threading.get_ident()
 
     with ThreadPoolExecutor(1) as pool:
-        loop_thread = asyncio.run(main(_checker(pool)))
+        loop_thread = asyncio.run(main(_checker(pool)[0]))
     assert [value for value, _ in checked] == ["good", "bad"]  # the second round came from the verdicts
     assert all(thread != loop_thread for _, thread in checked)
 
 
-def test_the_real_check_refuses_a_broken_schema(monkeypatch):
+def test_the_real_check_refuses_a_broken_schema():
     """Through llguidance itself: a schema that cannot compile gets its error message."""
-    monkeypatch.setattr(serving, "_SPEC_VERDICTS", OrderedDict())
     broken = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}))
     fine = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
 
@@ -63,5 +62,6 @@ def test_the_real_check_refuses_a_broken_schema(monkeypatch):
         assert refused.value.status == 400 and refused.value.message.startswith("invalid response_format: ")
 
     with ThreadPoolExecutor(1) as pool:
-        asyncio.run(main(_checker(pool)))
-    assert serving._SPEC_VERDICTS[fine] is None and serving._SPEC_VERDICTS[broken]
+        check, verdicts = _checker(pool)
+        asyncio.run(main(check))
+    assert verdicts[fine] is None and verdicts[broken]
